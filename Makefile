@@ -1,0 +1,33 @@
+# Everything a fresh machine needs: `make test` and `make serve` set up the venv themselves.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+MODEL  ?= smollm2
+
+.PHONY: install test test-fast serve bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: an unpinned resolve would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/tokenmill pull $(MODEL)
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not real_model and not slow"
+
+serve: install
+	$(BIN)/tokenmill serve $(MODEL)
+
+bench: install
+	$(BIN)/python bench/single_stream.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,138 @@
+"""Write tiny random models as real GGUF files, so unit tests exercise the same loading path as
+production without a multi-MB download."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import quants
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# A chat template in the same shape as SmolLM2's (ChatML).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A few byte-level merges so the BPE actually merges something.
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"),
+          ("Ġ", "s"), ("l", "l"), ("e", "ll"), ("h", "ell"), ("hell", "o")]
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
+    tokens = list(SPECIAL_TOKENS)
+    types = [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS)
+    for ch in bytes_to_unicode().values():
+        tokens.append(ch)
+        types.append(gguf.TokenType.NORMAL)
+    for a, b in MERGES:
+        tokens.append(a + b)
+        types.append(gguf.TokenType.NORMAL)
+    return tokens, [int(t) for t in types], [f"{a} {b}" for a, b in MERGES]
+
+
+@dataclass
+class TinyLlamaSpec:
+    n_layers: int = 2
+    dim: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 128
+    context_length: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = True
+    # GGML type for the 2-D weight matrices; norms stay F32 as in real files.
+    weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32
+    seed: int = 0
+
+
+def _add(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
+    arr = arr.astype(np.float32)
+    if qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, arr)
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, arr.astype(np.float16))
+    else:
+        data = quants.quantize(arr, qtype)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+
+
+def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arch: str = "llama",
+                     chat_template: str | None = CHATML_TEMPLATE) -> Path:
+    spec = spec or TinyLlamaSpec()
+    path = Path(path)
+    rng = np.random.default_rng(spec.seed)
+    tokens, types, merges = tiny_vocab()
+    vocab = len(tokens)
+    head_dim = spec.dim // spec.n_heads
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-random-llama")
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.dim)
+    w.add_feed_forward_length(spec.ffn_dim)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(spec.norm_eps)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(vocab)
+    w.add_file_type(int(spec.weight_type))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return rng.normal(0.0, 0.08, size=(rows, cols))
+
+    wt = spec.weight_type
+    _add(w, "token_embd.weight", mat(vocab, spec.dim), wt)
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        _add(w, p + "attn_norm.weight", 1.0 + rng.normal(0, 0.05, spec.dim), gguf.GGMLQuantizationType.F32)
+        _add(w, p + "attn_q.weight", mat(spec.n_heads * head_dim, spec.dim), wt)
+        _add(w, p + "attn_k.weight", mat(spec.n_kv_heads * head_dim, spec.dim), wt)
+        _add(w, p + "attn_v.weight", mat(spec.n_kv_heads * head_dim, spec.dim), wt)
+        _add(w, p + "attn_output.weight", mat(spec.dim, spec.n_heads * head_dim), wt)
+        _add(w, p + "ffn_norm.weight", 1.0 + rng.normal(0, 0.05, spec.dim), gguf.GGMLQuantizationType.F32)
+        _add(w, p + "ffn_gate.weight", mat(spec.ffn_dim, spec.dim), wt)
+        _add(w, p + "ffn_up.weight", mat(spec.ffn_dim, spec.dim), wt)
+        _add(w, p + "ffn_down.weight", mat(spec.dim, spec.ffn_dim), wt)
+    _add(w, "output_norm.weight", 1.0 + rng.normal(0, 0.05, spec.dim), gguf.GGMLQuantizationType.F32)
+    if not spec.tied_embeddings:
+        _add(w, "output.weight", mat(vocab, spec.dim), wt)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
