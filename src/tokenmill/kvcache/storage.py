@@ -1,0 +1,35 @@
+"""The K/V tensors behind the block manager: one K and one V buffer per layer, addressed by slot
+(block_id * block_size + offset). One buffer per layer, not one stacked tensor, so writing a layer's
+slots never touches (or makes a compiled graph copy) the rest of the cache."""
+from __future__ import annotations
+
+import torch
+
+
+class KVStorage:
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        num_slots = num_blocks * block_size
+        self.k = [torch.zeros(num_slots, n_kv_heads, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(num_slots, n_kv_heads, head_dim, dtype=dtype) for _ in range(n_layers)]
+
+    @staticmethod
+    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * n_layers * n_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
+        if not pairs:
+            return
+        bs = self.block_size
+        src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
+        dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
+        for buf in self.k + self.v:
+            buf.index_copy_(0, dst, buf.index_select(0, src))

@@ -1,0 +1,94 @@
+"""Building blocks shared by every architecture: norms, rotary embeddings, attention over the paged
+cache, gated MLPs. Projections that read the same input are fused (QKV, gate+up) so a step issues
+fewer, larger matmuls."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.attention import AttentionMetadata, paged_attention
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Weights always come from the GGUF, so random initialisation would be wasted work.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, *, offset: float = 0.0):
+        super().__init__()
+        self.eps = eps
+        self.offset = offset  # Gemma stores weight-1
+        self.weight = _param(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight if self.offset == 0.0 else self.weight + self.offset
+        return w * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by position. `interleaved` rotates adjacent pairs (llama.cpp's NORM mode,
+    which is how GGUF stores Llama's Q/K); otherwise the two halves rotate (NEOX mode)."""
+
+    def __init__(self, rope_dim: int, theta: float, max_positions: int, *, interleaved: bool):
+        super().__init__()
+        self.interleaved = interleaved
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} beyond the rotary table ({self.cos.shape[0]})")
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; cos/sin: [T, 1, rope_dim/2]."""
+        if self.interleaved:
+            pairs = x.unflatten(-1, (-1, 2))
+            x0, x1 = pairs[..., 0], pairs[..., 1]
+            return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+        x0, x1 = x.chunk(2, dim=-1)
+        return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, scale: float | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = scale
+        self.qkv_proj = _param((n_heads + 2 * n_kv_heads) * head_dim, dim)
+        self.o_proj = _param(dim, n_heads * head_dim)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.qkv_proj)
+        hd = self.head_dim
+        q, k, v = qkv.split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
+        return q.view(-1, self.n_heads, hd), k.view(-1, self.n_kv_heads, hd), v.view(-1, self.n_kv_heads, hd)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return F.linear(out.flatten(1), self.o_proj)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); SwiGLU for Llama, GeGLU (tanh GELU) for Gemma."""
+
+    def __init__(self, dim: int, hidden: int, *, activation: str = "silu"):
+        super().__init__()
+        self.hidden = hidden
+        self.gate_up_proj = _param(2 * hidden, dim)
+        self.down_proj = _param(dim, hidden)
+        self.act = F.silu if activation == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).split(self.hidden, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_proj)

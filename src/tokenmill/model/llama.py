@@ -1,0 +1,92 @@
+"""The Llama family (Llama 2/3, SmolLM2, ...): pre-norm decoder, RoPE, grouped-query attention,
+SwiGLU MLP, optionally tied embeddings."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.gguf.config import ModelConfig
+from tokenmill.kvcache.storage import KVStorage
+from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, _param
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, activation="silu")
+
+    def forward(self, x, rope: RotaryEmbedding, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
+        q, k, v = self.attn.project_qkv(self.attn_norm(x))
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        x = x + self.attn.attend(q, k, v, meta, k_cache, v_cache)
+        return x + self.mlp(self.ffn_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = _param(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length, interleaved=True)
+        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = self.embed if cfg.tied_embeddings else _param(cfg.vocab_size, cfg.dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: KVStorage) -> torch.Tensor:
+        """Flat batch in, pre-norm hidden states out ([T, dim]); the caches are written in place."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.tables(positions, x.dtype)
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.rope, cos, sin, meta, kv.k[i], kv.v[i])
+        return x
+
+    def final_hidden(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        return self.norm(hidden if indices is None else hidden[indices])
+
+    def logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (float32) only for the rows that sample, as llama.cpp's output flags do."""
+        return F.linear(self.final_hidden(hidden, indices), self.lm_head).float()
+
+    # --- loading -------------------------------------------------------------------------------
+    def gguf_tensor_names(self) -> list[str]:
+        names = ["token_embd.weight", "output_norm.weight"]
+        if not self.config.tied_embeddings:
+            names.append("output.weight")
+        for i in range(self.config.n_layers):
+            names += [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                                     "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+        return names
+
+    def load_tensor(self, name: str, tensor: torch.Tensor, pending: dict[str, torch.Tensor]) -> None:
+        """Place one dequantized GGUF tensor; parts of fused weights wait in `pending` for their siblings."""
+        if name == "token_embd.weight":
+            self.embed.data = tensor
+            if self.config.tied_embeddings:
+                self.lm_head = self.embed
+            return
+        if name == "output.weight":
+            self.lm_head.data = tensor
+            return
+        if name == "output_norm.weight":
+            self.norm.weight.data = tensor
+            return
+        _, idx, part, _ = name.split(".")
+        block = self.blocks[int(idx)]
+        simple = {"attn_norm": block.attn_norm.weight, "ffn_norm": block.ffn_norm.weight,
+                  "attn_output": block.attn.o_proj, "ffn_down": block.mlp.down_proj}
+        if part in simple:
+            simple[part].data = tensor
+            return
+        pending[name] = tensor
+        q, k, v = (f"blk.{idx}.attn_{p}.weight" for p in "qkv")
+        if all(n in pending for n in (q, k, v)):
+            block.attn.qkv_proj.data = torch.cat([pending.pop(q), pending.pop(k), pending.pop(v)])
+        gate, up = f"blk.{idx}.ffn_gate.weight", f"blk.{idx}.ffn_up.weight"
+        if gate in pending and up in pending:
+            block.mlp.gate_up_proj.data = torch.cat([pending.pop(gate), pending.pop(up)])

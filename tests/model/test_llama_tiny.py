@@ -1,0 +1,75 @@
+"""The Llama model on tiny random GGUF models, against transformers loading the same file."""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from model_helpers import BLOCK, greedy, hf_model, new_cache, prefill_logits
+from tiny_model import TinyLlamaSpec, write_tiny_llama
+from tokenmill.model import AttentionMetadata, ChunkSpec, load_model
+
+Q = gguf.GGMLQuantizationType
+PROMPT = [5, 77, 100, 3, 250, 9, 42, 42, 17, 200, 11, 60, 61, 62, 63, 64, 65, 90, 91, 92, 93]
+
+
+@pytest.mark.parametrize("wtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_logits_match_transformers(tmp_path, wtype):
+    path = write_tiny_llama(tmp_path / "m.gguf", TinyLlamaSpec(weight_type=wtype, tied_embeddings=wtype != Q.Q4_0))
+    ours = load_model(path, torch.float32).model
+    ref = hf_model(path)
+    with torch.inference_mode():
+        expected = ref(torch.tensor([PROMPT])).logits[0, -1]
+    got = prefill_logits(ours, PROMPT)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_matches_transformers(tiny_gguf):
+    ours = load_model(tiny_gguf, torch.float32).model
+    ref = hf_model(tiny_gguf)
+    with torch.inference_mode():
+        expected = ref.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)
+    assert greedy(ours, PROMPT, 24) == expected[0, len(PROMPT):].tolist()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_chunked_prefill_equals_whole_prefill(tiny_gguf, chunk):
+    model = load_model(tiny_gguf, torch.float32).model
+    torch.testing.assert_close(prefill_logits(model, PROMPT, chunk=chunk), prefill_logits(model, PROMPT),
+                               atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_mixed_batch_equals_sequences_alone(tiny_gguf):
+    """One flat batch holding a decode, a fresh prefill and a continued prefill computes, for each
+    sequence, exactly what it computes alone."""
+    model = load_model(tiny_gguf, torch.float32).model
+    cfg = model.config
+    prompts = [PROMPT[:7], PROMPT, PROMPT[3:20]]
+    alone = [prefill_logits(model, p) for p in prompts]
+
+    kv, _ = new_cache(cfg, 3 * 64, torch.float32)
+    tables = [[0, 5, 9, 1], [2, 3], [11, 4, 7]]
+    # Step 1: seq0 prefills all but its last token, seq2 prefills 10 tokens. seq1 waits.
+    first = [ChunkSpec(tables[0], 0, 6), ChunkSpec(tables[2], 0, 10)]
+    ids = prompts[0][:6] + prompts[2][:10]
+    pos = list(range(6)) + list(range(10))
+    model(torch.tensor(ids), torch.tensor(pos), AttentionMetadata.build(first, BLOCK), kv)
+    # Step 2: seq0's last token (a one-token chunk), seq1 whole, seq2 the rest.
+    chunks = [ChunkSpec(tables[0], 6, 1), ChunkSpec(tables[1], 0, len(prompts[1])), ChunkSpec(tables[2], 10, 7)]
+    ids = prompts[0][6:] + prompts[1] + prompts[2][10:]
+    pos = [6] + list(range(len(prompts[1]))) + list(range(10, 17))
+    h = model(torch.tensor(ids), torch.tensor(pos), AttentionMetadata.build(chunks, BLOCK), kv)
+    last_rows = torch.tensor([0, len(prompts[1]), len(ids) - 1])
+    batched = model.logits(h, last_rows)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], alone[i], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_is_default_and_close(tiny_gguf):
+    lm = load_model(tiny_gguf)
+    assert lm.dtype == torch.bfloat16 and lm.model.embed.dtype == torch.bfloat16
+    ref = prefill_logits(load_model(tiny_gguf, torch.float32).model, PROMPT)
+    got = prefill_logits(lm.model, PROMPT)
+    assert (got - ref).abs().max() < 0.1
