@@ -1,0 +1,359 @@
+"""Batched token sampling for one decode step.
+
+Order, per row:
+    penalties (repeat, presence, frequency) -> suppression (min_tokens / ignore_eos)
+    -> greedy rows: argmax
+    -> temperature -> top_k -> typical_p -> top_p -> min_p -> draw
+
+This is llama.cpp's chain except for where temperature sits: llama.cpp scales last, so its top_p /
+min_p see temperature-1 probabilities; Ollama's own Go sampler and vLLM scale first, and since we
+serve the Ollama API we behave like Ollama. Each truncation step renormalises over the survivors
+of the previous one, as llama.cpp, Ollama and vLLM all do.
+
+Logprobs are reported from the distribution after penalties and suppression but before
+temperature and truncation: that is what the model "thinks" given the repetition rules, and is
+independent of the sampling knobs (vLLM's default is the raw distribution, before penalties).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerInput:
+    """One row per sequence that samples this step; every list is indexed by row.
+
+    Lists other than `params` may be left empty, meaning "nothing for any row"."""
+
+    params: list[SamplingParams]
+    # Per-request generator, seeded when params.seed is set (see make_generator). Rows with a
+    # generator are sampled on their own so the draw does not depend on the batch around them.
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    # Penalty window per row: the last repeat_last_n tokens of prompt + output. Re-trimmed here to
+    # params.repeat_last_n, so passing a longer history is harmless.
+    recent_token_ids: list[list[int]] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    # The model's end-of-generation ids (EOS/EOT). Suppressed always when ignore_eos is set, and,
+    # together with params.stop_token_ids, while num_output_tokens < min_tokens.
+    stop_token_ids: list[frozenset[int]] = field(default_factory=list)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Logprob of the chosen token for rows with params.logprobs or top_logprobs > 0, None for the
+    # other rows; the whole list is None when no row asked.
+    logprobs: list[float | None] | None = None
+    # Per row, the top_logprobs best (id, logprob), most likely first; [] for rows not asking.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The generator a request keeps for its lifetime, or None to use the global RNG."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    # manual_seed wants a value that fits in 64 bits; negative seeds wrap like C would.
+    g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, inp: SamplerInput) -> SampleResult:
+        n = logits.shape[0]
+        params = inp.params
+        if n != len(params):
+            raise ValueError(f"{n} logit rows but {len(params)} sampling params")
+        if n == 0:
+            return SampleResult(token_ids=[])
+
+        logits = logits.float()  # no-op for float32; penalties and cumulative sums want fp32
+        penalised = apply_penalties(logits, params, inp.recent_token_ids)
+        logits = _suppress_stop_tokens(penalised, inp, in_place=penalised is not logits)
+
+        greedy = [p.is_greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+            gens = inp.generators or [None] * n
+            greedy_rows = [i for i in range(n) if greedy[i]]
+            shared_rows = [i for i in range(n) if not greedy[i] and gens[i] is None]
+            seeded_rows = [i for i in range(n) if not greedy[i] and gens[i] is not None]
+            if greedy_rows:
+                idx = _index(greedy_rows, logits.device)
+                tokens[idx] = logits[idx].argmax(dim=-1)
+            if shared_rows:
+                idx = _index(shared_rows, logits.device)
+                sub = logits if len(shared_rows) == n else logits[idx]
+                tokens[idx] = _sample(sub, [params[i] for i in shared_rows], None)
+            # A seeded row is sampled as a batch of one: every shape and reduction then depends
+            # only on its own logits and params, so the same seed gives the same tokens whatever
+            # else is in the batch.
+            for i in seeded_rows:
+                tokens[i] = _sample(logits[i : i + 1], [params[i]], gens[i])[0]
+
+        token_list = tokens.tolist()
+        result = SampleResult(token_ids=token_list)
+        _add_logprobs(result, logits, tokens, params)
+        return result
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], recent_token_ids: list[list[int]]
+) -> torch.Tensor:
+    """llama.cpp's penalties sampler over each row's window. Touches only the tokens in the
+    windows (not the whole vocabulary); returns a new tensor if anything changed, else the input."""
+    if not recent_token_ids:
+        return logits
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    toks: list[int] = []
+    counts: list[int] = []
+    rep: list[float] = []
+    freq: list[float] = []
+    pres: list[float] = []
+    for i, p in enumerate(params):
+        if not p.uses_penalties:
+            continue
+        window = recent_token_ids[i]
+        if p.repeat_last_n > 0:
+            window = window[-p.repeat_last_n :]
+        for t, c in Counter(window).items():
+            if 0 <= t < vocab:
+                rows.append(i)
+                toks.append(t)
+                counts.append(c)
+                rep.append(p.repeat_penalty)
+                freq.append(p.frequency_penalty)
+                pres.append(p.presence_penalty)
+    if not rows:
+        return logits
+
+    dev, dt = logits.device, logits.dtype
+    where = (_index(rows, dev), _index(toks, dev))
+    v = logits[where]
+    r = torch.tensor(rep, dtype=dt, device=dev)
+    # Dividing a negative logit would make the token *more* likely, so negatives are multiplied.
+    v = torch.where(v > 0, v / r, v * r)
+    v = v - torch.tensor(counts, dtype=dt, device=dev) * torch.tensor(freq, dtype=dt, device=dev)
+    v = v - torch.tensor(pres, dtype=dt, device=dev)
+    out = logits.clone()
+    out[where] = v
+    return out
+
+
+def _suppress_stop_tokens(logits: torch.Tensor, inp: SamplerInput, in_place: bool) -> torch.Tensor:
+    rows: list[int] = []
+    toks: list[int] = []
+    vocab = logits.shape[1]
+    for i, p in enumerate(inp.params):
+        eos = inp.stop_token_ids[i] if inp.stop_token_ids else frozenset()
+        n_out = inp.num_output_tokens[i] if inp.num_output_tokens else 0
+        ids: set[int] = set()
+        if p.ignore_eos:
+            ids |= eos
+        if n_out < p.min_tokens:
+            ids |= eos
+            ids.update(p.stop_token_ids)
+        ids = {t for t in ids if 0 <= t < vocab}
+        rows.extend([i] * len(ids))
+        toks.extend(ids)
+    if not toks:
+        return logits
+    out = logits if in_place else logits.clone()
+    out[_index(rows, logits.device), _index(toks, logits.device)] = _NEG_INF
+    return out
+
+
+# top_p without top_k: look for the nucleus among the best 1024, then 8192 tokens (a partial top-k
+# costs a fraction of sorting the vocabulary on CPU) and only sort rows whose nucleus is wider.
+NUCLEUS_PREFIXES = (1024, 8192)
+
+
+def truncate_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature and truncation in vocabulary order: the logits a draw is made from, with
+    removed tokens at -inf. Meant for tests and debugging; sampling works on candidate lists."""
+    out = torch.full_like(logits, _NEG_INF)
+    for rows, vals, ids in _truncate(logits, params):
+        if ids is None:
+            out[rows] = vals
+        else:
+            out[rows] = out[rows].scatter_(1, ids, vals)
+    return out
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Generator | None) -> torch.Tensor:
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    for rows, vals, ids in _truncate(logits, params):
+        # Inverse CDF over unnormalised weights: one uniform per row. The float64 running sum
+        # only rises at tokens with weight > 0, so a removed (-inf) token can never be hit.
+        w = (vals - vals.max(dim=-1, keepdim=True).values).exp_().double()
+        cdf = w.cumsum(dim=-1)
+        # float32 uniforms stay below 1 - 2^-24, so u < total survives the float64 rounding.
+        u = torch.rand((vals.shape[0], 1), generator=gen, device=vals.device).double() * cdf[:, -1:]
+        choice = torch.searchsorted(cdf, u, right=True)
+        out[rows] = (choice if ids is None else ids.gather(1, choice)).squeeze(1)
+    return out
+
+
+def _truncate(logits: torch.Tensor, params: list[SamplingParams]):
+    """Scale by temperature and apply top_k, typical_p, top_p, min_p.
+
+    Rows are grouped by how much of the vocabulary they need to look at, and each group yields
+    (rows, values, ids): the candidates' scaled logits (removed ones at -inf) for those rows and
+    the candidates' vocabulary ids, or ids=None when values are the whole vocabulary in order."""
+    vocab = logits.shape[1]
+    dev = logits.device
+    n = logits.shape[0]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+
+    groups: dict[str, list[int]] = {"top_k": [], "sort": [], "nucleus": [], "plain": []}
+    for i, p in enumerate(params):
+        if top_k[i]:
+            groups["top_k"].append(i)  # typical_p and top_p then only see the k survivors
+        elif p.typical_p < 1.0:
+            groups["sort"].append(i)  # needs the entropy of the whole distribution
+        elif p.top_p < 1.0:
+            groups["nucleus"].append(i)
+        else:
+            groups["plain"].append(i)
+
+    def scaled(rows: list[int], x: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of logits / temperature (or of x, already gathered for those rows)."""
+        if x is None:
+            x = logits if len(rows) == n else logits[_index(rows, dev)]
+        temps = [params[i].temperature if params[i].temperature > 0 else 1.0 for i in rows]
+        return x / _column(temps, x)
+
+    if rows := groups["top_k"]:
+        sub = [params[i] for i in rows]
+        ks = [top_k[i] for i in rows]
+        # Top-k commutes with a positive temperature: select first, then scale only k values.
+        raw = logits if len(rows) == n else logits[_index(rows, dev)]
+        vals, ids = raw.topk(max(ks), dim=-1, sorted=True)
+        vals = scaled(rows, vals)
+        pos = torch.arange(vals.shape[1], device=dev)
+        vals = vals.masked_fill(pos[None, :] >= _column(ks, vals, torch.long), _NEG_INF)
+        yield _index(rows, dev), _filter_sorted(vals, sub)[0], ids
+    if rows := groups["nucleus"]:
+        full = scaled(rows)
+        # top_p is relative to the whole distribution, so normalise by the full row.
+        log_z = full.logsumexp(dim=-1, keepdim=True)
+        local = torch.arange(len(rows), device=dev)  # positions in `full` still looking
+        for width in NUCLEUS_PREFIXES:
+            if width >= vocab or not rows:
+                break
+            sub = [params[i] for i in rows]
+            vals, ids = full[local].topk(width, dim=-1, sorted=True)
+            vals, reached = _filter_sorted(vals, sub, log_z=log_z[local])
+            reached = reached.tolist()
+            done = [j for j in range(len(rows)) if reached[j]]
+            if done:
+                sel = _index(done, dev)
+                yield _index([rows[j] for j in done], dev), vals[sel], ids[sel]
+            todo = [j for j in range(len(rows)) if not reached[j]]
+            rows = [rows[j] for j in todo]
+            local = local[_index(todo, dev)]
+        groups["sort"] += rows
+    if rows := groups["sort"]:
+        vals, ids = scaled(rows).sort(dim=-1, descending=True, stable=True)
+        yield _index(rows, dev), _filter_sorted(vals, [params[i] for i in rows])[0], ids
+    if rows := groups["plain"]:
+        yield _index(rows, dev), _min_p(scaled(rows), [params[i] for i in rows]), None
+
+
+def _filter_sorted(
+    x: torch.Tensor, params: list[SamplingParams], log_z: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """typical_p, top_p, min_p on candidates sorted by descending logit (top_k already applied).
+    Also returns, per row, whether the candidates hold the whole top_p nucleus."""
+    if any(p.typical_p < 1.0 for p in params):
+        x = _typical(x, params)
+    reached = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    if any(p.top_p < 1.0 for p in params):
+        x, reached = _top_p(x, params, log_z)
+    return _min_p(x, params), reached
+
+
+def _typical(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Locally typical sampling as llama.cpp does it: rank tokens by |surprise - entropy| and keep
+    the closest ones until their mass exceeds typical_p (the token crossing it is kept)."""
+    logp = torch.log_softmax(x, dim=-1)
+    p = logp.exp()
+    entropy = -(p * logp).nan_to_num(nan=0.0).sum(dim=-1, keepdim=True)  # 0 * -inf -> 0
+    shifted = (-logp - entropy).abs()  # removed tokens: +inf, so they rank last
+    order = shifted.argsort(dim=-1, stable=True)
+    mass_before = _shift_right(p.gather(1, order).cumsum(dim=-1))
+    drop_sorted = mass_before > _column([q.typical_p for q in params], x)
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    active = _column([q.typical_p < 1.0 for q in params], x, torch.bool)
+    return x.masked_fill(drop & active, _NEG_INF)
+
+
+def _top_p(
+    x: torch.Tensor, params: list[SamplingParams], log_z: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the shortest prefix (x is sorted descending) whose mass reaches top_p. `log_z` is the
+    log normaliser when x holds only part of the distribution."""
+    if log_z is None:
+        log_z = x.logsumexp(dim=-1, keepdim=True)
+    cum = torch.exp(x - log_z).cumsum(dim=-1)
+    p = _column([q.top_p for q in params], x)
+    excl = _shift_right(cum)
+    # excl == 0 exactly for the most likely survivor (everything before it is a removed 0), so it
+    # is always kept, even for top_p = 0.
+    drop = (excl >= p) & (excl > 0) & _column([q.top_p < 1.0 for q in params], x, torch.bool)
+    return x.masked_fill(drop, _NEG_INF), (cum[:, -1:] >= p).squeeze(1) | (p.squeeze(1) >= 1.0)
+
+
+def _min_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    active = [p.min_p > 0.0 for p in params]
+    if not any(active):
+        return x
+    # Keep p >= min_p * p_max, i.e. logit >= max_logit + log(min_p); needs no sort.
+    thresh = x.max(dim=-1, keepdim=True).values + torch.log(_column([p.min_p for p in params], x))
+    return x.masked_fill((x < thresh) & _column(active, x, torch.bool), _NEG_INF)
+
+
+def _shift_right(cum: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sums -> exclusive ones (the mass strictly before each token)."""
+    return torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+
+
+def _add_logprobs(
+    result: SampleResult, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+) -> None:
+    rows = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs > 0]
+    if not rows:
+        return
+    idx = _index(rows, logits.device)
+    logp = torch.log_softmax(logits if len(rows) == len(params) else logits[idx], dim=-1)
+    chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+    result.logprobs = [None] * len(params)
+    for i, v in zip(rows, chosen):
+        result.logprobs[i] = v
+    kmax = max(params[i].top_logprobs for i in rows)
+    if kmax == 0:
+        return
+    vals, ids = logp.topk(min(kmax, logp.shape[1]), dim=-1)
+    vals, ids = vals.tolist(), ids.tolist()
+    result.top_logprobs = [[] for _ in params]
+    for j, i in enumerate(rows):
+        k = params[i].top_logprobs
+        result.top_logprobs[i] = list(zip(ids[j][:k], vals[j][:k]))
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _column(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype or like.dtype, device=like.device).unsqueeze(1)
