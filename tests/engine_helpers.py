@@ -1,0 +1,33 @@
+"""Drive an LLMEngine synchronously in tests, asserting cache integrity after every step."""
+from __future__ import annotations
+
+from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
+from tokenmill.model import LoadedModel
+from tokenmill.tokenizer import Tokenizer
+
+
+def make_engine(loaded: LoadedModel, **cfg) -> LLMEngine:
+    return LLMEngine(loaded, Tokenizer.from_gguf_metadata(loaded.gguf.metadata), EngineConfig(**cfg))
+
+
+def run_to_completion(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], *,
+                      check_every_step: bool = True) -> list[list[int]]:
+    """Submit all requests at once, step until done; returns each request's output ids."""
+    rids = [engine.add_request(ids, p) for ids, p in requests]
+    outputs: dict[str, list[int]] = {r: [] for r in rids}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            outputs[ev.request_id] += ev.token_ids
+        if check_every_step:
+            engine.blocks.check_integrity()
+    assert_all_free(engine)
+    return [outputs[r] for r in rids]
+
+
+def run_one_at_a_time(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    return [run_to_completion(engine, [r])[0] for r in requests]
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    engine.blocks.check_integrity()
+    assert engine.blocks.num_used_blocks == 0, f"{engine.blocks.num_used_blocks} blocks leaked"
