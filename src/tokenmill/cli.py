@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--server", default=None, help="talk to a running server (host:port) instead of loading the model")
 
     p = sub.add_parser("serve", help="serve a model over HTTP (Ollama and OpenAI APIs)")
     p.add_argument("model", nargs="?", default="smollm2")
