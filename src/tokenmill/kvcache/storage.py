@@ -1,6 +1,7 @@
-"""The K/V tensors behind the block manager: one K and one V buffer per layer, addressed by slot
-(block_id * block_size + offset). One buffer per layer, not one stacked tensor, so writing a layer's
-slots never touches (or makes a compiled graph copy) the rest of the cache."""
+"""The K/V tensors behind the block manager: one K and one V buffer per layer, head-major
+[kv_heads, slots, head_dim], addressed by slot (block_id * block_size + offset). Head-major so that
+gathering whole blocks gives attention contiguous per-head keys; one buffer per layer, not one
+stacked tensor, so writing a layer's slots never touches (or makes a compiled graph copy) the rest."""
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,8 @@ class KVStorage:
         self.block_size = block_size
         self.dtype = dtype
         num_slots = num_blocks * block_size
-        self.k = [torch.zeros(num_slots, n_kv_heads, head_dim, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(num_slots, n_kv_heads, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self.k = [torch.zeros(n_kv_heads, num_slots, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(n_kv_heads, num_slots, head_dim, dtype=dtype) for _ in range(n_layers)]
 
     @staticmethod
     def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -28,8 +29,8 @@ class KVStorage:
         """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
         if not pairs:
             return
-        bs = self.block_size
-        src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
-        dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
+        src = torch.as_tensor([s for s, _ in pairs])
+        dst = torch.as_tensor([d for _, d in pairs])
         for buf in self.k + self.v:
-            buf.index_copy_(0, dst, buf.index_select(0, src))
+            blocks = buf.view(buf.shape[0], self.num_blocks, -1)
+            blocks.index_copy_(1, dst, blocks.index_select(1, src))

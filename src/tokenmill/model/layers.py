@@ -73,9 +73,9 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return F.linear(out.flatten(1), self.o_proj)
 
 
