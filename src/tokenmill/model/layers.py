@@ -31,30 +31,36 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables indexed by position. `interleaved` rotates adjacent pairs (llama.cpp's NORM mode,
-    which is how GGUF stores Llama's Q/K); otherwise the two halves rotate (NEOX mode)."""
+    """Rotary position embedding in the half-split (NEOX) layout: dimension i pairs with i + d/2.
+    Llama GGUFs store Q/K rows interleaved (llama.cpp's NORM mode); their loader permutes those rows
+    once, so every architecture rotates the same way, q and k together, in three kernels."""
 
-    def __init__(self, rope_dim: int, theta: float, max_positions: int, *, interleaved: bool):
+    def __init__(self, rope_dim: int, theta: float, max_positions: int):
         super().__init__()
-        self.interleaved = interleaved
         inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", torch.cat([cos, cos], -1).float(), persistent=False)
+        # rotate_half(x) = cat(-x2, x1); the sign lives in the table so a swap of halves suffices.
+        self.register_buffer("sin", torch.cat([-sin, sin], -1).float(), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} beyond the rotary table ({self.cos.shape[0]})")
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; cos/sin: [T, 1, rope_dim/2]."""
-        if self.interleaved:
-            pairs = x.unflatten(-1, (-1, 2))
-            x0, x1 = pairs[..., 0], pairs[..., 1]
-            return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-        x0, x1 = x.chunk(2, dim=-1)
-        return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, rope_dim]; cos/sin: [T, 1, rope_dim]."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
+
+
+def interleaved_to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder Q/K projection rows from pairwise-interleaved rotary layout to half-split."""
+    rows, cols = w.shape
+    head_dim = rows // n_heads
+    return w.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 class Attention(nn.Module):
@@ -65,11 +71,14 @@ class Attention(nn.Module):
         self.qkv_proj = _param((n_heads + 2 * n_kv_heads) * head_dim, dim)
         self.o_proj = _param(dim, n_heads * head_dim)
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused QKV projection with rotary embedding applied to q and k in one go."""
         qkv = F.linear(x, self.qkv_proj)
         hd = self.head_dim
-        q, k, v = qkv.split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
-        return q.view(-1, self.n_heads, hd), k.view(-1, self.n_kv_heads, hd), v.view(-1, self.n_kv_heads, hd)
+        qk, v = qkv.split([(self.n_heads + self.n_kv_heads) * hd, self.n_kv_heads * hd], dim=-1)
+        qk = RotaryEmbedding.apply(qk.view(-1, self.n_heads + self.n_kv_heads, hd), cos, sin)
+        return qk[:, :self.n_heads], qk[:, self.n_heads:], v.view(-1, self.n_kv_heads, hd)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

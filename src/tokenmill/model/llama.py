@@ -9,7 +9,7 @@ from torch import nn
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.attention import AttentionMetadata
-from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, _param
+from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, _param, interleaved_to_half_split
 
 
 class LlamaBlock(nn.Module):
@@ -20,9 +20,8 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, activation="silu")
 
-    def forward(self, x, rope: RotaryEmbedding, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
-        q, k, v = self.attn.project_qkv(self.attn_norm(x))
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
+        q, k, v = self.attn.project_qkv(self.attn_norm(x), cos, sin)
         x = x + self.attn.attend(q, k, v, meta, k_cache, v_cache)
         return x + self.mlp(self.ffn_norm(x))
 
@@ -32,7 +31,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = _param(cfg.vocab_size, cfg.dim)
-        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length, interleaved=True)
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = self.embed if cfg.tied_embeddings else _param(cfg.vocab_size, cfg.dim)
@@ -43,7 +42,7 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.tables(positions, x.dtype)
         for i, block in enumerate(self.blocks):
-            x = block(x, self.rope, cos, sin, meta, kv.k[i], kv.v[i])
+            x = block(x, cos, sin, meta, kv.k[i], kv.v[i])
         return x
 
     def final_hidden(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,7 +85,10 @@ class LlamaModel(nn.Module):
         pending[name] = tensor
         q, k, v = (f"blk.{idx}.attn_{p}.weight" for p in "qkv")
         if all(n in pending for n in (q, k, v)):
-            block.attn.qkv_proj.data = torch.cat([pending.pop(q), pending.pop(k), pending.pop(v)])
+            cfg = self.config
+            wq = interleaved_to_half_split(pending.pop(q), cfg.n_heads)
+            wk = interleaved_to_half_split(pending.pop(k), cfg.n_kv_heads)
+            block.attn.qkv_proj.data = torch.cat([wq, wk, pending.pop(v)])
         gate, up = f"blk.{idx}.ffn_gate.weight", f"blk.{idx}.ffn_up.weight"
         if gate in pending and up in pending:
             block.mlp.gate_up_proj.data = torch.cat([pending.pop(gate), pending.pop(up)])
