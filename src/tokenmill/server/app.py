@@ -1,0 +1,50 @@
+"""The app factory: routes of every API over one ModelHost, shared error rendering, and a lifespan
+that shuts the engine down when the server stops."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenmill.server import metrics, ollama, ollama_models, openai, runner_api
+from tokenmill.server.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
+from tokenmill.server.model_host import ModelHost
+from tokenmill.server.settings import ServerSettings
+from tokenmill.server.streaming import ClientGone
+from tokenmill.store.pull import Fetcher
+
+log = logging.getLogger("tokenmill.server")
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # Nobody reads this; 499 (nginx's "client closed request") keeps access logs honest.
+    return Response(status_code=499)
+
+
+def create_app(host: ModelHost, settings: ServerSettings | None = None, *, fetcher: Fetcher | None = None,
+               shutdown_host: bool = True) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        if shutdown_host:
+            host.shutdown()
+
+    app = Starlette(
+        routes=[*runner_api.routes(), *ollama_models.routes(), *ollama.routes(), *openai.routes(),
+                *metrics.routes()],
+        exception_handlers={
+            APIError: handle_api_error,
+            HTTPException: handle_http_exception,
+            ClientGone: _client_gone,
+            Exception: handle_unexpected,
+        },
+        lifespan=lifespan,
+    )
+    app.state.host = host
+    app.state.settings = settings or ServerSettings()
+    app.state.fetcher = fetcher  # None = pip; tests pass a fake index
+    return app

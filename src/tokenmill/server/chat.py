@@ -1,0 +1,89 @@
+"""Prompt building shared by the APIs: chat messages in the shapes clients send them, rendered with
+the model's own chat template, and plain prompts with an optional system message."""
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.server.errors import bad_request
+from tokenmill.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def _content_text(content: Any, where: str) -> str | None:
+    """OpenAI allows a string or a list of typed parts; only text parts are meaningful here."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind in ("image_url", "input_image", "image", "input_audio", "file"):
+                raise bad_request(f"{where}[{j}]: this model accepts text only, got a {kind} part", f"{where}")
+            else:
+                raise bad_request(f"{where}[{j}] must be a text part ({{\"type\": \"text\", \"text\": ...}})", where)
+        return "".join(texts)
+    raise bad_request(f"{where} must be a string or a list of content parts", where)
+
+
+def normalize_messages(messages: Any, field: str = "messages") -> list[dict]:
+    if not isinstance(messages, list):
+        raise bad_request(f"{field} must be a list of messages", field)
+    out = []
+    for i, m in enumerate(messages):
+        where = f"{field}[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object with role and content", where)
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad_request(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}",
+                              f"{where}.role")
+        if m.get("images"):
+            raise bad_request(f"{where}.images: this model accepts text only", f"{where}.images")
+        msg = {k: v for k, v in m.items() if k not in ("content", "images")}
+        # "developer" is OpenAI's newer name for "system"; templates only know the latter.
+        msg["role"] = "system" if role == "developer" else role
+        msg["content"] = _content_text(m.get("content"), f"{where}.content") or ""
+        out.append(msg)
+    return out
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict], *, tools: list | None = None,
+                add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+    """Template-rendered prompt ids. The template writes the special tokens (BOS included) itself,
+    so the text is encoded without adding them again, as transformers does."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             **({"tools": tools} if tools else {}), **extra)
+    except ChatTemplateError as exc:
+        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
+    except TokenizerError as exc:
+        raise bad_request(str(exc), "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    return tokenizer.encode(prompt, add_special_tokens=True)
+
+
+def render_prompt(tokenizer: Tokenizer, prompt: str, *, system: str | None = None, raw: bool = False) -> list[int]:
+    """Ollama's /api/generate prompt: templated as one user turn unless raw; a model without a
+    template gets the text as is (Ollama's default template is just the prompt)."""
+    if raw:
+        return encode_prompt(tokenizer, prompt)
+    if tokenizer.chat_template is None:
+        return encode_prompt(tokenizer, f"{system}\n\n{prompt}" if system else prompt)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return render_chat(tokenizer, messages)
+
+
+def check_token_ids(ids: Any, vocab_size: int, field: str) -> list[int]:
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request(f"{field} must be a list of token ids", field)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{field}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})", field)
+    return ids
+

@@ -1,0 +1,110 @@
+"""`tokenmill serve [MODEL]`: bind first (a busy port is a one-line error, not a traceback after a
+model load), start loading the model in the background, serve until SIGTERM/SIGINT, then drain."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from tokenmill.server.app import create_app
+from tokenmill.server.model_host import LoadSpec, ModelHost
+from tokenmill.server.settings import ServerSettings, SettingsError, load_settings
+
+log = logging.getLogger("tokenmill.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT, turn new requests away (503) while uvicorn stops accepting
+    connections and waits up to timeout_graceful_shutdown for in-flight ones."""
+
+    def __init__(self, config: uvicorn.Config, host: ModelHost):
+        super().__init__(config)
+        self.model_host = host
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.model_host.admission.draining:
+            self.model_host.admission.draining = True
+            log.info("shutting down: draining %d in-flight request(s), up to %.0fs",
+                     self.model_host.admission.in_flight, self.config.timeout_graceful_shutdown or 0)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            # uvicorn re-raises the signal after shutting down; having drained, exit with 0 instead.
+            self._captured_signals.clear()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart right after a stop (TIME_WAIT)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def check_model_name(model: str) -> None:
+    """Raise UnknownModelError for a name that is neither in the catalog nor a file, before serving."""
+    from tokenmill.store import ModelNotInstalledError, resolve_model
+
+    try:
+        resolve_model(model)
+    except ModelNotInstalledError:
+        pass  # known: pulled in the background
+
+
+def build_server(settings: ServerSettings, model: str) -> tuple[DrainingServer, ModelHost]:
+    host = ModelHost(max_queue=settings.max_queue, retire_timeout=settings.drain_timeout)
+    host.start_load(LoadSpec(model=model, dtype=settings.dtype, num_ctx=settings.num_ctx, kv_size=settings.kv_size,
+                             parallel=settings.parallel, n_batch=settings.n_batch, n_ubatch=settings.n_ubatch))
+    config = uvicorn.Config(
+        create_app(host, settings),
+        log_level=settings.log_level,
+        timeout_keep_alive=int(settings.keep_alive_timeout),
+        timeout_graceful_shutdown=int(settings.drain_timeout),
+        lifespan="on",
+    )
+    return DrainingServer(config, host), host
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.store import StoreError
+
+    try:
+        settings = load_settings(args)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = getattr(args, "model", None) or "smollm2"
+    try:
+        check_model_name(model)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        reason = "the address is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+        print(f"error: cannot listen on {settings.host}:{settings.port}: {reason} "
+              f"(another server running? pick one with --port or TOKENMILL_HOST=host:port)", file=sys.stderr)
+        return 1
+    server, _ = build_server(settings, model)
+    print(f"tokenmill listening on http://{settings.host}:{settings.port}, loading {model}", file=sys.stderr)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0

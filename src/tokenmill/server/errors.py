@@ -1,0 +1,82 @@
+"""One exception type for every client-facing failure, rendered in the shape each API's clients
+parse: OpenAI's envelope under /v1, Ollama's `{"error": "..."}` everywhere else."""
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+log = logging.getLogger("tokenmill.server")
+
+# OpenAI's `type` for each status; its SDK maps status codes to exception classes, not types.
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+
+    def openai_body(self) -> dict:
+        kind = _OPENAI_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def ollama_body(self) -> dict:
+        return {"error": self.message}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def error_body(request: Request, err: APIError) -> dict:
+    return err.openai_body() if is_openai_path(request.url.path) else err.ollama_body()
+
+
+def error_response(request: Request, err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(request, err), status_code=err.status, headers=err.headers)
+
+
+async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(request, exc)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    # Routing errors (404 unknown path, 405 wrong method) in the same envelope as ours.
+    assert isinstance(exc, HTTPException)
+    return error_response(request, APIError(exc.status_code, str(exc.detail)))
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def stream_error_line(err: APIError, openai: bool) -> str:
+    """An error that happens after a stream began: the status is already sent, so it travels as the
+    final chunk (an SSE event for OpenAI clients, an NDJSON line for Ollama clients)."""
+    body = err.openai_body() if openai else err.ollama_body()
+    return json.dumps(body)

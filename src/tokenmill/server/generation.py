@@ -1,0 +1,174 @@
+"""One engine request seen from an HTTP handler: validated before any response byte is sent, then
+consumed as text deltas. Protocol modules only format what this yields.
+
+Leaving the iteration early (client gone, stop string hit, handler error) closes the engine stream,
+which aborts the engine request and frees its KV blocks."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+from tokenmill.engine import (
+    InvalidSamplingParams,
+    OutputAssembler,
+    Priority,
+    PromptTooLongError,
+    RequestError,
+    SamplingParams,
+    TextDelta,
+)
+from tokenmill.server.errors import APIError
+from tokenmill.server.model_host import ServedModel
+
+
+@dataclass
+class Timings:
+    start: float = field(default_factory=time.perf_counter)  # request arrival
+    submitted: float | None = None
+    first_token: float | None = None
+    end: float | None = None
+
+    def finish_time(self) -> float:
+        # The last chunk is built before the stream closes, i.e. before `end` is set.
+        return self.end or time.perf_counter()
+
+    def ollama(self) -> dict[str, int]:
+        """Ollama's duration fields, in nanoseconds."""
+        end = self.finish_time()
+        submitted = self.submitted or end
+        first = self.first_token or end
+
+        def ns(seconds: float) -> int:
+            return max(0, int(seconds * 1e9))
+
+        return {
+            "total_duration": ns(end - self.start),
+            "load_duration": ns(submitted - self.start),  # the model is resident: parsing + templating
+            "prompt_eval_duration": ns(first - submitted),
+            "eval_duration": ns(end - first),
+        }
+
+
+@dataclass
+class Result:
+    """A finished generation, for non-streaming responses."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, d: TextDelta) -> None:
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs or []
+        self.top_logprobs += d.top_logprobs or []
+        self.finish_reason = d.finish_reason or self.finish_reason
+        self.num_prompt_tokens = d.num_prompt_tokens
+        self.num_cached_tokens = d.num_cached_tokens
+
+
+def translate_request_error(exc: Exception, field_names: Mapping[str, str], prompt_field: str) -> APIError:
+    """Engine validation errors -> 400s naming the field as the client spelled it."""
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, str(exc), param=prompt_field, code="context_length_exceeded")
+    if isinstance(exc, InvalidSamplingParams):
+        name = field_names.get(exc.field, exc.field)
+        message = str(exc).replace(exc.field, name, 1) if name != exc.field else str(exc)
+        return APIError(400, message, param=name)
+    return APIError(400, str(exc), param=prompt_field)
+
+
+class Generation:
+    def __init__(self, served: ServedModel, prompt_ids: list[int], params: SamplingParams, *,
+                 priority: Priority = Priority.NORMAL, num_ctx: int | None = None,
+                 field_names: Mapping[str, str] | None = None, prompt_field: str = "prompt",
+                 timings: Timings | None = None):
+        self.served = served
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.priority = priority
+        self.num_ctx = num_ctx
+        self.timings = timings or Timings()
+        self.num_cached_tokens = 0
+        try:
+            # Read-only check on this thread, so bad input is a 400 before a stream's 200 goes out.
+            served.engine.check_request(prompt_ids, params, num_ctx)
+        except (RequestError, InvalidSamplingParams) as exc:
+            raise translate_request_error(exc, field_names or {}, prompt_field) from None
+
+    async def deltas(self) -> AsyncIterator[TextDelta]:
+        engine = self.served.engine
+        assembler = OutputAssembler(engine.tokenizer, self.params)
+        self.timings.submitted = time.perf_counter()
+        stream = self.served.aengine.generate(self.prompt_ids, self.params, priority=self.priority,
+                                              num_ctx=self.num_ctx)
+        try:
+            async for ev in stream:
+                if self.timings.first_token is None and ev.token_ids:
+                    self.timings.first_token = time.perf_counter()
+                delta = assembler.push(ev)
+                self.num_cached_tokens = delta.num_cached_tokens
+                if delta.finish_reason == "error":
+                    raise APIError(500, f"generation failed: {delta.error or 'engine error'}", code="engine_error")
+                if delta.finish_reason == "abort":
+                    raise APIError(503, "the request was aborted (the server is shutting down or switching models)",
+                                   code="aborted")
+                yield delta
+                if delta.finished:  # includes a stop string: leaving aborts the engine request
+                    break
+        finally:
+            self.timings.end = time.perf_counter()
+            await stream.aclose()
+
+    async def collect(self) -> Result:
+        result = Result(num_prompt_tokens=len(self.prompt_ids))
+        async for d in self.deltas():
+            result.add(d)
+        return result
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators as (index, item) in arrival order; the first error
+    cancels the rest (their engine requests are aborted)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item, None))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, None, exc))
+            return
+        await queue.put((i, done, None))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_all(gens: list[Generation]) -> list[Result]:
+    """Run n generations to the end; one failing (or the caller being cancelled) stops the rest."""
+    tasks = [asyncio.ensure_future(g.collect()) for g in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()

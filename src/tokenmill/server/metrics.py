@@ -1,0 +1,146 @@
+"""GET /metrics in Prometheus' text format, under vLLM's metric names where one exists so existing
+dashboards work, and tokenmill:* for the rest. The snapshot is taken on the engine thread so the
+numbers of one scrape are consistent with each other."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from tokenmill.engine import LLMEngine
+from tokenmill.engine.stats import Histogram
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class HistogramSnapshot:
+    buckets: list[tuple[float, int]]
+    sum: float
+    count: int
+
+    @classmethod
+    def of(cls, h: Histogram) -> "HistogramSnapshot":
+        return cls(h.cumulative(), h.sum, h.count)
+
+
+@dataclass
+class Snapshot:
+    running: int
+    waiting: int
+    kv_usage: float
+    used_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+    finished: dict[str, int]
+    histograms: dict[str, HistogramSnapshot]
+
+
+def take_snapshot(eng: LLMEngine) -> Snapshot:
+    s = eng.stats
+    prefix = eng.blocks.prefix_stats()
+    with s.lock:
+        hist = {name: HistogramSnapshot.of(getattr(s, name))
+                for name in ("ttft", "itl", "e2e", "queue_time", "tokens_per_step", "seqs_per_step")}
+        return Snapshot(eng.num_running(), eng.num_waiting(), eng.kv_usage(), eng.blocks.num_used_blocks,
+                        prefix.queries, prefix.hits, s.num_preemptions, s.num_prompt_tokens,
+                        s.num_generation_tokens, s.num_steps, dict(s.finished), hist)
+
+
+# (name, help, histogram key); several names share data where vLLM renamed a metric over time.
+HISTOGRAMS = [
+    ("vllm:time_to_first_token_seconds", "Time to first token.", "ttft"),
+    ("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", "itl"),
+    ("vllm:time_per_output_token_seconds", "Time per output token (same data as inter_token_latency).", "itl"),
+    ("vllm:e2e_request_latency_seconds", "End-to-end request latency.", "e2e"),
+    ("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.", "queue_time"),
+    ("vllm:iteration_tokens_total", "Tokens processed per engine step.", "tokens_per_step"),
+    ("tokenmill:batch_tokens_per_step", "Tokens processed per engine step.", "tokens_per_step"),
+    ("tokenmill:batch_seqs_per_step", "Sequences in each engine step.", "seqs_per_step"),
+]
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _fmt(v: float) -> str:
+    if v == float("inf"):
+        return "+Inf"
+    return repr(float(v)) if isinstance(v, float) and not float(v).is_integer() else str(int(v))
+
+
+class Writer:
+    def __init__(self, labels: dict[str, str]):
+        self.lines: list[str] = []
+        self.base = labels
+
+    def _labels(self, extra: dict[str, str] | None = None) -> str:
+        labels = {**self.base, **(extra or {})}
+        return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}" if labels else ""
+
+    def metric(self, name: str, kind: str, help_: str, value: float, extra: dict[str, str] | None = None) -> None:
+        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{self._labels(extra)} {_fmt(value)}"]
+
+    def labelled(self, name: str, kind: str, help_: str, values: dict[str, float], label: str) -> None:
+        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        for key, value in sorted(values.items()):
+            self.lines.append(f"{name}{self._labels({label: key})} {_fmt(value)}")
+
+    def histogram(self, name: str, help_: str, h: HistogramSnapshot) -> None:
+        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+        for bound, count in h.buckets:
+            self.lines.append(f"{name}_bucket{self._labels({'le': _fmt(bound)})} {count}")
+        self.lines.append(f"{name}_sum{self._labels()} {h.sum!r}")
+        self.lines.append(f"{name}_count{self._labels()} {h.count}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def render(snap: Snapshot | None, model: str | None, in_flight: int, rejected: int, status: str) -> str:
+    w = Writer({"model_name": model} if model else {})
+    w.metric("tokenmill:requests_in_flight", "gauge", "Admitted HTTP generation/embedding requests.", in_flight)
+    w.metric("tokenmill:requests_rejected_total", "counter", "Requests turned away with 503.", rejected)
+    w.metric("tokenmill:model_ready", "gauge", "1 when a model is loaded and serving.", status == "ok")
+    if snap is None:
+        return w.text()
+    w.metric("vllm:num_requests_running", "gauge", "Sequences in the running batch.", snap.running)
+    w.metric("vllm:num_requests_waiting", "gauge", "Sequences waiting to be scheduled.", snap.waiting)
+    w.metric("vllm:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full).", snap.kv_usage)
+    w.metric("vllm:gpu_cache_usage_perc", "gauge", "KV cache usage (1 = full); older vLLM name.", snap.kv_usage)
+    w.metric("tokenmill:kv_cache_used_blocks", "gauge", "KV blocks referenced by sequences.", snap.used_blocks)
+    w.metric("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+             snap.prefix_queries)
+    w.metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", snap.prefix_hits)
+    w.metric("vllm:num_preemptions_total", "counter", "Sequences preempted (recomputed later).", snap.preemptions)
+    w.metric("vllm:prompt_tokens_total", "counter", "Prompt tokens computed.", snap.prompt_tokens)
+    w.metric("vllm:generation_tokens_total", "counter", "Tokens generated.", snap.generation_tokens)
+    w.metric("tokenmill:engine_steps_total", "counter", "Engine steps run.", snap.steps)
+    w.labelled("vllm:request_success_total", "counter", "Finished sequences by finish reason.", snap.finished,
+               "finished_reason")
+    for name, help_, key in HISTOGRAMS:
+        w.histogram(name, help_, snap.histograms[key])
+    return w.text()
+
+
+async def metrics(request: Request) -> Response:
+    host = request.app.state.host
+    served = host.current
+    snap = None
+    if served is not None:
+        snap = await asyncio.wrap_future(served.aengine.call(take_snapshot))
+    text = render(snap, served.name if served else None, host.admission.in_flight, host.admission.num_rejected,
+                  host.status)
+    return PlainTextResponse(text, media_type=CONTENT_TYPE)
+
+
+def routes() -> list[Route]:
+    return [Route("/metrics", metrics, methods=["GET"])]

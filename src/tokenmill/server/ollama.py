@@ -1,0 +1,233 @@
+"""Ollama's generation API: /api/generate, /api/chat, /api/embed and the legacy /api/embeddings.
+Streams NDJSON by default, as Ollama does; the last object carries done_reason, the token counts
+and the durations in nanoseconds."""
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat, render_prompt
+from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
+from tokenmill.server.errors import bad_request
+from tokenmill.server.generation import Generation, Timings
+from tokenmill.server.logprobs import chat_entries
+from tokenmill.server.model_host import ModelHost, ServedModel
+from tokenmill.server.ollama_params import FIELD_NAMES, OllamaOptions, parse_options
+from tokenmill.server.streaming import ndjson_response, unless_disconnected
+from tokenmill.server.validation import (
+    get_bool,
+    get_dict,
+    get_int,
+    get_priority,
+    get_str,
+    read_json,
+    warn_once,
+    warn_unknown,
+)
+
+COMMON_FIELDS = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs",
+                 "priority"}
+GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "suffix", "images", "system", "template", "context", "raw"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools"}
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _host(request: Request) -> ModelHost:
+    return request.app.state.host
+
+
+def _model_field(body: dict) -> str:
+    # `name` is what pre-0.2 clients sent.
+    return get_str(body, "model") or get_str(body, "name", required=True, label="model")
+
+
+class Shape:
+    """Where the text goes in a response object: `response` for generate, `message` for chat."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.model = model
+
+    def chunk(self, text: str, logprobs: list | None = None) -> dict:
+        obj = {"model": self.model, "created_at": now_iso()}
+        if self.chat:
+            obj["message"] = {"role": "assistant", "content": text}
+        else:
+            obj["response"] = text
+        obj["done"] = False
+        if logprobs is not None:
+            obj["logprobs"] = logprobs
+        return obj
+
+    def final(self, gen: Generation, text: str, done_reason: str, output_ids: list[int],
+              logprobs: list | None) -> dict:
+        obj = self.chunk(text, logprobs)
+        obj.update(done=True, done_reason=done_reason)
+        if not self.chat:
+            obj["context"] = gen.prompt_ids + output_ids  # lets a client continue from here
+        obj.update(gen.timings.ollama(), prompt_eval_count=len(gen.prompt_ids), eval_count=len(output_ids))
+        return obj
+
+    def loaded(self) -> dict:
+        """Ollama's answer to an empty prompt: the model is (already) loaded, nothing generated."""
+        obj = self.chunk("")
+        obj.update(done=True, done_reason="load")
+        return obj
+
+
+def _logprobs(gen: Generation, ids: list[int], lps, top) -> list | None:
+    if not gen.params.logprobs:
+        return None
+    return chat_entries(gen.served.engine.tokenizer, ids, lps, top)
+
+
+async def _stream(gen: Generation, shape: Shape):
+    output: list[int] = []
+    async for d in gen.deltas():
+        output += d.token_ids
+        lp = _logprobs(gen, d.token_ids, d.logprobs, d.top_logprobs)
+        if d.finished:
+            yield shape.final(gen, d.text, d.finish_reason, output, lp)
+        elif d.text or lp:
+            yield shape.chunk(d.text, lp)
+
+
+async def _respond(request: Request, served: ServedModel, ids: list[int], opts: OllamaOptions, body: dict,
+                   shape: Shape, timings: Timings, prompt_field: str) -> Response:
+    stream = get_bool(body, "stream", True)
+    priority = get_priority(body)
+    slot = _host(request).admission.enter()
+    try:
+        gen = Generation(served, ids, opts.params, priority=priority, num_ctx=opts.num_ctx,
+                         field_names=FIELD_NAMES, prompt_field=prompt_field, timings=timings)
+        if stream:
+            # The response owns the slot from here: it is released when the stream ends, however it ends.
+            response, slot = ndjson_response(_stream(gen, shape), on_close=slot.release), None
+            return response
+        result = await unless_disconnected(request, gen.collect())
+    finally:
+        if slot is not None:
+            slot.release()
+    lp = _logprobs(gen, result.token_ids, result.logprobs, result.top_logprobs)
+    return JSONResponse(shape.final(gen, result.text, result.finish_reason or "stop", result.token_ids, lp))
+
+
+def _ignore_unsupported(body: dict, where: str) -> None:
+    if body.get("format"):
+        warn_once(where, "format", "structured output is not supported; `format` is ignored")
+    if body.get("template"):
+        warn_once(where, "template", "custom templates are not supported; the model's own is used")
+
+
+async def generate(request: Request) -> Response:
+    timings = Timings()
+    body = await read_json(request)
+    warn_unknown(body, GENERATE_FIELDS, "/api/generate")
+    served = _host(request).get(_model_field(body))
+    shape = Shape(False, served.name)
+    prompt = get_str(body, "prompt", "")
+    if body.get("images"):
+        raise bad_request("images: this model accepts text only", "images")
+    if get_str(body, "suffix"):
+        raise bad_request("suffix: this model does not support fill-in-the-middle", "suffix")
+    _ignore_unsupported(body, "/api/generate")
+    tok = served.engine.tokenizer
+    context = check_token_ids(body["context"], tok.vocab_size, "context") if body.get("context") else []
+    if not prompt and not context:
+        return JSONResponse(shape.loaded())
+    opts = parse_options(body, "/api/generate")
+    ids = context + render_prompt(tok, prompt, system=get_str(body, "system"), raw=bool(get_bool(body, "raw")))
+    return await _respond(request, served, ids, opts, body, shape, timings, "prompt")
+
+
+async def chat(request: Request) -> Response:
+    timings = Timings()
+    body = await read_json(request)
+    warn_unknown(body, CHAT_FIELDS, "/api/chat")
+    served = _host(request).get(_model_field(body))
+    shape = Shape(True, served.name)
+    messages = normalize_messages(body.get("messages") or [])
+    _ignore_unsupported(body, "/api/chat")
+    if not messages:
+        return JSONResponse(shape.loaded())
+    opts = parse_options(body, "/api/chat")
+    tools = body.get("tools") or None
+    ids = render_chat(served.engine.tokenizer, messages, tools=tools)
+    return await _respond(request, served, ids, opts, body, shape, timings, "messages")
+
+
+def _inputs(value, field: str) -> list[str]:
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if any(not s for s in value):
+            raise bad_request(f"{field}: inputs must not be empty strings", field)
+        return value
+    raise bad_request(f"{field} must be a string or a list of strings", field)
+
+
+def _shorten(vec: list[float], dims: int | None) -> list[float]:
+    if dims is None or dims >= len(vec):
+        return vec
+    head = vec[:dims]
+    norm = math.sqrt(sum(x * x for x in head)) or 1.0
+    return [x / norm for x in head]
+
+
+async def _embed_all(request: Request, served: ServedModel, texts: list[str], truncate: bool, num_ctx: int | None,
+                     field: str) -> tuple[list[list[float]], int]:
+    tok = served.engine.tokenizer
+    limit = embedding_limit(served) if num_ctx is None else min(num_ctx, embedding_limit(served))
+    id_lists = [fit_to_context(encode_prompt(tok, t), limit, truncate, field) for t in texts]
+    slot = _host(request).admission.enter()
+    try:
+        vectors = [await embed(served, ids) for ids in id_lists]
+    finally:
+        slot.release()
+    return vectors, sum(len(ids) for ids in id_lists)
+
+
+async def embed_endpoint(request: Request) -> Response:
+    start = time.perf_counter()
+    body = await read_json(request)
+    warn_unknown(body, {"model", "input", "truncate", "options", "keep_alive", "dimensions"}, "/api/embed")
+    served = _host(request).get(_model_field(body))
+    texts = _inputs(body.get("input"), "input")
+    dims = get_int(body, "dimensions", lo=1)
+    num_ctx = get_int(get_dict(body, "options"), "num_ctx", lo=2, label="options.num_ctx")
+    # Ollama truncates over-long inputs unless told not to.
+    vectors, count = await _embed_all(request, served, texts, get_bool(body, "truncate", True), num_ctx, "input")
+    total = int((time.perf_counter() - start) * 1e9)
+    return JSONResponse({"model": served.name, "embeddings": [_shorten(v, dims) for v in vectors],
+                         "total_duration": total, "load_duration": 0, "prompt_eval_count": count})
+
+
+async def embeddings_legacy(request: Request) -> Response:
+    body = await read_json(request)
+    warn_unknown(body, {"model", "prompt", "options", "keep_alive"}, "/api/embeddings")
+    served = _host(request).get(_model_field(body))
+    prompt = get_str(body, "prompt", "")
+    if not prompt:
+        return JSONResponse({"embedding": []})
+    num_ctx = get_int(get_dict(body, "options"), "num_ctx", lo=2, label="options.num_ctx")
+    vectors, _ = await _embed_all(request, served, [prompt], True, num_ctx, "prompt")
+    return JSONResponse({"embedding": vectors[0]})
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/api/generate", generate, methods=["POST"]),
+        Route("/api/chat", chat, methods=["POST"]),
+        Route("/api/embed", embed_endpoint, methods=["POST"]),
+        Route("/api/embeddings", embeddings_legacy, methods=["POST"]),
+    ]

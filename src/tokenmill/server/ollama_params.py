@@ -1,0 +1,65 @@
+"""Ollama request options -> SamplingParams, with Ollama's defaults (which differ from the engine's:
+top_k 40, top_p 0.9, repeat_penalty 1.1) made explicit, and errors naming `options.<field>`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.engine import SamplingParams
+from tokenmill.server.validation import get_bool, get_dict, get_float, get_int, get_stop, warn_unknown
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "typical_p": 1.0,
+            "repeat_penalty": 1.1, "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+# Runner and hardware options that mean nothing here; accepted so Modelfile-style clients work.
+IGNORED = {"num_batch", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_thread", "numa", "low_vram", "f16_kv",
+           "vocab_only", "logits_all", "embedding_only", "penalize_newline", "mirostat", "mirostat_tau",
+           "mirostat_eta", "tfs_z", "num_gqa", "rope_frequency_base", "rope_frequency_scale"}
+KNOWN = {"num_keep", "num_ctx", "num_predict", "seed", "stop", *DEFAULTS, *IGNORED}
+
+# SamplingParams field -> the name the client used, for error messages.
+FIELD_NAMES = {"max_tokens": "options.num_predict", "repeat_penalty": "options.repeat_penalty",
+               **{k: f"options.{k}" for k in DEFAULTS if k != "repeat_penalty"},
+               "seed": "options.seed", "stop": "options.stop", "top_logprobs": "top_logprobs"}
+
+
+@dataclass
+class OllamaOptions:
+    params: SamplingParams
+    num_ctx: int | None
+    num_keep: int | None
+
+
+def parse_options(body: dict, where: str) -> OllamaOptions:
+    opts = get_dict(body, "options")
+    warn_unknown(opts, KNOWN, f"{where} options")
+
+    def f(name: str) -> float:
+        return get_float(opts, name, DEFAULTS[name], label=f"options.{name}")
+
+    def i(name: str, default=None, **kw):
+        return get_int(opts, name, default, label=f"options.{name}", **kw)
+
+    # num_predict: -1 = until the model stops, -2 = until the context is full; both mean no cap here.
+    num_predict = i("num_predict", -1, lo=-2)
+    seed = i("seed")
+    top_logprobs = get_int(body, "top_logprobs", 0, lo=0)
+    params = SamplingParams(
+        max_tokens=num_predict if num_predict > 0 else None,
+        temperature=f("temperature"),
+        top_k=i("top_k", DEFAULTS["top_k"]),
+        top_p=f("top_p"),
+        min_p=f("min_p"),
+        typical_p=f("typical_p"),
+        repeat_penalty=f("repeat_penalty"),
+        repeat_last_n=i("repeat_last_n", DEFAULTS["repeat_last_n"]),
+        presence_penalty=f("presence_penalty"),
+        frequency_penalty=f("frequency_penalty"),
+        seed=seed if seed is not None and seed >= 0 else None,  # Ollama's -1 means random
+        stop=get_stop(opts, "stop", label="options.stop"),
+        logprobs=bool(get_bool(body, "logprobs", False)) or top_logprobs > 0,
+        top_logprobs=top_logprobs,
+    )
+    # Ollama treats top_k <= 0 as "off".
+    if params.top_k < 0:
+        params.top_k = 0
+    return OllamaOptions(params, i("num_ctx", lo=2), i("num_keep", lo=-1))

@@ -1,0 +1,236 @@
+"""OpenAI's API: /v1/chat/completions and /v1/completions (SSE streaming ending in `data: [DONE]`),
+/v1/models. n > 1 runs n independent engine requests (seed + i when a seed is given)."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tokenmill.server import model_info
+from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat
+from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.generation import Generation, Result, collect_all, merge
+from tokenmill.server.logprobs import chat_entries, completion_logprobs
+from tokenmill.server.model_host import ModelHost, ServedModel
+from tokenmill.server.openai_embeddings import embeddings
+from tokenmill.server.openai_params import OpenAIOptions, parse_options, truncate_prompt
+from tokenmill.server.streaming import sse_response, unless_disconnected
+from tokenmill.server.validation import get_bool, get_str, read_json, warn_once
+
+SYSTEM_FINGERPRINT = "tokenmill"
+
+
+def _host(request: Request) -> ModelHost:
+    return request.app.state.host
+
+
+class Envelope:
+    """The fields every response object of one request shares."""
+
+    def __init__(self, kind: str, model: str, include_usage: bool = False):
+        self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
+        self.object = kind
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+
+    def wrap(self, choices: list[dict], obj: str | None = None, usage: dict | None = None) -> dict:
+        out = {"id": self.id, "object": obj or self.object, "created": self.created, "model": self.model,
+               "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
+        if usage is not None or self.include_usage:
+            out["usage"] = usage
+        return out
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion, "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+def _generations(served: ServedModel, prompts: list[list[int]], opts: OpenAIOptions, prompt_field: str
+                 ) -> list[Generation]:
+    """n generations per prompt, choice index = prompt index * n + i."""
+    gens = []
+    limit = served.engine.max_model_len
+    for ids in prompts:
+        ids = truncate_prompt(ids, opts.truncate_prompt_tokens, limit)
+        for i in range(opts.n):
+            seed = opts.params.seed + i if opts.params.seed is not None and i else opts.params.seed
+            params = replace(opts.params, seed=seed, stop=list(opts.params.stop))
+            gens.append(Generation(served, ids, params, priority=opts.priority, field_names=opts.field_names,
+                                   prompt_field=prompt_field))
+    return gens
+
+
+async def _run(request: Request, gens_factory, opts: OpenAIOptions, num_requests: int, stream_body, finish_body):
+    """Admission, then either an SSE stream or the collected results."""
+    slot = _host(request).admission.enter(num_requests)
+    try:
+        gens = gens_factory()
+        if opts.stream:
+            # The response owns the slot from here: it is released when the stream ends, however it ends.
+            response, slot = sse_response(stream_body(gens), on_close=slot.release), None
+            return response
+        results = await unless_disconnected(request, collect_all(gens))
+    finally:
+        if slot is not None:
+            slot.release()
+    return JSONResponse(finish_body(gens, results))
+
+
+def _total_usage(gens: list[Generation], counts: list[int], n: int) -> dict:
+    # The prompt is counted once per distinct prompt, as OpenAI bills n choices of one prompt.
+    prompt_gens = gens[::n]
+    return usage(sum(len(g.prompt_ids) for g in prompt_gens), sum(counts),
+                 sum(g.num_cached_tokens for g in prompt_gens))
+
+
+# --- /v1/chat/completions -------------------------------------------------------------------------
+async def chat_completions(request: Request) -> Response:
+    body = await read_json(request)
+    opts = parse_options(body, chat=True)
+    served = _host(request).get(get_str(body, "model"))
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+        warn_once("/v1/chat/completions", "response_format", "structured output is not supported; ignored")
+    messages = normalize_messages(body.get("messages"))
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    ids = render_chat(served.engine.tokenizer, messages, tools=body.get("tools") or None)
+    env = Envelope("chat.completion", served.name, opts.include_usage)
+    tok = served.engine.tokenizer
+
+    def logprobs_of(ids_, lps, top):
+        return {"content": chat_entries(tok, ids_, lps, top)} if opts.params.logprobs and ids_ else None
+
+    async def stream_body(gens: list[Generation]):
+        for i in range(len(gens)):
+            yield env.wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}], "chat.completion.chunk")
+        counts = [0] * len(gens)
+        async for i, d in merge([g.deltas() for g in gens]):
+            counts[i] += len(d.token_ids)
+            lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs)
+            if d.text or lp:
+                yield env.wrap([{"index": i, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": None}],
+                               "chat.completion.chunk")
+            if d.finished:
+                yield env.wrap([{"index": i, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}],
+                               "chat.completion.chunk")
+        if opts.include_usage:
+            yield env.wrap([], "chat.completion.chunk", _total_usage(gens, counts, opts.n))
+
+    def finish_body(gens: list[Generation], results: list[Result]) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                    "logprobs": logprobs_of(r.token_ids, r.logprobs, r.top_logprobs),
+                    "finish_reason": r.finish_reason}
+                   for i, r in enumerate(results)]
+        return env.wrap(choices, usage=_total_usage(gens, [len(r.token_ids) for r in results], opts.n))
+
+    return await _run(request, lambda: _generations(served, [ids], opts, "messages"), opts, opts.n,
+                      stream_body, finish_body)
+
+
+# --- /v1/completions ------------------------------------------------------------------------------
+def _prompts(value, served: ServedModel) -> list[list[int]]:
+    tok = served.engine.tokenizer
+    if isinstance(value, str):
+        return [encode_prompt(tok, value)]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return [encode_prompt(tok, p) for p in value]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return [check_token_ids(value, tok.vocab_size, "prompt")]
+        if all(isinstance(p, list) for p in value):
+            return [check_token_ids(p, tok.vocab_size, "prompt") for p in value]
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+                      "prompt")
+
+
+async def completions(request: Request) -> Response:
+    body = await read_json(request)
+    opts = parse_options(body, chat=False)
+    served = _host(request).get(get_str(body, "model"))
+    if get_str(body, "suffix"):
+        raise bad_request("suffix: this model does not support fill-in-the-middle", "suffix")
+    if body.get("best_of") is not None and body["best_of"] != opts.n:
+        raise bad_request("best_of is not supported (use n)", "best_of")
+    echo = bool(get_bool(body, "echo", False))
+    if echo and opts.params.logprobs:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    if body.get("prompt") is None:
+        raise bad_request("prompt is required", "prompt")
+    prompts = _prompts(body["prompt"], served)
+    tok = served.engine.tokenizer
+    env = Envelope("text_completion", served.name, opts.include_usage)
+
+    def prefix(g: Generation) -> str:
+        return tok.decode(g.prompt_ids, skip_special_tokens=True) if echo else ""
+
+    def logprobs_of(ids_, lps, top, offset):
+        return completion_logprobs(tok, ids_, lps, top, offset) if opts.params.logprobs and ids_ else None
+
+    async def stream_body(gens: list[Generation]):
+        offsets = [len(prefix(g)) for g in gens]
+        counts = [0] * len(gens)
+        if echo:
+            for i, g in enumerate(gens):
+                yield env.wrap([{"index": i, "text": prefix(g), "logprobs": None, "finish_reason": None}])
+        async for i, d in merge([g.deltas() for g in gens]):
+            counts[i] += len(d.token_ids)
+            lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs, offsets[i])
+            offsets[i] += len(d.text)
+            if d.text or lp or d.finished:
+                yield env.wrap([{"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}])
+        if opts.include_usage:
+            yield env.wrap([], usage=_total_usage(gens, counts, opts.n))
+
+    def finish_body(gens: list[Generation], results: list[Result]) -> dict:
+        choices = []
+        for i, (g, r) in enumerate(zip(gens, results)):
+            head = prefix(g)
+            choices.append({"index": i, "text": head + r.text, "finish_reason": r.finish_reason,
+                            "logprobs": logprobs_of(r.token_ids, r.logprobs, r.top_logprobs, len(head))})
+        u = _total_usage(gens, [len(r.token_ids) for r in results], opts.n)
+        return env.wrap(choices, usage=u)
+
+    return await _run(request, lambda: _generations(served, prompts, opts, "prompt"), opts,
+                      opts.n * len(prompts), stream_body, finish_body)
+
+
+# --- /v1/models -----------------------------------------------------------------------------------
+def _model_card(e: model_info.ModelEntry, served: ServedModel | None) -> dict:
+    card = {"id": e.name, "object": "model", "created": int(e.modified_at), "owned_by": "tokenmill"}
+    if served is not None and e.path == served.path:
+        card["max_model_len"] = served.engine.max_model_len
+    return card
+
+
+async def list_models(request: Request) -> Response:
+    host = _host(request)
+    entries = await run_in_threadpool(model_info.installed_entries, host)
+    return JSONResponse({"object": "list", "data": [_model_card(e, host.current) for e in entries]})
+
+
+async def get_model(request: Request) -> Response:
+    host = _host(request)
+    name = request.path_params["model"]
+    entry = await run_in_threadpool(model_info.find_entry, host, name)
+    if entry is None:
+        raise APIError(404, f"model {name!r} not found", param="model", code="model_not_found")
+    return JSONResponse(_model_card(entry, host.current))
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+    ]

@@ -1,0 +1,68 @@
+"""/v1/embeddings. The official Python client asks for base64 unless told otherwise (it decodes
+little-endian float32), so both encodings are served."""
+from __future__ import annotations
+
+import base64
+import math
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokenmill.server.chat import check_token_ids, encode_prompt
+from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
+from tokenmill.server.errors import bad_request
+from tokenmill.server.openai_params import truncate_prompt
+from tokenmill.server.validation import get_int, get_str, read_json, warn_unknown
+
+FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens"}
+
+
+def _inputs(value, tok) -> list[list[int]]:
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(s, str) for s in value):
+            if any(not s for s in value):
+                raise bad_request("input must not contain empty strings", "input")
+            return [encode_prompt(tok, s) for s in value]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return [check_token_ids(value, tok.vocab_size, "input")]
+        if all(isinstance(p, list) and p for p in value):
+            return [check_token_ids(p, tok.vocab_size, "input") for p in value]
+    raise bad_request("input must be a non-empty string, list of strings, list of token ids or list of such lists",
+                      "input")
+
+
+def _encode(vec: list[float], fmt: str, dims: int | None):
+    if dims is not None and dims < len(vec):
+        head = vec[:dims]
+        norm = math.sqrt(sum(x * x for x in head)) or 1.0
+        vec = [x / norm for x in head]
+    if fmt == "base64":
+        return base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode("ascii")
+    return vec
+
+
+async def embeddings(request: Request) -> Response:
+    body = await read_json(request)
+    warn_unknown(body, FIELDS, "/v1/embeddings")
+    host = request.app.state.host
+    served = host.get(get_str(body, "model"))
+    fmt = get_str(body, "encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad_request(f"encoding_format must be float or base64, got {fmt!r}", "encoding_format")
+    dims = get_int(body, "dimensions", lo=1)
+    truncate = get_int(body, "truncate_prompt_tokens", lo=-1)
+    limit = embedding_limit(served)
+    id_lists = [fit_to_context(truncate_prompt(ids, truncate, limit + 1), limit, False, "input")
+                for ids in _inputs(body.get("input"), served.engine.tokenizer)]
+    slot = host.admission.enter()
+    try:
+        vectors = [await embed(served, ids) for ids in id_lists]
+    finally:
+        slot.release()
+    num_tokens = sum(len(ids) for ids in id_lists)
+    data = [{"object": "embedding", "index": i, "embedding": _encode(v, fmt, dims)} for i, v in enumerate(vectors)]
+    return JSONResponse({"object": "list", "data": data, "model": served.name,
+                         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})

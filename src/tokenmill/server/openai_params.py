@@ -1,0 +1,111 @@
+"""OpenAI request bodies -> SamplingParams (plus n, streaming and priority), including vLLM's
+extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, ...). OpenAI's own defaults
+apply: temperature 1, top_p 1, no top_k, no repetition penalty."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.engine import Priority, SamplingParams
+from tokenmill.server.errors import bad_request
+from tokenmill.server.validation import (
+    get_bool,
+    get_dict,
+    get_float,
+    get_int,
+    get_priority,
+    get_stop,
+    warn_unknown,
+)
+
+MAX_N = 128
+
+SAMPLING_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+    "presence_penalty", "frequency_penalty", "logprobs", "priority", "user",
+    # vLLM / llama.cpp extensions
+    "top_k", "min_p", "typical_p", "repetition_penalty", "repeat_last_n", "min_tokens", "ignore_eos",
+    "stop_token_ids", "truncate_prompt_tokens",
+}
+# Accepted without effect: they change nothing about the text a model can produce here.
+HARMLESS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "tool_choice", "safety_identifier",
+            "prompt_cache_key", "modalities", "verbosity", "reasoning_effort",
+            "add_generation_prompt", "chat_template_kwargs"}
+CHAT_FIELDS = SAMPLING_FIELDS | HARMLESS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                            "response_format"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | HARMLESS | {"prompt", "echo", "suffix", "best_of"}
+
+
+@dataclass
+class OpenAIOptions:
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    priority: Priority
+    truncate_prompt_tokens: int | None
+    field_names: dict[str, str]
+
+
+def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
+    warn_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
+                 "/v1/chat/completions" if chat else "/v1/completions")
+    names: dict[str, str] = {"repeat_penalty": "repetition_penalty"}
+    max_tokens = get_int(body, "max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = get_int(body, "max_completion_tokens")
+        names["max_tokens"] = "max_completion_tokens"
+    if chat:
+        want_logprobs = bool(get_bool(body, "logprobs", False))
+        top = get_int(body, "top_logprobs", 0)
+        if top and not want_logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    else:
+        # Legacy completions: logprobs is the number of alternatives (0 = only the chosen token).
+        top = get_int(body, "logprobs")
+        want_logprobs = top is not None
+        top = top or 0
+        names["top_logprobs"] = "logprobs"
+    top_k = get_int(body, "top_k", 0)
+    stream = bool(get_bool(body, "stream", False))
+    stream_options = get_dict(body, "stream_options")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=get_int(body, "min_tokens", 0),
+        temperature=get_float(body, "temperature", 1.0),
+        top_k=0 if top_k < 0 else top_k,  # vLLM uses -1 for "off"
+        top_p=get_float(body, "top_p", 1.0),
+        min_p=get_float(body, "min_p", 0.0),
+        typical_p=get_float(body, "typical_p", 1.0),
+        repeat_penalty=get_float(body, "repetition_penalty", 1.0),
+        repeat_last_n=get_int(body, "repeat_last_n", 64),
+        presence_penalty=get_float(body, "presence_penalty", 0.0),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0),
+        seed=get_int(body, "seed"),
+        stop=get_stop(body),
+        stop_token_ids=body.get("stop_token_ids") or [],
+        ignore_eos=bool(get_bool(body, "ignore_eos", False)),
+        logprobs=want_logprobs,
+        top_logprobs=top,
+    )
+    truncate = get_int(body, "truncate_prompt_tokens", lo=-1)
+    if truncate == 0:
+        raise bad_request("truncate_prompt_tokens must be positive, or -1 for the context size",
+                          "truncate_prompt_tokens")
+    return OpenAIOptions(
+        params=params,
+        n=get_int(body, "n", 1, lo=1, hi=MAX_N),
+        stream=stream,
+        include_usage=stream and bool(get_bool(stream_options, "include_usage", False,
+                                               label="stream_options.include_usage")),
+        priority=get_priority(body),
+        truncate_prompt_tokens=truncate,
+        field_names=names,
+    )
+
+
+def truncate_prompt(ids: list[int], truncate: int | None, limit: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: as many as the context allows)."""
+    if truncate is None:
+        return ids
+    keep = limit - 1 if truncate == -1 else truncate
+    return ids[-keep:] if len(ids) > keep else ids

@@ -1,0 +1,263 @@
+"""The runner endpoints, shaped like llama-server's (and Ollama's runner): /load, /health,
+/completion, /embedding, /tokenize, /detokenize."""
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tokenmill.engine import SamplingParams
+from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat
+from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
+from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.generation import Generation
+from tokenmill.server.logprobs import token_text
+from tokenmill.server.model_host import LoadSpec, ModelHost
+from tokenmill.server.settings import ServerSettings
+from tokenmill.server.streaming import sse_response, unless_disconnected
+from tokenmill.server.validation import (
+    get_bool,
+    get_float,
+    get_int,
+    get_priority,
+    get_stop,
+    get_str,
+    read_json,
+    warn_unknown,
+)
+
+LOAD_FIELDS = {"model", "num_ctx", "kv_size", "parallel", "batch_size", "ubatch_size", "dtype"}
+COMPLETION_FIELDS = {"prompt", "n_predict", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
+                     "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "n_probs",
+                     "ignore_eos", "min_tokens", "priority", "cache_prompt", "id_slot", "model"}
+# llama-server's names for SamplingParams fields, for error messages.
+FIELD_NAMES = {"max_tokens": "n_predict", "top_logprobs": "n_probs"}
+
+
+def _host(request: Request) -> ModelHost:
+    return request.app.state.host
+
+
+# --- /load and /health ----------------------------------------------------------------------------
+async def load(request: Request) -> Response:
+    body = await read_json(request)
+    warn_unknown(body, LOAD_FIELDS, "/load")
+    host = _host(request)
+    settings: ServerSettings = request.app.state.settings
+    current = host.current
+    model = get_str(body, "model") or (current.spec.model if current else None)
+    if not model:
+        raise bad_request("model is required", "model")
+    dtype = get_str(body, "dtype", settings.dtype)
+    if dtype not in ("bf16", "fp32"):
+        raise bad_request(f"dtype must be bf16 or fp32, got {dtype!r}", "dtype")
+    spec = LoadSpec(
+        model=model,
+        dtype=dtype,
+        num_ctx=get_int(body, "num_ctx", settings.num_ctx, lo=2),
+        kv_size=get_int(body, "kv_size", settings.kv_size, lo=16),
+        parallel=get_int(body, "parallel", settings.parallel, lo=1),
+        n_batch=get_int(body, "batch_size", settings.n_batch, lo=1),
+        n_ubatch=get_int(body, "ubatch_size", settings.n_ubatch, lo=1),
+    )
+    _check_model_exists(model)
+    host.start_load(spec)
+    return JSONResponse({"status": "loading", "model": model}, status_code=202)
+
+
+def _check_model_exists(model: str) -> None:
+    """A typo'd name is a 404 now rather than an error status later; pulls and loads run behind."""
+    from tokenmill.store import ModelNotInstalledError, UnknownModelError, resolve_model
+
+    try:
+        resolve_model(model)
+    except ModelNotInstalledError:
+        pass  # known to the catalog: the load pulls it
+    except UnknownModelError as exc:
+        raise APIError(404, str(exc), param="model") from None
+
+
+async def health(request: Request) -> Response:
+    host = _host(request)
+    status = host.status
+    if status == "ok":
+        return JSONResponse({"status": "ok"})
+    if status == "loading":
+        return JSONResponse({"status": "loading", "progress": round(host.progress, 3)}, status_code=503)
+    if status == "error":
+        return JSONResponse({"status": "error", "error": host.error}, status_code=503)
+    return JSONResponse({"status": "error", "error": "no model loaded"}, status_code=503)
+
+
+# --- /completion --------------------------------------------------------------------------------
+def _params(body: dict) -> SamplingParams:
+    n_predict = get_int(body, "n_predict", -1, lo=-2)
+    seed = get_int(body, "seed", -1)
+    n_probs = get_int(body, "n_probs", 0, lo=0)
+    top_k = get_int(body, "top_k", 40)
+    return SamplingParams(  # llama-server's defaults
+        max_tokens=n_predict if n_predict > 0 else None,
+        min_tokens=get_int(body, "min_tokens", 0),
+        temperature=get_float(body, "temperature", 0.8),
+        top_k=max(top_k, 0),
+        top_p=get_float(body, "top_p", 0.95),
+        min_p=get_float(body, "min_p", 0.05),
+        typical_p=get_float(body, "typical_p", 1.0),
+        repeat_penalty=get_float(body, "repeat_penalty", 1.0),
+        repeat_last_n=get_int(body, "repeat_last_n", 64),
+        presence_penalty=get_float(body, "presence_penalty", 0.0),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0),
+        seed=seed if seed >= 0 else None,
+        stop=get_stop(body),
+        ignore_eos=bool(get_bool(body, "ignore_eos", False)),
+        logprobs=n_probs > 0,
+        top_logprobs=n_probs,
+    )
+
+
+def _stop_type(finish_reason: str | None, hit_stop_string: bool) -> str:
+    if hit_stop_string:
+        return "word"
+    return "limit" if finish_reason == "length" else "eos"
+
+
+def _probs(gen: Generation, ids: list[int], lps, top) -> list[dict]:
+    tok = gen.served.engine.tokenizer
+    return [{"id": t, "token": token_text(tok, t), "logprob": lps[i] if lps else 0.0,
+             "top_logprobs": [{"id": a, "token": token_text(tok, a), "logprob": lp} for a, lp in (top[i] if top else [])]}
+            for i, t in enumerate(ids)]
+
+
+def _final(gen: Generation, text: str, finish_reason: str | None, hit: bool, num_output: int) -> dict:
+    t = gen.timings
+    end = t.finish_time()
+    submitted = t.submitted or end
+    first = t.first_token or end
+    prompt_ms, predicted_ms = (first - submitted) * 1000, (end - first) * 1000
+    return {
+        "content": text, "stop": True, "model": gen.served.name, "tokens_predicted": num_output,
+        "tokens_evaluated": len(gen.prompt_ids), "tokens_cached": gen.num_cached_tokens, "truncated": False,
+        "stop_type": _stop_type(finish_reason, hit), "stopping_word": "",
+        "timings": {"prompt_n": len(gen.prompt_ids), "prompt_ms": prompt_ms,
+                    "predicted_n": num_output, "predicted_ms": predicted_ms,
+                    "predicted_per_second": num_output / predicted_ms * 1000 if predicted_ms > 0 else 0.0},
+    }
+
+
+async def completion(request: Request) -> Response:
+    body = await read_json(request)
+    warn_unknown(body, COMPLETION_FIELDS, "/completion")
+    host = _host(request)
+    served = host.get(get_str(body, "model"))
+    tok = served.engine.tokenizer
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        ids = encode_prompt(tok, prompt)
+    elif isinstance(prompt, list):
+        ids = check_token_ids(prompt, tok.vocab_size, "prompt")
+    else:
+        raise bad_request("prompt must be a string or a list of token ids", "prompt")
+    params = _params(body)
+    stream = bool(get_bool(body, "stream", False))
+    slot = host.admission.enter()
+    try:
+        gen = Generation(served, ids, params, priority=get_priority(body), field_names=FIELD_NAMES)
+        if stream:
+            # The response owns the slot from here: it is released when the stream ends, however it ends.
+            response, slot = sse_response(_stream(gen), on_close=slot.release, done_marker=False), None
+            return response
+        result = await unless_disconnected(request, _collect(gen))
+    finally:
+        if slot is not None:
+            slot.release()
+    return JSONResponse(result)
+
+
+async def _stream(gen: Generation):
+    count = 0
+    async for d in gen.deltas():
+        count += len(d.token_ids)
+        chunk = {"content": d.text, "stop": False, "tokens": d.token_ids}
+        if gen.params.logprobs:
+            chunk["completion_probabilities"] = _probs(gen, d.token_ids, d.logprobs, d.top_logprobs)
+        if d.finished:
+            if d.text or d.token_ids:
+                yield chunk
+            yield _final(gen, "", d.finish_reason, d.hit_stop_string, count)
+        elif d.text or d.token_ids:
+            yield chunk
+
+
+async def _collect(gen: Generation) -> dict:
+    text, ids, lps, tops, reason, hit = "", [], [], [], None, False
+    async for d in gen.deltas():
+        text += d.text
+        ids += d.token_ids
+        lps += d.logprobs or []
+        tops += d.top_logprobs or []
+        reason, hit = d.finish_reason or reason, hit or d.hit_stop_string
+    out = _final(gen, text, reason, hit, len(ids))
+    out["tokens"] = ids
+    if gen.params.logprobs:
+        out["completion_probabilities"] = _probs(gen, ids, lps, tops)
+    return out
+
+
+# --- /embedding, /tokenize, /detokenize ---------------------------------------------------------
+async def embedding(request: Request) -> Response:
+    body = await read_json(request)
+    warn_unknown(body, {"content", "input", "model", "truncate"}, "/embedding")
+    host = _host(request)
+    served = host.get(get_str(body, "model"))
+    text = get_str(body, "content") if body.get("content") is not None else get_str(body, "input", label="content")
+    if not text:
+        raise bad_request("content is required", "content")
+    ids = fit_to_context(encode_prompt(served.engine.tokenizer, text), embedding_limit(served),
+                         bool(get_bool(body, "truncate", False)), "content")
+    slot = host.admission.enter()
+    try:
+        vector = await embed(served, ids)
+    finally:
+        slot.release()
+    return JSONResponse({"embedding": vector})
+
+
+async def tokenize(request: Request) -> Response:
+    body = await read_json(request)
+    warn_unknown(body, {"content", "prompt", "messages", "model", "add_special", "add_special_tokens",
+                        "add_generation_prompt"}, "/tokenize")
+    served = _host(request).get(get_str(body, "model"))
+    tok = served.engine.tokenizer
+    if body.get("messages") is not None:
+        ids = render_chat(tok, normalize_messages(body["messages"]),
+                          add_generation_prompt=bool(get_bool(body, "add_generation_prompt", True)))
+    else:
+        text = get_str(body, "content") if "content" in body else get_str(body, "prompt", label="content")
+        if text is None:
+            raise bad_request("content (or prompt, or messages) is required", "content")
+        add = get_bool(body, "add_special", None)
+        add = get_bool(body, "add_special_tokens", True) if add is None else add
+        ids = tok.encode(text, add_special_tokens=bool(add))
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": served.engine.max_model_len})
+
+
+async def detokenize(request: Request) -> Response:
+    body = await read_json(request)
+    warn_unknown(body, {"tokens", "model"}, "/detokenize")
+    served = _host(request).get(get_str(body, "model"))
+    tok = served.engine.tokenizer
+    ids = check_token_ids(body.get("tokens"), tok.vocab_size, "tokens")
+    text = tok.decode(ids)
+    return JSONResponse({"content": text, "prompt": text})
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/load", load, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/completion", completion, methods=["POST"]),
+        Route("/completions", completion, methods=["POST"]),  # llama-server's alias
+        Route("/embedding", embedding, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]

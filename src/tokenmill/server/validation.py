@@ -1,0 +1,148 @@
+"""Reading request bodies: JSON parsing and typed field access whose errors name the field, so a
+client learns exactly which value to fix. Unknown fields are tolerated (clients send extras freely)
+but logged once, so a silently ignored option is at least visible to the operator."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from starlette.requests import Request
+
+from tokenmill.server.errors import APIError, bad_request
+
+log = logging.getLogger("tokenmill.server")
+
+_MISSING = object()
+# Far above any real prompt (the largest contexts are ~1M tokens of ~4 bytes), small enough that one
+# request cannot exhaust memory.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+_warned: set[tuple[str, str]] = set()
+
+
+async def read_json(request: Request) -> dict:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def warn_once(where: str, what: str, message: str) -> None:
+    if (where, what) not in _warned:
+        _warned.add((where, what))
+        log.warning("%s: %s", where, message)
+
+
+def warn_unknown(body: dict, known: Iterable[str], where: str) -> list[str]:
+    unknown = sorted(set(body) - set(known))
+    for name in unknown:
+        warn_once(where, name, f"ignoring unsupported field {name!r}")
+    return unknown
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def get_str(body: dict, name: str, default: Any = None, *, required: bool = False, label: str | None = None) -> Any:
+    label = label or name
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        if required:
+            raise bad_request(f"{label} is required", label)
+        return default
+    if not isinstance(v, str):
+        raise bad_request(f"{label} must be a string, got {_type_name(v)}", label)
+    return v
+
+
+def get_bool(body: dict, name: str, default: Any = None, *, label: str | None = None) -> Any:
+    label = label or name
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"{label} must be true or false, got {json.dumps(v)}", label)
+    return v
+
+
+def get_int(body: dict, name: str, default: Any = None, *, lo: int | None = None, hi: int | None = None,
+            label: str | None = None) -> Any:
+    label = label or name
+    v = body.get(name)
+    if v is None:
+        return default
+    # JSON has one number type; 3.0 is accepted as 3, as Ollama's Go decoder does for options.
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"{label} must be an integer, got {json.dumps(v)}", label)
+    if lo is not None and v < lo:
+        raise bad_request(f"{label} must be at least {lo}, got {v}", label)
+    if hi is not None and v > hi:
+        raise bad_request(f"{label} must be at most {hi}, got {v}", label)
+    return v
+
+
+def get_float(body: dict, name: str, default: Any = None, *, label: str | None = None) -> Any:
+    label = label or name
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad_request(f"{label} must be a number, got {json.dumps(v)}", label)
+    return float(v)
+
+
+def get_stop(body: dict, name: str = "stop", *, label: str | None = None) -> list[str]:
+    """A stop string or a list of them (both APIs accept either)."""
+    label = label or name
+    v = body.get(name)
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v] if v else []
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return [s for s in v if s]
+    raise bad_request(f"{label} must be a string or a list of strings", label)
+
+
+def get_dict(body: dict, name: str, *, label: str | None = None) -> dict:
+    label = label or name
+    v = body.get(name)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad_request(f"{label} must be an object, got {_type_name(v)}", label)
+    return v
+
+
+def get_priority(body: dict, name: str = "priority"):
+    """vLLM's integer priority (lower runs first, 0 normal) or a level name."""
+    from tokenmill.engine import Priority
+
+    v = body.get(name)
+    if v is None:
+        return Priority.NORMAL
+    if isinstance(v, str) and v.lower() in ("high", "normal", "low"):
+        return Priority[v.upper()]
+    if isinstance(v, int) and not isinstance(v, bool):
+        return Priority.HIGH if v < 0 else Priority.LOW if v > 0 else Priority.NORMAL
+    raise bad_request(f"{name} must be an integer (lower runs first) or one of high, normal, low", name)

@@ -1,0 +1,38 @@
+"""Live servers for the HTTP tests: one tiny-model server shared by the session (cheap to load,
+enough for protocol behaviour), and a SmolLM2 one for the few real-model checks."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server_helpers import start_server, wait_idle
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_gguf):
+    server, host = start_server(str(tiny_gguf))
+    assert host.wait_ready(60), host.error
+    yield server, host
+    server.stop()
+
+
+@pytest.fixture
+def tiny(tiny_server):
+    """(base url, ModelHost) of the shared tiny server; checks nothing leaked after each test."""
+    server, host = tiny_server
+    yield server.url, host
+    wait_idle(host)
+
+
+@pytest.fixture
+def client(tiny):
+    with httpx.Client(base_url=tiny[0], timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def smol_server(smollm2_path):
+    server, host = start_server(str(smollm2_path), dtype="bf16", kv_size=4096)
+    assert host.wait_ready(180), host.error
+    yield server, host
+    server.stop()

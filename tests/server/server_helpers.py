@@ -1,0 +1,64 @@
+"""Helpers for the HTTP tests: a real uvicorn server on a random loopback port in a background
+thread, and checks on the model host behind it."""
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from tokenmill.server import LoadSpec, ModelHost, ServerSettings, create_app
+from tokenmill.server.commands import bind_socket
+
+TINY_KV_TOKENS = 8192
+
+
+class LiveServer:
+    def __init__(self, app, *, graceful_timeout: int = 5):
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful_timeout)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+
+def start_server(model: str, *, max_queue: int = 256, dtype: str = "fp32", kv_size: int = TINY_KV_TOKENS,
+                 loader=None, fetcher=None) -> tuple[LiveServer, ModelHost]:
+    host = ModelHost(max_queue=max_queue, retire_timeout=5, **({"loader": loader} if loader else {}))
+    settings = ServerSettings(dtype=dtype, kv_size=kv_size, max_queue=max_queue)
+    if model:
+        host.start_load(LoadSpec(model, dtype=dtype, kv_size=kv_size))
+    server = LiveServer(create_app(host, settings, fetcher=fetcher)).start()
+    return server, host
+
+
+def wait_idle(host: ModelHost, timeout: float = 10.0) -> None:
+    """Every request finished and every KV block back in the pool."""
+    engine = host.current.engine
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (engine.blocks.num_used_blocks == 0 and not engine.has_unfinished()
+                and host.admission.in_flight == 0):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"not idle: {engine.blocks.num_used_blocks} blocks used, running={engine.num_running()}, "
+                         f"waiting={engine.num_waiting()}, in_flight={host.admission.in_flight}")
+
+
+def model_name(host: ModelHost) -> str:
+    return host.current.name

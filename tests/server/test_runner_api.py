@@ -1,0 +1,63 @@
+"""The llama-server style endpoints: /completion (streaming and not), /embedding, /tokenize,
+/detokenize, and the Prometheus /metrics names."""
+from __future__ import annotations
+
+import json
+import re
+
+from server_helpers import model_name
+
+
+def test_completion_non_streaming(client):
+    r = client.post("/completion", json={"prompt": "hello", "n_predict": 4, "temperature": 0, "n_probs": 2})
+    body = r.json()
+    assert r.status_code == 200 and body["stop"] is True
+    assert body["tokens_predicted"] == len(body["tokens"]) == 4 and body["stop_type"] == "limit"
+    assert body["tokens_evaluated"] > 0 and body["timings"]["predicted_n"] == 4
+    assert [len(p["top_logprobs"]) for p in body["completion_probabilities"]] == [2] * 4
+
+
+def test_completion_streaming_matches(client):
+    full = client.post("/completion", json={"prompt": [10, 11, 12], "n_predict": 5, "temperature": 0}).json()
+    r = client.post("/completion", json={"prompt": [10, 11, 12], "n_predict": 5, "temperature": 0, "stream": True})
+    events = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n") if e]
+    assert "".join(e["content"] for e in events) == full["content"]
+    assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 5
+    assert sum(len(e.get("tokens", [])) for e in events) == 5
+
+
+def test_completion_bad_option_names_llama_server_field(client):
+    r = client.post("/completion", json={"prompt": "x", "n_probs": 99})
+    assert r.status_code == 400 and "n_probs" in r.json()["error"]
+
+
+def test_embedding(client, tiny):
+    r = client.post("/embedding", json={"content": "hello"})
+    assert r.status_code == 200 and len(r.json()["embedding"]) == tiny[1].current.engine.loaded.config.dim
+    assert client.post("/embedding", json={}).status_code == 400
+
+
+def test_tokenize_detokenize_round_trip(client, tiny):
+    r = client.post("/tokenize", json={"content": "hello there"}).json()
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json()["content"] == "hello there"
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > r["count"] - 2  # template tokens around the message
+    assert client.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def test_metrics_use_vllm_names_with_the_model_label(client, tiny):
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0})
+    text = client.get("/metrics").text
+    label = f'model_name="{model_name(tiny[1])}"'
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert re.search(rf"^{re.escape(name)}{{{re.escape(label)}}} [0-9.e+-]+$", text, re.M), name
+    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "tokenmill:batch_tokens_per_step", "tokenmill:batch_seqs_per_step"):
+        assert f"# TYPE {name} histogram" in text
+        assert re.search(rf'^{re.escape(name)}_bucket{{{re.escape(label)},le="\+Inf"}} [1-9]', text, re.M), name
+        assert re.search(rf"^{re.escape(name)}_count{{{re.escape(label)}}} [1-9]", text, re.M), name
+    assert int(re.search(r"^vllm:generation_tokens_total\S* (\d+)", text, re.M).group(1)) >= 2
