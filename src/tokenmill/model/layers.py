@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention
+from tokenmill.model.linear import Linear
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -68,13 +69,13 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = scale
-        self.qkv_proj = _param((n_heads + 2 * n_kv_heads) * head_dim, dim)
-        self.o_proj = _param(dim, n_heads * head_dim)
+        self.qkv_proj = Linear((n_heads + 2 * n_kv_heads) * head_dim, dim)
+        self.o_proj = Linear(dim, n_heads * head_dim)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused QKV projection with rotary embedding applied to q and k in one go."""
-        qkv = F.linear(x, self.qkv_proj)
+        qkv = self.qkv_proj(x)
         hd = self.head_dim
         qk, v = qkv.split([(self.n_heads + self.n_kv_heads) * hd, self.n_kv_heads * hd], dim=-1)
         qk = RotaryEmbedding.apply(qk.view(-1, self.n_heads + self.n_kv_heads, hd), cos, sin)
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return F.linear(out.flatten(1), self.o_proj)
+        return self.o_proj(out.flatten(1))
 
 
 class GatedMLP(nn.Module):
@@ -94,10 +95,10 @@ class GatedMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, *, activation: str = "silu"):
         super().__init__()
         self.hidden = hidden
-        self.gate_up_proj = _param(2 * hidden, dim)
-        self.down_proj = _param(dim, hidden)
+        self.gate_up_proj = Linear(2 * hidden, dim)
+        self.down_proj = Linear(dim, hidden)
         self.act = F.silu if activation == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.hidden, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_proj)
+        gate, up = self.gate_up_proj(x).split(self.hidden, dim=-1)
+        return self.down_proj(self.act(gate) * up)

@@ -10,6 +10,7 @@ from tokenmill.gguf.config import ModelConfig
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, _param, interleaved_to_half_split
+from tokenmill.model.linear import Int4Weight
 
 
 class LlamaBlock(nn.Module):
@@ -62,8 +63,10 @@ class LlamaModel(nn.Module):
                                                      "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
         return names
 
-    def load_tensor(self, name: str, tensor: torch.Tensor, pending: dict[str, torch.Tensor]) -> None:
-        """Place one dequantized GGUF tensor; parts of fused weights wait in `pending` for their siblings."""
+    def load_tensor(self, name: str, tensor: torch.Tensor, int4: Int4Weight | None,
+                    pending: dict[str, tuple[torch.Tensor, Int4Weight | None]]) -> None:
+        """Place one dequantized GGUF tensor (and its int4 form, if it has one); parts of fused
+        weights wait in `pending` for their siblings."""
         if name == "token_embd.weight":
             self.embed.data = tensor
             if self.config.tied_embeddings:
@@ -77,18 +80,29 @@ class LlamaModel(nn.Module):
             return
         _, idx, part, _ = name.split(".")
         block = self.blocks[int(idx)]
-        simple = {"attn_norm": block.attn_norm.weight, "ffn_norm": block.ffn_norm.weight,
-                  "attn_output": block.attn.o_proj, "ffn_down": block.mlp.down_proj}
-        if part in simple:
-            simple[part].data = tensor
+        norms = {"attn_norm": block.attn_norm.weight, "ffn_norm": block.ffn_norm.weight}
+        if part in norms:
+            norms[part].data = tensor
             return
-        pending[name] = tensor
+        linears = {"attn_output": block.attn.o_proj, "ffn_down": block.mlp.down_proj}
+        if part in linears:
+            linears[part].weight.data = tensor
+            linears[part].set_int4(int4)
+            return
+        pending[name] = (tensor, int4)
+        cfg = self.config
         q, k, v = (f"blk.{idx}.attn_{p}.weight" for p in "qkv")
         if all(n in pending for n in (q, k, v)):
-            cfg = self.config
-            wq = interleaved_to_half_split(pending.pop(q), cfg.n_heads)
-            wk = interleaved_to_half_split(pending.pop(k), cfg.n_kv_heads)
-            block.attn.qkv_proj.data = torch.cat([wq, wk, pending.pop(v)])
+            (wq, iq), (wk, ik), (wv, iv) = pending.pop(q), pending.pop(k), pending.pop(v)
+            # GGUF stores Llama's Q/K rows in rotary-interleaved order; the model rotates half-split.
+            order_q = interleaved_to_half_split(torch.arange(wq.shape[0]).unsqueeze(1), cfg.n_heads).squeeze(1)
+            order_k = interleaved_to_half_split(torch.arange(wk.shape[0]).unsqueeze(1), cfg.n_kv_heads).squeeze(1)
+            block.attn.qkv_proj.weight.data = torch.cat([wq[order_q], wk[order_k], wv])
+            parts = (iq, ik, iv)
+            block.attn.qkv_proj.set_int4(None if None in parts else Int4Weight.concat(
+                [iq.permute_rows(order_q), ik.permute_rows(order_k), iv]))
         gate, up = f"blk.{idx}.ffn_gate.weight", f"blk.{idx}.ffn_up.weight"
         if gate in pending and up in pending:
-            block.mlp.gate_up_proj.data = torch.cat([pending.pop(gate), pending.pop(up)])
+            (wg, ig), (wu, iu) = pending.pop(gate), pending.pop(up)
+            block.mlp.gate_up_proj.weight.data = torch.cat([wg, wu])
+            block.mlp.gate_up_proj.set_int4(None if ig is None or iu is None else Int4Weight.concat([ig, iu]))

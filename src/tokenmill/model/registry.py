@@ -10,6 +10,7 @@ import torch
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import GGUFError, GGUFFile, open_gguf
 from tokenmill.gguf.weights import check_supported, iter_dequantized
+from tokenmill.model.linear import Int4Weight
 from tokenmill.model.llama import LlamaModel
 
 ARCHITECTURES: dict[str, type] = {"llama": LlamaModel}
@@ -39,7 +40,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ModelLoadError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})") from None
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = torch.bfloat16, *, progress: bool = False) -> LoadedModel:
+def load_model(path: str | Path, dtype: str | torch.dtype = torch.bfloat16, *, progress: bool = False,
+               int4: bool = True) -> LoadedModel:
+    """Load a GGUF model. With `int4` (and bf16), 4-bit GGUF weights are also kept int4-packed for
+    few-row steps (see model/linear.py)."""
     start = time.perf_counter()
     dtype = resolve_dtype(dtype)
     try:
@@ -51,9 +55,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.bfloat16, *, p
         cfg = ModelConfig.from_gguf(g)
         with torch.device("cpu"):
             model = ARCHITECTURES[arch](cfg)
-        pending: dict[str, torch.Tensor] = {}
+        pending: dict = {}
         for name, tensor in iter_dequantized(g, model.gguf_tensor_names(), dtype, progress=progress):
-            model.load_tensor(name, tensor, pending)
+            info = g.tensors[name]
+            packed = Int4Weight.from_gguf(info.data, info.ggml_type, info.shape) if int4 and len(info.shape) == 2 else None
+            model.load_tensor(name, tensor, packed, pending)
         if pending:
             raise ModelLoadError(f"{path}: tensors without their fused siblings: {sorted(pending)[:4]}")
         model.rope.to(torch.float32)
