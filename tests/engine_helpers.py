@@ -31,3 +31,15 @@ def run_one_at_a_time(engine: LLMEngine, requests: list[tuple[list[int], Samplin
 def assert_all_free(engine: LLMEngine) -> None:
     engine.blocks.check_integrity()
     assert engine.blocks.num_used_blocks == 0, f"{engine.blocks.num_used_blocks} blocks leaked"
+
+
+def step_until_done(engine: LLMEngine, *, check_every_step: bool = True) -> dict[tuple[str, int], list[int]]:
+    """Step until idle; output ids per (request id, sample index), for requests added beforehand."""
+    outputs: dict[tuple[str, int], list[int]] = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            outputs.setdefault((ev.request_id, ev.index), []).extend(ev.token_ids)
+        if check_every_step:
+            engine.blocks.check_integrity()
+    assert_all_free(engine)
+    return outputs

@@ -55,21 +55,25 @@ class AsyncEngine:
 
     # --- requests ------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                       priority: Priority = Priority.NORMAL, num_ctx: int | None = None) -> AsyncIterator[TokenEvent]:
-        """Stream a request's events; leaving the loop early (client gone) aborts it."""
-        self.engine.check_request(prompt_ids, params, num_ctx)  # raise bad input here, in the caller
+                       priority: Priority = Priority.NORMAL, num_ctx: int | None = None, n: int = 1,
+                       **options: Any) -> AsyncIterator[TokenEvent]:
+        """Stream a request's events (for n samples: keyed by ev.index, ending when all n ended);
+        leaving the loop early (client gone) aborts it. options: num_keep, truncate, shift."""
+        self.engine.check_request(prompt_ids, params, num_ctx, n=n, **options)  # bad input raises here
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = stream
-        self._submit(lambda: self._add(rid, prompt_ids, params, priority, num_ctx))
+        self._submit(lambda: self._add(rid, prompt_ids, params, priority, num_ctx, n, options))
+        num_finished = 0
         finished = False
         try:
             while not finished:
                 ev: TokenEvent = await stream.queue.get()
-                finished = ev.finished
+                num_finished += ev.finished
+                finished = num_finished >= n
                 yield ev
         finally:
             with self._lock:
@@ -77,8 +81,9 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
-    def abort(self, request_id: str) -> None:
-        self._submit(lambda: self._deliver(self.engine.abort(request_id)))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort a request, or only its sample `index`."""
+        self._submit(lambda: self._deliver(self.engine.abort(request_id, index)))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         """Run fn(engine) on the loop thread between steps (e.g. embeddings, stats snapshots)."""
@@ -100,14 +105,16 @@ class AsyncEngine:
         self._wake.set()
 
     def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: Priority,
-             num_ctx: int | None) -> None:
+             num_ctx: int | None, n: int, options: dict[str, Any]) -> None:
         with self._lock:
             if rid not in self._streams:  # the caller left before the loop saw the request
                 return
         try:
-            self.engine.add_request(prompt_ids, params, request_id=rid, priority=priority, num_ctx=num_ctx)
+            self.engine.add_request(prompt_ids, params, request_id=rid, priority=priority, num_ctx=num_ctx, n=n,
+                                    **options)
         except Exception as exc:  # noqa: BLE001 - reported to that request only
-            self._deliver([TokenEvent(rid, [], None, None, FinishReason.ERROR, str(exc), len(prompt_ids), 0, 0)])
+            self._deliver([TokenEvent(rid, [], None, None, FinishReason.ERROR, str(exc), len(prompt_ids), 0, 0, i)
+                           for i in range(n)])
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for ev in events:
@@ -133,6 +140,11 @@ class AsyncEngine:
                     log.exception("engine command failed")
             if not self.engine.has_unfinished():
                 self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            delay = self.engine.step_delay()  # max_wait_ms: let a burst of arrivals gather
+            if delay > 0:
+                self._wake.wait(delay)
                 self._wake.clear()
                 continue
             try:

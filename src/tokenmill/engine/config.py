@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+POLICIES = ("fifo", "priority", "sjf")
+
 
 class ConfigError(ValueError):
     pass
@@ -14,20 +16,42 @@ class EngineConfig:
     block_size: int = 16
     max_total_tokens: int = 65536      # KV budget in tokens, across all sequences
     max_model_len: int | None = None   # per-sequence context (num_ctx); None = the model's own
+    max_sequence_length: int | None = None  # another cap on the same thing; the smaller one wins
     n_batch: int = 512                 # token budget of one step, shared by decodes and prefill chunks
     n_ubatch: int = 512                # most tokens one model call processes (micro-batch)
     parallel: int = 64                 # most sequences running at once
     enable_prefix_caching: bool = True
+    # Waiting-queue order (engine/policy.py): "fifo" by arrival; "priority" by request priority, then
+    # arrival, preempting lower-priority running work when a higher one cannot be admitted;
+    # "sjf" shortest expected job first, with ageing.
+    policy: str = "fifo"
+    aging_ms: float = 10.0             # sjf: each aging_ms of waiting counts as one token less of work
+    # Hold a step back while fewer than `parallel` requests wait and the oldest has waited less than
+    # this, so a burst of arrivals starts as one batch. 0 = never hold back. Only idle engines wait.
+    max_wait_ms: float = 0.0
 
     def validate(self) -> None:
         for name in ("block_size", "max_total_tokens", "n_batch", "n_ubatch", "parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        for name in ("max_model_len", "max_sequence_length"):
+            value = getattr(self, name)
+            if value is not None and value < 2:
+                raise ConfigError(f"{name} must be at least 2, got {value}")
         if self.max_total_tokens < self.block_size:
             raise ConfigError(f"max_total_tokens ({self.max_total_tokens}) is below one block ({self.block_size})")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.aging_ms <= 0:
+            raise ConfigError(f"aging_ms must be positive, got {self.aging_ms}")
+        if self.max_wait_ms < 0:
+            raise ConfigError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
 
     @property
     def num_blocks(self) -> int:
         return self.max_total_tokens // self.block_size
+
+    def context_limit(self, model_context: int) -> int:
+        """Per-sequence context: the model's own, capped by max_model_len and max_sequence_length."""
+        caps = [c for c in (self.max_model_len, self.max_sequence_length) if c is not None]
+        return min([model_context, *caps])

@@ -8,7 +8,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.context import generation_reserve, truncate_prompt
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler, SamplerInput
@@ -36,7 +39,8 @@ class PromptTooLongError(RequestError):
 
 @dataclass
 class TokenEvent:
-    """What one step did for one request: tokens since the last event, and the ending if it ended."""
+    """What one step did for one sample of a request: tokens since the last event, and the ending
+    if it ended. A request with n samples gets events for indices 0..n-1, each ending once."""
     request_id: str
     token_ids: list[int]
     logprobs: list[float] | None
@@ -46,6 +50,7 @@ class TokenEvent:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    index: int = 0  # which sample of the request (parallel sampling, n > 1)
 
     @property
     def finished(self) -> bool:
@@ -60,7 +65,7 @@ class LLMEngine:
         self.loaded = loaded
         self.tokenizer = tokenizer
         mc = loaded.config
-        self.max_model_len = min(cfg.max_model_len or mc.context_length, mc.context_length)
+        self.max_model_len = cfg.context_limit(mc.context_length)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.kv = KVStorage(mc.n_layers, cfg.num_blocks, cfg.block_size, mc.n_kv_heads, mc.head_dim, loaded.dtype)
         self.scheduler = Scheduler(cfg, self.blocks, tokenizer.stop_ids)
@@ -77,14 +82,22 @@ class LLMEngine:
         return cls(loaded, Tokenizer.from_gguf_metadata(loaded.gguf.metadata), cfg)
 
     # --- requests ------------------------------------------------------------------------------
-    def check_request(self, prompt_ids: list[int], params: SamplingParams, num_ctx: int | None = None) -> int:
-        """Validate without side effects; returns the sequence's context limit."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, num_ctx: int | None = None, *,
+                      n: int = 1, num_keep: int = 0, truncate: bool = False, shift: bool = False) -> int:
+        """Validate without side effects; returns the sequence's context limit. With truncate, a
+        prompt longer than the context is accepted (add_request cuts it)."""
         params.validate()
         if not prompt_ids:
             raise RequestError("prompt is empty")
+        if n < 1:
+            raise RequestError(f"n must be at least 1, got {n}")
+        if num_keep < 0:
+            raise RequestError(f"num_keep must be >= 0, got {num_keep}")
+        if num_ctx is not None and num_ctx < 2:
+            raise RequestError(f"num_ctx must be at least 2, got {num_ctx}")
         limit = self.max_model_len if num_ctx is None else min(num_ctx, self.max_model_len)
         limit = min(limit, self.cfg.num_blocks * self.cfg.block_size)
-        if len(prompt_ids) >= limit:
+        if len(prompt_ids) >= limit and not truncate:
             raise PromptTooLongError(len(prompt_ids), limit)
         vocab = self.loaded.config.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
@@ -93,35 +106,68 @@ class LLMEngine:
         return limit
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                    priority: Priority = Priority.NORMAL, num_ctx: int | None = None) -> str:
-        limit = self.check_request(prompt_ids, params, num_ctx)
+                    priority: Priority = Priority.NORMAL, num_ctx: int | None = None, n: int = 1,
+                    num_keep: int = 0, truncate: bool = False, shift: bool = False) -> str:
+        """Queue a request. n: parallel samples sharing one computed prompt (events carry `index`).
+        num_ctx: this request's context (capped by the engine's). truncate: cut a prompt that does not
+        fit to its first num_keep tokens plus the newest tail instead of rejecting it. shift: when the
+        context fills up during generation, drop the older half after num_keep and go on, instead of
+        finishing with `length`."""
+        limit = self.check_request(prompt_ids, params, num_ctx, n=n, num_keep=num_keep, truncate=truncate,
+                                   shift=shift)
         request_id = request_id or f"req-{next(self._request_ids)}"
-        seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), params, limit, priority)
+        prompt_ids = list(prompt_ids)
+        if len(prompt_ids) >= limit:  # truncate was asked, or check_request would have raised
+            cut = truncate_prompt(prompt_ids, limit, num_keep, generation_reserve(limit, params.max_tokens))
+            log.info("request %s: prompt of %d tokens truncated to %d for a %d-token context "
+                     "(kept the first %d, dropped the %d after them)", request_id, len(prompt_ids),
+                     len(cut.token_ids), limit, cut.num_keep, cut.num_dropped)
+            prompt_ids = cut.token_ids
+        seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, limit, priority,
+                       num_pending_forks=n - 1, num_keep=min(num_keep, limit - 2), shift=shift)
         self.scheduler.add(seq)
         return request_id
 
-    def abort(self, request_id: str) -> list[TokenEvent]:
+    def abort(self, request_id: str, index: int | None = None) -> list[TokenEvent]:
+        """Finish a request's samples (or only sample `index`, e.g. one that hit a stop string)."""
         events = []
         for seq in self.scheduler.find(request_id):
-            self.scheduler.finish(seq, FinishReason.ABORT)
-            self.stats.record_finish(seq)
-            events.append(self._event(seq))
+            if index is None or seq.sample_index == index:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                events += self._finished(seq)
         return events
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def ready_to_step(self, now: float | None = None) -> bool:
+        return self.step_delay(now) == 0.0
+
+    def step_delay(self, now: float | None = None) -> float:
+        """Seconds to hold off the next step so a burst of arrivals starts as one batch (max_wait_ms):
+        0 when running work must go on, a full batch waits, or the oldest waited long enough."""
+        sched = self.scheduler
+        if self.cfg.max_wait_ms <= 0 or sched.running or len(sched.waiting) >= self.cfg.parallel:
+            return 0.0
+        oldest = sched.waiting.oldest_arrival()
+        if oldest is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return max(0.0, oldest + self.cfg.max_wait_ms / 1000.0 - now)
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         start = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
-        events = [self._finished(seq) for seq in batch.finished]
+        events = [ev for seq in batch.finished for ev in self._finished(seq)]
         if not batch.chunks:
             return events
         try:
+            self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
             logits = self.runner.run(batch)
-            result = None if logits is None else self.sampler(logits, self._sampler_input(batch))
+            self.scheduler.fork_samples(batch, lambda: next(self._seq_ids))
+            result = None if logits is None else self.sampler(self._logits(logits, batch), self._sampler_input(batch))
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("step failed; finishing its %d sequences with an error", len(batch.chunks))
             return events + self._fail(batch, f"{type(exc).__name__}: {exc}")
@@ -129,8 +175,14 @@ class LLMEngine:
         self._record(batch, start, self.scheduler.num_preemptions - preemptions_before)
         for seq in changed:
             self.stats.record_token(seq)
-            events.append(self._finished(seq) if seq.is_finished else self._event(seq))
+            events += self._finished(seq) if seq.is_finished else [self._event(seq)]
         return events
+
+    @staticmethod
+    def _logits(logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+        # Forked samples reuse their parent's row: the prompt was computed once, for all of them.
+        rows = batch.logit_rows()
+        return logits if rows is None else logits.index_select(0, torch.tensor(rows))
 
     def _sampler_input(self, batch: ScheduledBatch) -> SamplerInput:
         seqs = [c.seq for c in batch.sampling_chunks]
@@ -154,19 +206,26 @@ class LLMEngine:
         for chunk in batch.chunks:
             if not chunk.seq.is_finished:
                 self.scheduler.finish(chunk.seq, FinishReason.ERROR, message)
-                events.append(self._finished(chunk.seq))
+                events += self._finished(chunk.seq)
         return events
 
-    def _finished(self, seq: Sequence) -> TokenEvent:
+    def _finished(self, seq: Sequence) -> list[TokenEvent]:
+        """The final event of a sequence, plus one for each sample it never got to fork (the request
+        ended before its prompt was computed), so a client counting n endings is not left waiting."""
         self.stats.record_finish(seq)
-        return self._event(seq)
+        events = [self._event(seq)]
+        for i in range(1, seq.num_pending_forks + 1):
+            events.append(TokenEvent(seq.request_id, [], None, None, seq.finish_reason, seq.error,
+                                     len(seq.prompt_ids), seq.num_cached_prompt_tokens, 0, seq.sample_index + i))
+        seq.num_pending_forks = 0
+        return events
 
     def _record(self, batch: ScheduledBatch, start: float, preemptions: int) -> None:
         decodes = sum(1 for c in batch.chunks if not c.seq.is_prefilling and c.num_new == 1)
-        prefill_tokens = sum(c.num_new for c in batch.chunks) - decodes
+        prefill_tokens = batch.num_tokens - decodes
         self.stats.num_preemptions += preemptions
         self.stats.record_step(StepRecord(batch.num_tokens, len(batch.chunks), decodes, prefill_tokens,
-                                          time.perf_counter() - start))
+                                          time.perf_counter() - start, batch.num_cached_tokens))
 
     def _event(self, seq: Sequence) -> TokenEvent:
         new = seq.output_ids[seq.num_emitted:]
@@ -174,7 +233,7 @@ class LLMEngine:
         top = seq.output_top_logprobs[seq.num_emitted:] if seq.params.top_logprobs else None
         seq.num_emitted = len(seq.output_ids)
         return TokenEvent(seq.request_id, new, logprobs, top, seq.finish_reason, seq.error,
-                          len(seq.prompt_ids), seq.num_cached_prompt_tokens, len(seq.output_ids))
+                          len(seq.prompt_ids), seq.num_cached_prompt_tokens, len(seq.output_ids), seq.sample_index)
 
     # --- introspection -------------------------------------------------------------------------
     def kv_usage(self) -> float:

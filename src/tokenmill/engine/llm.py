@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
@@ -19,6 +20,7 @@ class CompletionOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
     finish_reason: str
     num_cached_tokens: int
+    index: int = 0  # which of the prompt's n samples
 
 
 class LLM:
@@ -28,23 +30,25 @@ class LLM:
         self.engine = LLMEngine.from_path(resolve_model(str(model)), config, progress=progress)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[CompletionOutput]:
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 *, n: int = 1, **options: Any) -> list[CompletionOutput]:
+        """Outputs in prompt order, n per prompt (sample 0..n-1 of the first prompt, then the next).
+        options go to add_request: priority, num_ctx, num_keep, truncate, shift."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids_list = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
-        assemblers: dict[str, OutputAssembler] = {}
-        collected: dict[str, CompletionOutput] = {}
-        order = []
+        assemblers: dict[tuple[str, int], OutputAssembler] = {}
+        collected: dict[tuple[str, int], CompletionOutput] = {}
         for ids, p in zip(ids_list, params_list):
-            rid = self.engine.add_request(ids, p)
-            assemblers[rid] = OutputAssembler(self.tokenizer, p)
-            collected[rid] = CompletionOutput(ids, "", [], [] if p.logprobs or p.top_logprobs else None,
-                                              [] if p.top_logprobs else None, "", 0)
-            order.append(rid)
+            rid = self.engine.add_request(ids, p, n=n, **options)
+            for i in range(n):
+                assemblers[rid, i] = OutputAssembler(self.tokenizer, p)
+                collected[rid, i] = CompletionOutput(ids, "", [], [] if p.logprobs or p.top_logprobs else None,
+                                                     [] if p.top_logprobs else None, "", 0, i)
         while self.engine.has_unfinished():
             for ev in self.engine.step():
-                delta = assemblers[ev.request_id].push(ev)
-                out = collected[ev.request_id]
+                key = (ev.request_id, ev.index)
+                delta = assemblers[key].push(ev)
+                out = collected[key]
                 out.text += delta.text
                 out.token_ids += delta.token_ids
                 if out.logprobs is not None and delta.logprobs:
@@ -52,8 +56,8 @@ class LLM:
                 if out.top_logprobs is not None and delta.top_logprobs:
                     out.top_logprobs += delta.top_logprobs
                 out.num_cached_tokens = delta.num_cached_tokens
-                if delta.hit_stop_string:
-                    self.engine.abort(ev.request_id)
+                if delta.hit_stop_string:  # only this sample stops; its siblings go on
+                    self.engine.abort(ev.request_id, ev.index)
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
-        return [collected[r] for r in order]
+        return list(collected.values())

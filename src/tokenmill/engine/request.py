@@ -6,12 +6,17 @@
 
 One rule drives every phase: each step computes some of the tokens the sequence knows but has not
 yet put in the cache (`num_tokens - num_computed_tokens`); when a step catches up, the last row's
-logits are sampled. Prefill, chunked prefill, decode and recompute after preemption are all that."""
+logits are sampled. Prefill, chunked prefill, decode, recompute after preemption and recompute after
+a context shift are all that.
+
+Parallel samples (n > 1) are sibling sequences with one request_id and sample indices 0..n-1. Only
+sample 0 exists until its prompt is computed; then the others are forked from it (`fork`), sharing
+its KV blocks, so the prompt is computed once."""
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 from tokenmill.engine.sampler import make_generator
@@ -74,17 +79,37 @@ class Sequence:
     num_emitted: int = 0  # output tokens already handed to the client
     generator: "torch.Generator | None" = None
     times: SequenceTimes = field(default_factory=SequenceTimes)
+    # Parallel samples: this sequence's index, and how many siblings it still has to fork (only
+    # sample 0 has any, until its prompt is computed).
+    sample_index: int = 0
+    num_pending_forks: int = 0
+    # Context management: a context shift keeps the first num_keep tokens and drops the older half
+    # of the rest; without shift, a full context ends the sequence with `length`.
+    num_keep: int = 0
+    shift: bool = False
+    num_shifted_tokens: int = 0   # dropped by context shifts so far
+    # After a shift the model sees shifted_ids + output_ids[shifted_output_start:]: the kept tokens
+    # of the old context, then what was generated since. output_ids keeps everything generated.
+    shifted_ids: list[int] | None = None
+    shifted_output_start: int = 0
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
-            self.generator = make_generator(self.params.seed)
+            # Sample i of a seeded request draws from seed + i: reproducible, yet the samples differ.
+            self.generator = make_generator(self.params.seed + self.sample_index)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in the context (what the cache holds once computed)."""
+        if self.shifted_ids is not None:
+            return len(self.shifted_ids) + len(self.output_ids) - self.shifted_output_start
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The context the model sees: prompt + output, minus what context shifts dropped."""
+        if self.shifted_ids is not None:
+            return self.shifted_ids + self.output_ids[self.shifted_output_start:]
         return self.prompt_ids + self.output_ids
 
     @property
@@ -93,7 +118,8 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < len(self.prompt_ids)
+        prompt = len(self.shifted_ids) if self.shifted_ids is not None else len(self.prompt_ids)
+        return self.num_computed_tokens < prompt
 
     @property
     def is_finished(self) -> bool:
@@ -115,3 +141,22 @@ class Sequence:
         self.transition(Status.WAITING)
         self.num_computed_tokens = 0
         self.num_preemptions += 1
+
+    def shift_context(self, kept_ids: list[int], num_dropped: int) -> None:
+        """Replace the context by kept_ids (ending with the newest token); the cache must be redone."""
+        self.shifted_ids = kept_ids
+        self.shifted_output_start = len(self.output_ids)
+        self.num_shifted_tokens += num_dropped
+        self.num_computed_tokens = 0
+
+    def fork(self, seq_id: int, sample_index: int) -> "Sequence":
+        """A sibling sample that has everything this one has computed (the blocks are forked by the
+        caller). Born running; it keeps its own generator and output from here on."""
+        child = replace(
+            self, seq_id=seq_id, sample_index=sample_index, num_pending_forks=0, generator=None,
+            output_ids=list(self.output_ids), output_logprobs=list(self.output_logprobs),
+            output_top_logprobs=list(self.output_top_logprobs),
+            shifted_ids=None if self.shifted_ids is None else list(self.shifted_ids),
+            times=replace(self.times),
+        )  # replace() runs __post_init__, which seeds the child's own generator
+        return child

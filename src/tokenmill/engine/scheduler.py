@@ -1,61 +1,51 @@
 """Which tokens of which sequences go into the next step, and what each sequence does afterwards.
 
 `schedule()` builds the batch: running sequences first, in a rotating order so none starves when the
-token budget cannot serve them all; then waiting sequences in FIFO order while budget, the `parallel`
-cap and cache blocks allow. When a running sequence needs a block and none is free, the newest
-running sequence is preempted by recompute. `update()` is the post-step bookkeeping."""
+token budget cannot serve them all; then waiting sequences in the policy's order (engine/policy.py)
+while budget, the `parallel` cap and cache blocks allow. When a running sequence needs a block and
+none is free, the lowest-priority, newest running sequence is preempted by recompute; under the
+"priority" policy a waiting request that cannot be admitted preempts lower-priority running ones.
+`fork_samples()` and `update()` are the post-step bookkeeping."""
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
+from tokenmill.engine.batch import ScheduledBatch, ScheduledChunk
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.context import shift_context
+from tokenmill.engine.policy import WaitingQueue
 from tokenmill.engine.request import FinishReason, Sequence, Status
 from tokenmill.engine.sampler import SampleResult
 from tokenmill.kvcache import BlockManager
+from tokenmill.kvcache.block_manager import PrefixMatch
+
+__all__ = ["ScheduledBatch", "ScheduledChunk", "Scheduler"]
+
+log = logging.getLogger("tokenmill.engine")
 
 
-@dataclass
-class ScheduledChunk:
-    seq: Sequence
-    start: int        # first position computed this step
-    num_new: int
-    samples: bool     # this chunk catches the sequence up: its last row is sampled
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids[self.start:self.start + self.num_new]
-
-
-@dataclass
-class ScheduledBatch:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)  # ended while scheduling (cache too small)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_new for c in self.chunks)
-
-    @property
-    def sampling_chunks(self) -> list[ScheduledChunk]:
-        return [c for c in self.chunks if c.samples]
+def _victim_key(seq: Sequence) -> tuple:
+    # Lowest priority first (largest value), then the newest: it has the least work to lose.
+    return (seq.priority, seq.times.arrival, seq.seq_id)
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, blocks: BlockManager, stop_ids: frozenset[int]):
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, stop_ids: frozenset[int],
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.blocks = blocks
         self.stop_ids = stop_ids
-        self.waiting: deque[Sequence] = deque()
+        self.clock = clock  # the policy's notion of now (ageing); tests substitute a fake
+        self.waiting = WaitingQueue(cfg.policy, cfg.aging_ms)
         self.running: list[Sequence] = []
         self._rotation = 0
         self.num_preemptions = 0
 
     # --- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def find(self, request_id: str) -> list[Sequence]:
         return [s for s in [*self.running, *self.waiting] if s.request_id == request_id]
@@ -75,82 +65,141 @@ class Scheduler:
     # --- batch building ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.cfg.n_batch
         n = len(self.running)
         order = self.running[self._rotation % n:] + self.running[:self._rotation % n] if n else []
         self._rotation += 1
         for seq in order:
+            budget = self.cfg.n_batch - batch.num_tokens
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_uncomputed, budget)
-            if not self._reserve(seq, seq.num_computed_tokens + num_new, batch):
-                continue
-            budget -= num_new
-            batch.chunks.append(self._chunk(seq, num_new))
-        if not batch.preempted:
-            budget = self._admit(batch, budget)
+            copies = self._reserve(seq, seq.num_computed_tokens + num_new, batch)
+            if copies is not None:
+                batch.add(self._chunk(seq, num_new, copies))
+        if not batch.preempted:  # memory is short this step: let the running ones catch up first
+            self._admit(batch)
         # Single-token chunks first: the attention groups them into one batched call.
         batch.chunks.sort(key=lambda c: c.num_new != 1)
         return batch
 
-    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> ScheduledChunk:
         if seq.times.first_scheduled is None:
             seq.times.first_scheduled = time.monotonic()
         start = seq.num_computed_tokens
-        return ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens)
+        return ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens, copies)
 
-    def _reserve(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Make room for `seq` to hold num_tokens, preempting the newest running sequences as
-        needed. False if `seq` itself had to go."""
-        while not self.blocks.can_allocate(seq.seq_id, num_tokens):
-            victim = max((s for s in self.running), key=lambda s: (s.priority, s.times.arrival))
+    def _reserve(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> list[tuple[int, int]] | None:
+        """Make room for `seq` to hold num_tokens and to write its new tokens into blocks of its own,
+        preempting running sequences as needed. Returns the copy-on-write pairs, or None if `seq`
+        itself had to go."""
+        first_write = seq.num_computed_tokens
+        while True:
+            if self.blocks.can_allocate(seq.seq_id, num_tokens):
+                self.blocks.allocate(seq.seq_id, num_tokens)  # kept even if the copy below must wait
+                # A block shared with a sibling sample is copied before this sequence writes into it.
+                if self.blocks.can_prepare_write(seq.seq_id, first_write):
+                    return self.blocks.prepare_write(seq.seq_id, first_write)
+            victim = max(self.running, key=_victim_key)
             if victim is seq and len(self.running) == 1:
                 # Alone and still out of blocks: the cache cannot hold this sequence at all.
                 self.finish(seq, FinishReason.LENGTH)
                 batch.finished.append(seq)
-                return False
+                return None
             self._preempt(victim, batch)
             if victim is seq:
-                return False
-        self.blocks.allocate(seq.seq_id, num_tokens)
-        return True
+                return None
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        for chunk in batch.chunks:
-            if chunk.seq is seq:  # already scheduled this step: take it back out
-                batch.chunks.remove(chunk)
-                break
+        batch.remove(seq)  # if it was already scheduled this step (its CoW copies go with it)
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        self.waiting.add(seq)
         batch.preempted.append(seq)
         self.num_preemptions += 1
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.parallel:
-            seq = self.waiting[0]
-            prefix = self.blocks.match_prefix(seq.all_token_ids) if self.cfg.enable_prefix_caching else None
+    def _admit(self, batch: ScheduledBatch) -> None:
+        # Strictly in policy order: a request that does not fit blocks those behind it, so a big
+        # one is not overtaken forever by small ones that happen to fit.
+        for seq in self.waiting.ordered(self.clock()):
+            budget = self.cfg.n_batch - batch.num_tokens
+            if budget <= 0:
+                break
+            if not self._has_slot(seq) and not self._preempt_lower(seq, batch, lambda: self._has_slot(seq)):
+                break
+            prefix = self._match(seq)
             cached = prefix.num_tokens if prefix else 0
-            num_new = min(seq.num_tokens - cached, budget)
-            if not self.blocks.can_allocate(seq.seq_id, cached + num_new, prefix):
+            num_new = min(seq.num_tokens - cached, self.cfg.n_batch - batch.num_tokens)
+
+            def fits() -> bool:
+                return self.blocks.can_allocate(seq.seq_id, cached + num_new, prefix)
+
+            if not fits() and not self._preempt_lower(seq, batch, fits, cached + num_new):
                 break
             self.blocks.allocate(seq.seq_id, cached + num_new, prefix)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.transition(Status.RUNNING)
             seq.num_computed_tokens = cached
             seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_ids))
+            batch.num_cached_tokens += cached
             self.running.append(seq)
-            batch.chunks.append(self._chunk(seq, num_new))
-            budget -= num_new
-        return budget
+            batch.add(self._chunk(seq, num_new, []))
+
+    def _match(self, seq: Sequence) -> PrefixMatch | None:
+        # Also for a preempted or shifted sequence coming back: its own old blocks may still be cached.
+        return self.blocks.match_prefix(seq.all_token_ids) if self.cfg.enable_prefix_caching else None
+
+    def _has_slot(self, seq: Sequence) -> bool:
+        # A request with n samples will run n sequences once its prompt is done; an oversized n is
+        # let in alone rather than never.
+        weight = 1 + seq.num_pending_forks
+        return not self.running or len(self.running) + weight <= self.cfg.parallel
+
+    def _preempt_lower(self, seq: Sequence, batch: ScheduledBatch, fits: Callable[[], bool],
+                       num_tokens: int | None = None) -> bool:
+        """Priority policy: preempt lower-priority running sequences, lowest and newest first, until
+        fits() holds. Gives up without preempting anyone when even all of them would not make room
+        (num_tokens: the blocks seq needs, checked against what the victims hold at most)."""
+        if self.cfg.policy != "priority":
+            return False
+        victims = sorted((s for s in self.running if s.priority > seq.priority), key=_victim_key, reverse=True)
+        if not victims:
+            return False
+        if num_tokens is not None:
+            held = sum(len(self.blocks.block_table(v.seq_id)) for v in victims)
+            if self.blocks.num_free_blocks + held < -(-num_tokens // self.blocks.block_size):
+                return False
+        for victim in victims:
+            self._preempt(victim, batch)
+            if fits():
+                return True
+        return False
 
     # --- post-step bookkeeping -----------------------------------------------------------------
+    def fork_samples(self, batch: ScheduledBatch, new_seq_id: Callable[[], int]) -> None:
+        """After the model ran and before sampling: a request whose prompt just finished computing
+        forks its other samples. They share every block (no copy now; copy-on-write when each first
+        writes) and sample their first token from the parent's logits row."""
+        for chunk in batch.sampling_chunks:
+            parent = chunk.seq
+            if not parent.num_pending_forks:
+                continue
+            at = batch.chunks.index(chunk)
+            end = chunk.start + chunk.num_new
+            for i in range(1, parent.num_pending_forks + 1):
+                child = parent.fork(new_seq_id(), parent.sample_index + i)
+                child.num_computed_tokens = end
+                self.blocks.fork(parent.seq_id, child.seq_id)
+                self.running.append(child)
+                batch.chunks.insert(at + i, ScheduledChunk(child, end, 0, True, forked_from=chunk))
+            parent.num_pending_forks = 0
+
     def update(self, batch: ScheduledBatch, result: SampleResult | None) -> list[Sequence]:
-        """Advance every scheduled sequence; append sampled tokens; finish the ones that are done.
-        Returns the sequences that got a token or finished."""
+        """Advance every scheduled sequence; append sampled tokens; finish the ones that are done,
+        shift the context of those that asked for it when it is full. Returns the sequences that got
+        a token or finished."""
         changed: list[Sequence] = []
         row = 0
         now = time.monotonic()
@@ -173,6 +222,11 @@ class Scheduler:
                 seq.times.first_token = now
             seq.times.prev_token, seq.times.last_token = seq.times.last_token, now
             reason = self._finish_reason(seq, token)
+            if reason is None and seq.num_tokens >= seq.max_model_len:
+                if seq.shift:
+                    self._shift(seq)
+                else:
+                    reason = FinishReason.LENGTH
             if reason is not None:
                 self.finish(seq, reason)
             changed.append(seq)
@@ -185,6 +239,19 @@ class Scheduler:
                 return FinishReason.STOP
         if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
             return FinishReason.LENGTH
-        if seq.num_tokens >= seq.max_model_len:
-            return FinishReason.LENGTH
         return None
+
+    def _shift(self, seq: Sequence) -> None:
+        """Context shift by recompute: keep num_keep tokens and the newer half of the rest, drop the
+        cache and compute the kept tokens again at positions from 0, like a preempted sequence (but
+        still running). Its leading blocks usually come straight back from the prefix cache."""
+        kept, dropped = shift_context(seq.all_token_ids, seq.num_keep)
+        log.info("request %s sample %d: context full at %d tokens, shifted out %d tokens after the first %d",
+                 seq.request_id, seq.sample_index, seq.num_tokens, dropped, min(seq.num_keep, len(kept) - 1))
+        self.blocks.free(seq.seq_id)
+        seq.shift_context(kept, dropped)
+        prefix = self._match(seq)
+        # The blocks just freed cost nothing to revive, so this always fits; checked all the same.
+        if prefix and prefix.num_tokens and self.blocks.can_allocate(seq.seq_id, prefix.num_tokens, prefix):
+            self.blocks.allocate(seq.seq_id, prefix.num_tokens, prefix)
+            seq.num_computed_tokens = prefix.num_tokens

@@ -42,11 +42,13 @@ class StepRecord:
     num_decode_seqs: int
     num_prefill_tokens: int
     seconds: float
+    num_cached_tokens: int = 0  # prompt tokens admitted sequences took from the prefix cache
 
 
 @dataclass
 class EngineStats:
     num_prompt_tokens: int = 0          # prompt tokens computed (not those taken from the prefix cache)
+    num_cached_prompt_tokens: int = 0   # prompt tokens taken from the prefix cache instead
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
@@ -67,6 +69,7 @@ class EngineStats:
             self.tokens_per_step.observe(rec.num_tokens)
             self.seqs_per_step.observe(rec.num_seqs)
             self.num_prompt_tokens += rec.num_prefill_tokens
+            self.num_cached_prompt_tokens += rec.num_cached_tokens
 
     def record_token(self, seq: Sequence) -> None:
         with self.lock:
