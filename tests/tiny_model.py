@@ -9,6 +9,8 @@ import gguf
 import numpy as np
 from gguf import quants
 
+from tokenmill.tokenizer.tokenizer import bytes_to_unicode
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # A chat template in the same shape as SmolLM2's (ChatML).
@@ -22,19 +24,6 @@ CHATML_TEMPLATE = (
 # A few byte-level merges so the BPE actually merges something.
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"),
           ("Ġ", "s"), ("l", "l"), ("e", "ll"), ("h", "ell"), ("hell", "o")]
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode map used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def tiny_vocab() -> tuple[list[str], list[int], list[str]]:

@@ -22,7 +22,7 @@ _CONTROL = 3
 _USER_DEFINED = 4
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map, the alphabet byte-level vocabularies are spelled in."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = list(printable)
@@ -35,7 +35,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
-_BYTE_TO_CHAR = _bytes_to_unicode()
+_BYTE_TO_CHAR = bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 _ALPHABET = frozenset(_CHAR_TO_BYTE)
 
