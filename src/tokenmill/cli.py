@@ -5,6 +5,8 @@ import argparse
 import importlib
 import sys
 
+from tokenmill.config import add_flags
+
 # subcommand -> "module:function(args) -> int"
 COMMANDS = {
     "pull": "tokenmill.store.commands:cmd_pull",
@@ -33,21 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--server", default=None, help="talk to a running server (host:port) instead of loading the model")
 
-    p = sub.add_parser("serve", help="serve a model over HTTP (Ollama and OpenAI APIs)")
-    p.add_argument("model", nargs="?", default="smollm2")
-    p.add_argument("--host", default=None, help="address or host:port (env TOKENMILL_HOST; default 127.0.0.1:11434)")
-    p.add_argument("--port", type=int, default=None)
-    # default=None everywhere: unset flags fall back to the TOKENMILL_* environment, then defaults.
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="engine dtype (TOKENMILL_DTYPE)")
-    p.add_argument("--ctx", dest="num_ctx", type=int, default=None, help="context per sequence (TOKENMILL_CTX)")
-    p.add_argument("--kv-size", dest="kv_size", type=int, default=None, help="KV cache budget in tokens (TOKENMILL_KV_SIZE)")
-    p.add_argument("--parallel", type=int, default=None, help="most sequences running at once (TOKENMILL_PARALLEL)")
-    p.add_argument("--batch-size", dest="n_batch", type=int, default=None, help="token budget per step (TOKENMILL_BATCH)")
-    p.add_argument("--ubatch-size", dest="n_ubatch", type=int, default=None, help="tokens per model call (TOKENMILL_UBATCH)")
-    p.add_argument("--max-queue", dest="max_queue", type=int, default=None, help="in-flight request limit (TOKENMILL_MAX_QUEUE)")
-    p.add_argument("--drain-timeout", dest="drain_timeout", type=float, default=None, help="seconds to drain on SIGTERM")
-    p.add_argument("--keep-alive", dest="keep_alive_timeout", type=float, default=None, help="HTTP keep-alive seconds")
-    p.add_argument("--log-level", dest="log_level", default=None)
+    p = sub.add_parser("serve", help="serve a model over HTTP (Ollama and OpenAI APIs)",
+                       description="Settings come from flags, then TOKENMILL_* environment variables, then the "
+                                   "config file, then defaults; --print-config shows the result.")
+    p.add_argument("model", nargs="?", default=None, help="model name or .gguf path (env TOKENMILL_MODEL; "
+                                                          "default smollm2)")
+    p.add_argument("--config", default=None, metavar="PATH", help="TOML config file (env TOKENMILL_CONFIG)")
+    p.add_argument("--print-config", action="store_true", help="print the effective settings as TOML and exit")
+    add_flags(p)  # one flag per setting of tokenmill.config
 
     p = sub.add_parser("bench", help="benchmarks")
     p.add_argument("rest", nargs=argparse.REMAINDER)

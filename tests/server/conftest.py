@@ -36,3 +36,18 @@ def smol_server(smollm2_path):
     assert host.wait_ready(180), host.error
     yield server, host
     server.stop()
+
+
+@pytest.fixture
+def added(tiny, monkeypatch):
+    """Every Sequence the tiny server's scheduler is handed, as the engine took it (after truncation)."""
+    scheduler = tiny[1].current.engine.scheduler
+    seqs = []
+    add = scheduler.add
+
+    def spy(seq):
+        seqs.append(seq)
+        return add(seq)
+
+    monkeypatch.setattr(scheduler, "add", spy)
+    return seqs

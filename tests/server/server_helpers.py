@@ -7,7 +7,8 @@ import time
 
 import uvicorn
 
-from tokenmill.server import LoadSpec, ModelHost, ServerSettings, create_app
+from tokenmill.config import Config
+from tokenmill.server import LoadSpec, ModelHost, create_app
 from tokenmill.server.commands import bind_socket
 
 TINY_KV_TOKENS = 8192
@@ -40,9 +41,9 @@ class LiveServer:
 def start_server(model: str, *, max_queue: int = 256, dtype: str = "fp32", kv_size: int = TINY_KV_TOKENS,
                  loader=None, fetcher=None) -> tuple[LiveServer, ModelHost]:
     host = ModelHost(max_queue=max_queue, retire_timeout=5, **({"loader": loader} if loader else {}))
-    settings = ServerSettings(dtype=dtype, kv_size=kv_size, max_queue=max_queue)
+    settings = Config(dtype=dtype, kv_size=kv_size, max_queue=max_queue)
     if model:
-        host.start_load(LoadSpec(model, dtype=dtype, kv_size=kv_size))
+        host.start_load(LoadSpec(model, settings.engine_config()))
     server = LiveServer(create_app(host, settings, fetcher=fetcher)).start()
     return server, host
 

@@ -111,12 +111,14 @@ def test_prompt_longer_than_context_is_400_with_both_numbers(client, tiny):
     err = openai_error(client.post("/v1/completions", json={"prompt": long, "max_tokens": 2}), 400)
     assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
     assert f"{n} tokens" in err["message"] and "256" in err["message"]
-    msg = ollama_error(client.post("/api/generate", json={"model": name, "prompt": long, "raw": True}), 400)
+    # Ollama truncates by default (tests/server/test_context.py); "truncate": false refuses instead.
+    msg = ollama_error(client.post("/api/generate", json={"model": name, "prompt": long, "raw": True,
+                                                           "truncate": False}), 400)
     assert f"{n} tokens" in msg and "256" in msg
     # num_ctx lowers the limit for one request.
     short = "a b " * 20
     msg = ollama_error(client.post("/api/generate", json={"model": name, "prompt": short, "raw": True,
-                                                           "options": {"num_ctx": 16}}), 400)
+                                                           "truncate": False, "options": {"num_ctx": 16}}), 400)
     assert f"{num_tokens(tiny[1], short)} tokens" in msg and "16" in msg
 
 

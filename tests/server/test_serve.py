@@ -20,7 +20,7 @@ import pytest
 
 from server_helpers import start_server
 from tokenmill.server.commands import cmd_serve
-from tokenmill.server.settings import SettingsError, load_settings, parse_host_port
+from tokenmill.config import ConfigError, load_config, parse_host_port
 from tokenmill.store import KNOWN_MODELS, ModelSpec, WheelPart
 
 
@@ -42,16 +42,17 @@ def test_parse_host_port(value, expected):
 
 
 def test_settings_from_env_and_flags(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_CONFIG", raising=False)
     monkeypatch.setenv("TOKENMILL_HOST", "0.0.0.0:9999")
     monkeypatch.setenv("TOKENMILL_MAX_QUEUE", "7")
     monkeypatch.setenv("TOKENMILL_CTX", "512")
-    s = load_settings(argparse.Namespace(model="x", host=None, port=None))
+    s = load_config(argparse.Namespace(model="x", host=None, port=None))
     assert (s.host, s.port, s.max_queue, s.num_ctx) == ("0.0.0.0", 9999, 7, 512)
-    s = load_settings(argparse.Namespace(model="x", host="127.0.0.1", port=8000, max_queue=3))
+    s = load_config(argparse.Namespace(model="x", host="127.0.0.1", port=8000, max_queue=3))
     assert (s.host, s.port, s.max_queue) == ("127.0.0.1", 8000, 3)
     monkeypatch.setenv("TOKENMILL_PARALLEL", "many")
-    with pytest.raises(SettingsError, match="TOKENMILL_PARALLEL"):
-        load_settings(None)
+    with pytest.raises(ConfigError, match="TOKENMILL_PARALLEL"):
+        load_config(None)
 
 
 def test_busy_port_is_a_one_line_error(tiny_gguf, capsys):

@@ -17,10 +17,10 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler, SamplerInput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
-from tokenmill.engine.stats import EngineStats, StepRecord
+from tokenmill.engine.stats import HISTOGRAM_NAMES, EngineStats, HistogramSnapshot, StatsSnapshot, StepRecord
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
-from tokenmill.model import LoadedModel, load_model
+from tokenmill.model import AttentionMetadata, ChunkSpec, LoadedModel, load_model
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
@@ -28,6 +28,10 @@ log = logging.getLogger("tokenmill.engine")
 
 class RequestError(ValueError):
     """A request the engine cannot take; the message is meant for the client."""
+
+
+class CacheFullError(RuntimeError):
+    """No room in the KV cache right now (embed); worth retrying once running requests finish."""
 
 
 class PromptTooLongError(RequestError):
@@ -235,7 +239,46 @@ class LLMEngine:
         return TokenEvent(seq.request_id, new, logprobs, top, seq.finish_reason, seq.error,
                           len(seq.prompt_ids), seq.num_cached_prompt_tokens, len(seq.output_ids), seq.sample_index)
 
+    # --- embeddings ----------------------------------------------------------------------------
+    def embed(self, prompt_ids: list[int]) -> list[float]:
+        """Mean-pooled, L2-normalised final hidden states of one forward pass over prompt_ids (what
+        Ollama returns for a model without its own pooling). Uses a temporary sequence's blocks,
+        freed before returning; call between steps (on the loop thread, via AsyncEngine.call)."""
+        n = len(prompt_ids)
+        if not n:
+            raise RequestError("input is empty")
+        seq_id = next(self._seq_ids)
+        if not self.blocks.can_allocate(seq_id, n):
+            raise CacheFullError(f"no room in the KV cache for {n} tokens right now")
+        self.blocks.allocate(seq_id, n)
+        try:
+            table = self.blocks.block_table(seq_id)
+            model = self.loaded.model
+            total = None
+            with torch.inference_mode():
+                # In micro-batches like the runner, so a long input never builds one huge attention.
+                for start in range(0, n, self.cfg.n_ubatch):
+                    end = min(n, start + self.cfg.n_ubatch)
+                    meta = AttentionMetadata.build([ChunkSpec(table, start, end - start)], self.cfg.block_size)
+                    hidden = model(torch.tensor(prompt_ids[start:end]), torch.arange(start, end), meta, self.kv)
+                    part = model.final_hidden(hidden).float().sum(dim=0)
+                    total = part if total is None else total + part
+            return torch.nn.functional.normalize(total / n, dim=0).tolist()
+        finally:
+            self.blocks.free(seq_id)
+
     # --- introspection -------------------------------------------------------------------------
+    def stats_snapshot(self) -> StatsSnapshot:
+        """Queue, cache and counter numbers of one moment (take it between steps to be consistent)."""
+        s = self.stats
+        prefix = self.blocks.prefix_stats()
+        with s.lock:
+            return StatsSnapshot(
+                self.num_running(), self.num_waiting(), self.kv_usage(), self.blocks.num_used_blocks,
+                prefix.queries, prefix.hits, s.num_preemptions, s.num_prompt_tokens, s.num_cached_prompt_tokens,
+                s.num_generation_tokens, s.num_steps, dict(s.finished),
+                {name: HistogramSnapshot.of(getattr(s, name)) for name in HISTOGRAM_NAMES})
+
     def kv_usage(self) -> float:
         return self.blocks.usage()
 

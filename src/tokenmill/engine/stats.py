@@ -88,3 +88,35 @@ class EngineStats:
                 self.e2e.observe(seq.times.finished - seq.times.arrival)
             if seq.times.first_scheduled is not None:
                 self.queue_time.observe(seq.times.first_scheduled - seq.times.arrival)
+
+
+@dataclass
+class HistogramSnapshot:
+    buckets: list[tuple[float, int]]  # (upper bound, cumulative count), the last bound +Inf
+    sum: float
+    count: int
+
+    @classmethod
+    def of(cls, h: Histogram) -> "HistogramSnapshot":
+        return cls(h.cumulative(), h.sum, h.count)
+
+
+HISTOGRAM_NAMES = ("ttft", "itl", "e2e", "queue_time", "tokens_per_step", "seqs_per_step")
+
+
+@dataclass
+class StatsSnapshot:
+    """The engine's numbers at one moment, consistent with each other (LLMEngine.stats_snapshot)."""
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_used_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    num_generation_tokens: int
+    num_steps: int
+    finished: dict[str, int]                 # by finish reason
+    histograms: dict[str, HistogramSnapshot]  # by HISTOGRAM_NAMES

@@ -10,10 +10,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenmill.config import Config
 from tokenmill.server import metrics, ollama, ollama_models, openai, runner_api
 from tokenmill.server.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from tokenmill.server.model_host import ModelHost
-from tokenmill.server.settings import ServerSettings
 from tokenmill.server.streaming import ClientGone
 from tokenmill.store.pull import Fetcher
 
@@ -25,7 +25,7 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)
 
 
-def create_app(host: ModelHost, settings: ServerSettings | None = None, *, fetcher: Fetcher | None = None,
+def create_app(host: ModelHost, settings: Config | None = None, *, fetcher: Fetcher | None = None,
                shutdown_host: bool = True) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -45,6 +45,6 @@ def create_app(host: ModelHost, settings: ServerSettings | None = None, *, fetch
         lifespan=lifespan,
     )
     app.state.host = host
-    app.state.settings = settings or ServerSettings()
+    app.state.settings = settings or Config()  # what /load starts from
     app.state.fetcher = fetcher  # None = pip; tests pass a fake index
     return app

@@ -1,5 +1,6 @@
-"""`tokenmill serve [MODEL]`: bind first (a busy port is a one-line error, not a traceback after a
-model load), start loading the model in the background, serve until SIGTERM/SIGINT, then drain."""
+"""`tokenmill serve [MODEL]`: settings from tokenmill.config (flags, env, file), bind first (a busy
+port is a one-line error, not a traceback after a model load), start loading the model in the
+background, serve until SIGTERM/SIGINT, then drain."""
 from __future__ import annotations
 
 import argparse
@@ -9,11 +10,14 @@ import logging
 import socket
 import sys
 
+from typing import TYPE_CHECKING
+
 import uvicorn
 
-from tokenmill.server.app import create_app
-from tokenmill.server.model_host import LoadSpec, ModelHost
-from tokenmill.server.settings import ServerSettings, SettingsError, load_settings
+from tokenmill.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:  # imported when serving: they pull in torch, which --print-config does not need
+    from tokenmill.server.model_host import ModelHost
 
 log = logging.getLogger("tokenmill.server")
 
@@ -65,14 +69,16 @@ def check_model_name(model: str) -> None:
         pass  # known: pulled in the background
 
 
-def build_server(settings: ServerSettings, model: str) -> tuple[DrainingServer, ModelHost]:
+def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:
+    from tokenmill.server.app import create_app
+    from tokenmill.server.model_host import LoadSpec, ModelHost
+
     host = ModelHost(max_queue=settings.max_queue, retire_timeout=settings.drain_timeout)
-    host.start_load(LoadSpec(model=model, dtype=settings.dtype, num_ctx=settings.num_ctx, kv_size=settings.kv_size,
-                             parallel=settings.parallel, n_batch=settings.n_batch, n_ubatch=settings.n_ubatch))
+    host.start_load(LoadSpec(settings.model, settings.engine_config()))
     config = uvicorn.Config(
         create_app(host, settings),
         log_level=settings.log_level,
-        timeout_keep_alive=int(settings.keep_alive_timeout),
+        timeout_keep_alive=int(settings.keep_alive),
         timeout_graceful_shutdown=int(settings.drain_timeout),
         lifespan="on",
     )
@@ -83,12 +89,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.store import StoreError
 
     try:
-        settings = load_settings(args)
-    except SettingsError as exc:
+        settings = load_config(args)
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = getattr(args, "model", None) or "smollm2"
+    if getattr(args, "print_config", False):
+        print(settings.to_toml(), end="")
+        return 0
+    level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = settings.model
     try:
         check_model_name(model)
     except StoreError as exc:
@@ -101,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {settings.host}:{settings.port}: {reason} "
               f"(another server running? pick one with --port or TOKENMILL_HOST=host:port)", file=sys.stderr)
         return 1
-    server, _ = build_server(settings, model)
+    server, _ = build_server(settings)
     print(f"tokenmill listening on http://{settings.host}:{settings.port}, loading {model}", file=sys.stderr)
     try:
         server.run(sockets=[sock])

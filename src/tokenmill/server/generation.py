@@ -1,12 +1,15 @@
 """One engine request seen from an HTTP handler: validated before any response byte is sent, then
-consumed as text deltas. Protocol modules only format what this yields.
+consumed as text deltas, one OutputAssembler per sample (n > 1 is one engine request whose samples
+share the computed prompt). Protocol modules only format what this yields.
 
-Leaving the iteration early (client gone, stop string hit, handler error) closes the engine stream,
-which aborts the engine request and frees its KV blocks."""
+A stop string ends only its own sample (`abort(rid, index)`); leaving the iteration early (client
+gone, handler error) closes the engine stream, which aborts every sample and frees their KV blocks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
@@ -84,52 +87,87 @@ def translate_request_error(exc: Exception, field_names: Mapping[str, str], prom
 
 
 class Generation:
-    def __init__(self, served: ServedModel, prompt_ids: list[int], params: SamplingParams, *,
-                 priority: Priority = Priority.NORMAL, num_ctx: int | None = None,
-                 field_names: Mapping[str, str] | None = None, prompt_field: str = "prompt",
-                 timings: Timings | None = None):
+    def __init__(self, served: ServedModel, prompt_ids: list[int], params: SamplingParams, *, n: int = 1,
+                 priority: Priority = Priority.NORMAL, num_ctx: int | None = None, num_keep: int = 0,
+                 truncate: bool = False, shift: bool = False, field_names: Mapping[str, str] | None = None,
+                 prompt_field: str = "prompt", timings: Timings | None = None):
         self.served = served
         self.prompt_ids = prompt_ids
         self.params = params
+        self.n = n
         self.priority = priority
-        self.num_ctx = num_ctx
+        self.options = {"num_ctx": num_ctx, "num_keep": num_keep, "truncate": truncate, "shift": shift}
         self.timings = timings or Timings()
+        self.request_id = f"req-{uuid.uuid4().hex[:16]}"
+        # What the engine reports once it runs: the prompt it computed (shorter when truncated).
+        self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
         try:
             # Read-only check on this thread, so bad input is a 400 before a stream's 200 goes out.
-            served.engine.check_request(prompt_ids, params, num_ctx)
+            served.engine.check_request(prompt_ids, params, n=n, **self.options)
         except (RequestError, InvalidSamplingParams) as exc:
             raise translate_request_error(exc, field_names or {}, prompt_field) from None
 
-    async def deltas(self) -> AsyncIterator[TextDelta]:
-        engine = self.served.engine
-        assembler = OutputAssembler(engine.tokenizer, self.params)
+    async def deltas(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        """(sample index, delta) until every sample has finished."""
+        aengine = self.served.aengine
+        assemblers = [OutputAssembler(aengine.engine.tokenizer, self.params) for _ in range(self.n)]
+        done = [False] * self.n
         self.timings.submitted = time.perf_counter()
-        stream = self.served.aengine.generate(self.prompt_ids, self.params, priority=self.priority,
-                                              num_ctx=self.num_ctx)
+        stream = aengine.generate(self.prompt_ids, self.params, request_id=self.request_id, priority=self.priority,
+                                  n=self.n, **self.options)
         try:
             async for ev in stream:
+                if done[ev.index]:  # stopped by a stop string: late tokens, then its abort, are dropped
+                    continue
                 if self.timings.first_token is None and ev.token_ids:
                     self.timings.first_token = time.perf_counter()
-                delta = assembler.push(ev)
+                delta = assemblers[ev.index].push(ev)
+                self.num_prompt_tokens = delta.num_prompt_tokens
                 self.num_cached_tokens = delta.num_cached_tokens
                 if delta.finish_reason == "error":
                     raise APIError(500, f"generation failed: {delta.error or 'engine error'}", code="engine_error")
                 if delta.finish_reason == "abort":
                     raise APIError(503, "the request was aborted (the server is shutting down or switching models)",
                                    code="aborted")
-                yield delta
-                if delta.finished:  # includes a stop string: leaving aborts the engine request
+                if delta.hit_stop_string:  # only this sample ends; its siblings go on
+                    aengine.abort(self.request_id, ev.index)
+                done[ev.index] = delta.finished
+                yield ev.index, delta
+                if all(done):
                     break
         finally:
             self.timings.end = time.perf_counter()
             await stream.aclose()
 
-    async def collect(self) -> Result:
-        result = Result(num_prompt_tokens=len(self.prompt_ids))
-        async for d in self.deltas():
-            result.add(d)
-        return result
+    async def collect(self) -> list[Result]:
+        """Every sample run to the end, in index order."""
+        results = [Result() for _ in range(self.n)]
+        async for i, d in self.deltas():
+            results[i].add(d)
+        return results
+
+
+async def all_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, TextDelta]]:
+    """The deltas of several generations (one per prompt, n samples each) as (choice, delta), with
+    choice = prompt index * n + sample index, in arrival order; the first error stops them all."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0].deltas()) as deltas:
+            async for item in deltas:
+                yield item
+        return
+    async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
+        async for p, (i, d) in merged:
+            yield p * gens[p].n + i, d
+
+
+async def collect_all(gens: list[Generation]) -> list[Result]:
+    """Every sample of every generation run to the end, by choice index."""
+    results = [Result() for g in gens for _ in range(g.n)]
+    async with contextlib.aclosing(all_deltas(gens)) as deltas:
+        async for choice, d in deltas:
+            results[choice].add(d)
+    return results
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
@@ -145,6 +183,8 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object
         except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
             await queue.put((i, None, exc))
             return
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]
         await queue.put((i, done, None))
 
     tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(streams)]
@@ -162,13 +202,3 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def collect_all(gens: list[Generation]) -> list[Result]:
-    """Run n generations to the end; one failing (or the caller being cancelled) stops the rest."""
-    tasks = [asyncio.ensure_future(g.collect()) for g in gens]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()

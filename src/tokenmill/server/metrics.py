@@ -4,54 +4,14 @@ numbers of one scrape are consistent with each other."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from tokenmill.engine import LLMEngine
-from tokenmill.engine.stats import Histogram
+from tokenmill.engine.stats import HistogramSnapshot, StatsSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-@dataclass
-class HistogramSnapshot:
-    buckets: list[tuple[float, int]]
-    sum: float
-    count: int
-
-    @classmethod
-    def of(cls, h: Histogram) -> "HistogramSnapshot":
-        return cls(h.cumulative(), h.sum, h.count)
-
-
-@dataclass
-class Snapshot:
-    running: int
-    waiting: int
-    kv_usage: float
-    used_blocks: int
-    prefix_queries: int
-    prefix_hits: int
-    preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    steps: int
-    finished: dict[str, int]
-    histograms: dict[str, HistogramSnapshot]
-
-
-def take_snapshot(eng: LLMEngine) -> Snapshot:
-    s = eng.stats
-    prefix = eng.blocks.prefix_stats()
-    with s.lock:
-        hist = {name: HistogramSnapshot.of(getattr(s, name))
-                for name in ("ttft", "itl", "e2e", "queue_time", "tokens_per_step", "seqs_per_step")}
-        return Snapshot(eng.num_running(), eng.num_waiting(), eng.kv_usage(), eng.blocks.num_used_blocks,
-                        prefix.queries, prefix.hits, s.num_preemptions, s.num_prompt_tokens,
-                        s.num_generation_tokens, s.num_steps, dict(s.finished), hist)
 
 
 # (name, help, histogram key); several names share data where vLLM renamed a metric over time.
@@ -105,25 +65,27 @@ class Writer:
         return "\n".join(self.lines) + "\n"
 
 
-def render(snap: Snapshot | None, model: str | None, in_flight: int, rejected: int, status: str) -> str:
+def render(snap: StatsSnapshot | None, model: str | None, in_flight: int, rejected: int, status: str) -> str:
     w = Writer({"model_name": model} if model else {})
     w.metric("tokenmill:requests_in_flight", "gauge", "Admitted HTTP generation/embedding requests.", in_flight)
     w.metric("tokenmill:requests_rejected_total", "counter", "Requests turned away with 503.", rejected)
     w.metric("tokenmill:model_ready", "gauge", "1 when a model is loaded and serving.", status == "ok")
     if snap is None:
         return w.text()
-    w.metric("vllm:num_requests_running", "gauge", "Sequences in the running batch.", snap.running)
-    w.metric("vllm:num_requests_waiting", "gauge", "Sequences waiting to be scheduled.", snap.waiting)
+    w.metric("vllm:num_requests_running", "gauge", "Sequences in the running batch.", snap.num_running)
+    w.metric("vllm:num_requests_waiting", "gauge", "Sequences waiting to be scheduled.", snap.num_waiting)
     w.metric("vllm:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full).", snap.kv_usage)
     w.metric("vllm:gpu_cache_usage_perc", "gauge", "KV cache usage (1 = full); older vLLM name.", snap.kv_usage)
-    w.metric("tokenmill:kv_cache_used_blocks", "gauge", "KV blocks referenced by sequences.", snap.used_blocks)
+    w.metric("tokenmill:kv_cache_used_blocks", "gauge", "KV blocks referenced by sequences.", snap.num_used_blocks)
     w.metric("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
              snap.prefix_queries)
     w.metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", snap.prefix_hits)
-    w.metric("vllm:num_preemptions_total", "counter", "Sequences preempted (recomputed later).", snap.preemptions)
-    w.metric("vllm:prompt_tokens_total", "counter", "Prompt tokens computed.", snap.prompt_tokens)
-    w.metric("vllm:generation_tokens_total", "counter", "Tokens generated.", snap.generation_tokens)
-    w.metric("tokenmill:engine_steps_total", "counter", "Engine steps run.", snap.steps)
+    w.metric("vllm:num_preemptions_total", "counter", "Sequences preempted (recomputed later).", snap.num_preemptions)
+    w.metric("vllm:prompt_tokens_total", "counter", "Prompt tokens computed.", snap.num_prompt_tokens)
+    w.metric("tokenmill:prompt_tokens_cached_total", "counter", "Prompt tokens taken from the prefix cache.",
+             snap.num_cached_prompt_tokens)
+    w.metric("vllm:generation_tokens_total", "counter", "Tokens generated.", snap.num_generation_tokens)
+    w.metric("tokenmill:engine_steps_total", "counter", "Engine steps run.", snap.num_steps)
     w.labelled("vllm:request_success_total", "counter", "Finished sequences by finish reason.", snap.finished,
                "finished_reason")
     for name, help_, key in HISTOGRAMS:
@@ -136,7 +98,7 @@ async def metrics(request: Request) -> Response:
     served = host.current
     snap = None
     if served is not None:
-        snap = await asyncio.wrap_future(served.aengine.call(take_snapshot))
+        snap = await asyncio.wrap_future(served.aengine.call(lambda eng: eng.stats_snapshot()))
     text = render(snap, served.name if served else None, host.admission.in_flight, host.admission.num_rejected,
                   host.status)
     return PlainTextResponse(text, media_type=CONTENT_TYPE)

@@ -23,16 +23,7 @@ log = logging.getLogger("tokenmill.server")
 @dataclass(frozen=True)
 class LoadSpec:
     model: str                     # catalog name, alias, models-dir name or GGUF path
-    dtype: str = "bf16"
-    num_ctx: int | None = None
-    kv_size: int = 65536
-    parallel: int = 64
-    n_batch: int = 512
-    n_ubatch: int = 512
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(dtype=self.dtype, max_total_tokens=self.kv_size, max_model_len=self.num_ctx,
-                            n_batch=self.n_batch, n_ubatch=self.n_ubatch, parallel=self.parallel)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 @dataclass
@@ -54,7 +45,7 @@ def default_loader(spec: LoadSpec, report: Callable[[float], None]) -> Loaded:
 
     path = ensure_model(spec.model, progress=True)  # pulls a known model on first use
     report(0.1)
-    engine = LLMEngine.from_path(path, spec.engine_config())
+    engine = LLMEngine.from_path(path, spec.engine)
     # A catalog model keeps its catalog name even when given as a path to its file.
     catalog = spec_for_filename(path.name)
     if catalog is not None:

@@ -1,6 +1,11 @@
 """Ollama's generation API: /api/generate, /api/chat, /api/embed and the legacy /api/embeddings.
 Streams NDJSON by default, as Ollama does; the last object carries done_reason, the token counts
-and the durations in nanoseconds."""
+and the durations in nanoseconds.
+
+Context as Ollama manages it: options.num_ctx sets the request's context, a prompt that does not fit
+is cut to its first options.num_keep tokens plus the newest tail, and a generation that fills the
+context drops the older half after num_keep and goes on. `"truncate": false` turns the first into a
+400, `"shift": false` the second into a `length` finish."""
 from __future__ import annotations
 
 import datetime as dt
@@ -31,7 +36,7 @@ from tokenmill.server.validation import (
 )
 
 COMMON_FIELDS = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs",
-                 "priority"}
+                 "priority", "truncate", "shift"}
 GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "suffix", "images", "system", "template", "context", "raw"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools"}
 
@@ -73,7 +78,7 @@ class Shape:
         obj.update(done=True, done_reason=done_reason)
         if not self.chat:
             obj["context"] = gen.prompt_ids + output_ids  # lets a client continue from here
-        obj.update(gen.timings.ollama(), prompt_eval_count=len(gen.prompt_ids), eval_count=len(output_ids))
+        obj.update(gen.timings.ollama(), prompt_eval_count=gen.num_prompt_tokens, eval_count=len(output_ids))
         return obj
 
     def loaded(self) -> dict:
@@ -91,7 +96,7 @@ def _logprobs(gen: Generation, ids: list[int], lps, top) -> list | None:
 
 async def _stream(gen: Generation, shape: Shape):
     output: list[int] = []
-    async for d in gen.deltas():
+    async for _, d in gen.deltas():
         output += d.token_ids
         lp = _logprobs(gen, d.token_ids, d.logprobs, d.top_logprobs)
         if d.finished:
@@ -104,15 +109,19 @@ async def _respond(request: Request, served: ServedModel, ids: list[int], opts: 
                    shape: Shape, timings: Timings, prompt_field: str) -> Response:
     stream = get_bool(body, "stream", True)
     priority = get_priority(body)
+    truncate, shift = get_bool(body, "truncate", True), get_bool(body, "shift", True) and not opts.fill_context
+    # num_keep -1: keep the whole prompt (as much of it as fits), as llama.cpp's n_keep -1.
+    num_keep = len(ids) if opts.num_keep == -1 else opts.num_keep
     slot = _host(request).admission.enter()
     try:
-        gen = Generation(served, ids, opts.params, priority=priority, num_ctx=opts.num_ctx,
-                         field_names=FIELD_NAMES, prompt_field=prompt_field, timings=timings)
+        gen = Generation(served, ids, opts.params, priority=priority, num_ctx=opts.num_ctx, num_keep=num_keep,
+                         truncate=truncate, shift=shift, field_names=FIELD_NAMES, prompt_field=prompt_field,
+                         timings=timings)
         if stream:
             # The response owns the slot from here: it is released when the stream ends, however it ends.
             response, slot = ndjson_response(_stream(gen, shape), on_close=slot.release), None
             return response
-        result = await unless_disconnected(request, gen.collect())
+        [result] = await unless_disconnected(request, gen.collect())
     finally:
         if slot is not None:
             slot.release()

@@ -22,11 +22,17 @@ FIELD_NAMES = {"max_tokens": "options.num_predict", "repeat_penalty": "options.r
                "seed": "options.seed", "stop": "options.stop", "top_logprobs": "top_logprobs"}
 
 
+# Ollama's default num_keep: a context shift or truncation never drops the first few tokens (BOS,
+# the start of the template).
+DEFAULT_NUM_KEEP = 4
+
+
 @dataclass
 class OllamaOptions:
     params: SamplingParams
     num_ctx: int | None
-    num_keep: int | None
+    num_keep: int  # -1: the whole prompt
+    fill_context: bool = False  # num_predict -2: stop when the context is full (never shift)
 
 
 def parse_options(body: dict, where: str) -> OllamaOptions:
@@ -39,7 +45,8 @@ def parse_options(body: dict, where: str) -> OllamaOptions:
     def i(name: str, default=None, **kw):
         return get_int(opts, name, default, label=f"options.{name}", **kw)
 
-    # num_predict: -1 = until the model stops, -2 = until the context is full; both mean no cap here.
+    # num_predict: -1 = until the model stops (shifting the context as needed), -2 = until the model
+    # stops or the context is full; neither caps max_tokens.
     num_predict = i("num_predict", -1, lo=-2)
     seed = i("seed")
     top_logprobs = get_int(body, "top_logprobs", 0, lo=0)
@@ -62,4 +69,4 @@ def parse_options(body: dict, where: str) -> OllamaOptions:
     # Ollama treats top_k <= 0 as "off".
     if params.top_k < 0:
         params.top_k = 0
-    return OllamaOptions(params, i("num_ctx", lo=2), i("num_keep", lo=-1))
+    return OllamaOptions(params, i("num_ctx", lo=2), i("num_keep", DEFAULT_NUM_KEEP, lo=-1), num_predict == -2)

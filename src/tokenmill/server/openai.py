@@ -1,10 +1,10 @@
 """OpenAI's API: /v1/chat/completions and /v1/completions (SSE streaming ending in `data: [DONE]`),
-/v1/models. n > 1 runs n independent engine requests (seed + i when a seed is given)."""
+/v1/models. n > 1 is one engine request per prompt with n samples: the prompt is computed once and
+its KV blocks are shared (sample i draws from seed + i when a seed is given)."""
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -14,7 +14,7 @@ from starlette.routing import Route
 from tokenmill.server import model_info
 from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat
 from tokenmill.server.errors import APIError, bad_request
-from tokenmill.server.generation import Generation, Result, collect_all, merge
+from tokenmill.server.generation import Generation, Result, all_deltas, collect_all
 from tokenmill.server.logprobs import chat_entries, completion_logprobs
 from tokenmill.server.model_host import ModelHost, ServedModel
 from tokenmill.server.openai_embeddings import embeddings
@@ -54,17 +54,11 @@ def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
 
 def _generations(served: ServedModel, prompts: list[list[int]], opts: OpenAIOptions, prompt_field: str
                  ) -> list[Generation]:
-    """n generations per prompt, choice index = prompt index * n + i."""
-    gens = []
+    """One generation of n samples per prompt; choice index = prompt index * n + sample index."""
     limit = served.engine.max_model_len
-    for ids in prompts:
-        ids = truncate_prompt(ids, opts.truncate_prompt_tokens, limit)
-        for i in range(opts.n):
-            seed = opts.params.seed + i if opts.params.seed is not None and i else opts.params.seed
-            params = replace(opts.params, seed=seed, stop=list(opts.params.stop))
-            gens.append(Generation(served, ids, params, priority=opts.priority, field_names=opts.field_names,
-                                   prompt_field=prompt_field))
-    return gens
+    return [Generation(served, truncate_prompt(ids, opts.truncate_prompt_tokens, limit), opts.params, n=opts.n,
+                       priority=opts.priority, field_names=opts.field_names, prompt_field=prompt_field)
+            for ids in prompts]
 
 
 async def _run(request: Request, gens_factory, opts: OpenAIOptions, num_requests: int, stream_body, finish_body):
@@ -83,11 +77,14 @@ async def _run(request: Request, gens_factory, opts: OpenAIOptions, num_requests
     return JSONResponse(finish_body(gens, results))
 
 
-def _total_usage(gens: list[Generation], counts: list[int], n: int) -> dict:
-    # The prompt is counted once per distinct prompt, as OpenAI bills n choices of one prompt.
-    prompt_gens = gens[::n]
-    return usage(sum(len(g.prompt_ids) for g in prompt_gens), sum(counts),
-                 sum(g.num_cached_tokens for g in prompt_gens))
+def _total_usage(gens: list[Generation], counts: list[int]) -> dict:
+    # The prompt is counted once per prompt, as OpenAI bills n choices of one prompt.
+    return usage(sum(g.num_prompt_tokens for g in gens), sum(counts), sum(g.num_cached_tokens for g in gens))
+
+
+def _by_choice(gens: list[Generation]) -> list[Generation]:
+    """The generation behind each choice index."""
+    return [g for g in gens for _ in range(g.n)]
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------------
@@ -109,11 +106,12 @@ async def chat_completions(request: Request) -> Response:
         return {"content": chat_entries(tok, ids_, lps, top)} if opts.params.logprobs and ids_ else None
 
     async def stream_body(gens: list[Generation]):
-        for i in range(len(gens)):
+        num_choices = len(_by_choice(gens))
+        for i in range(num_choices):
             yield env.wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}], "chat.completion.chunk")
-        counts = [0] * len(gens)
-        async for i, d in merge([g.deltas() for g in gens]):
+        counts = [0] * num_choices
+        async for i, d in all_deltas(gens):
             counts[i] += len(d.token_ids)
             lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs)
             if d.text or lp:
@@ -123,14 +121,14 @@ async def chat_completions(request: Request) -> Response:
                 yield env.wrap([{"index": i, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}],
                                "chat.completion.chunk")
         if opts.include_usage:
-            yield env.wrap([], "chat.completion.chunk", _total_usage(gens, counts, opts.n))
+            yield env.wrap([], "chat.completion.chunk", _total_usage(gens, counts))
 
     def finish_body(gens: list[Generation], results: list[Result]) -> dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
                     "logprobs": logprobs_of(r.token_ids, r.logprobs, r.top_logprobs),
                     "finish_reason": r.finish_reason}
                    for i, r in enumerate(results)]
-        return env.wrap(choices, usage=_total_usage(gens, [len(r.token_ids) for r in results], opts.n))
+        return env.wrap(choices, usage=_total_usage(gens, [len(r.token_ids) for r in results]))
 
     return await _run(request, lambda: _generations(served, [ids], opts, "messages"), opts, opts.n,
                       stream_body, finish_body)
@@ -176,27 +174,27 @@ async def completions(request: Request) -> Response:
         return completion_logprobs(tok, ids_, lps, top, offset) if opts.params.logprobs and ids_ else None
 
     async def stream_body(gens: list[Generation]):
-        offsets = [len(prefix(g)) for g in gens]
-        counts = [0] * len(gens)
+        offsets = [len(prefix(g)) for g in _by_choice(gens)]
+        counts = [0] * len(offsets)
         if echo:
-            for i, g in enumerate(gens):
+            for i, g in enumerate(_by_choice(gens)):
                 yield env.wrap([{"index": i, "text": prefix(g), "logprobs": None, "finish_reason": None}])
-        async for i, d in merge([g.deltas() for g in gens]):
+        async for i, d in all_deltas(gens):
             counts[i] += len(d.token_ids)
             lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs, offsets[i])
             offsets[i] += len(d.text)
             if d.text or lp or d.finished:
                 yield env.wrap([{"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}])
         if opts.include_usage:
-            yield env.wrap([], usage=_total_usage(gens, counts, opts.n))
+            yield env.wrap([], usage=_total_usage(gens, counts))
 
     def finish_body(gens: list[Generation], results: list[Result]) -> dict:
         choices = []
-        for i, (g, r) in enumerate(zip(gens, results)):
+        for i, (g, r) in enumerate(zip(_by_choice(gens), results)):
             head = prefix(g)
             choices.append({"index": i, "text": head + r.text, "finish_reason": r.finish_reason,
                             "logprobs": logprobs_of(r.token_ids, r.logprobs, r.top_logprobs, len(head))})
-        u = _total_usage(gens, [len(r.token_ids) for r in results], opts.n)
+        u = _total_usage(gens, [len(r.token_ids) for r in results])
         return env.wrap(choices, usage=u)
 
     return await _run(request, lambda: _generations(served, prompts, opts, "prompt"), opts,

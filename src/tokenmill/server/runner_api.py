@@ -2,18 +2,20 @@
 /completion, /embedding, /tokenize, /detokenize."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tokenmill.engine import SamplingParams
+from tokenmill.config import Config
+from tokenmill.engine import ConfigError, SamplingParams
 from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation
 from tokenmill.server.logprobs import token_text
 from tokenmill.server.model_host import LoadSpec, ModelHost
-from tokenmill.server.settings import ServerSettings
 from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.validation import (
     get_bool,
@@ -43,7 +45,7 @@ async def load(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, LOAD_FIELDS, "/load")
     host = _host(request)
-    settings: ServerSettings = request.app.state.settings
+    settings: Config = request.app.state.settings
     current = host.current
     model = get_str(body, "model") or (current.spec.model if current else None)
     if not model:
@@ -51,15 +53,21 @@ async def load(request: Request) -> Response:
     dtype = get_str(body, "dtype", settings.dtype)
     if dtype not in ("bf16", "fp32"):
         raise bad_request(f"dtype must be bf16 or fp32, got {dtype!r}", "dtype")
-    spec = LoadSpec(
-        model=model,
+    # The server's configuration, with what the body overrides.
+    engine = replace(
+        settings.engine_config(),
         dtype=dtype,
-        num_ctx=get_int(body, "num_ctx", settings.num_ctx, lo=2),
-        kv_size=get_int(body, "kv_size", settings.kv_size, lo=16),
+        max_model_len=get_int(body, "num_ctx", settings.num_ctx or None, lo=2),
+        max_total_tokens=get_int(body, "kv_size", settings.kv_size, lo=16),
         parallel=get_int(body, "parallel", settings.parallel, lo=1),
         n_batch=get_int(body, "batch_size", settings.n_batch, lo=1),
         n_ubatch=get_int(body, "ubatch_size", settings.n_ubatch, lo=1),
     )
+    try:
+        engine.validate()
+    except ConfigError as exc:
+        raise bad_request(str(exc)) from None
+    spec = LoadSpec(model, engine)
     _check_model_exists(model)
     host.start_load(spec)
     return JSONResponse({"status": "loading", "model": model}, status_code=202)
@@ -136,9 +144,9 @@ def _final(gen: Generation, text: str, finish_reason: str | None, hit: bool, num
     prompt_ms, predicted_ms = (first - submitted) * 1000, (end - first) * 1000
     return {
         "content": text, "stop": True, "model": gen.served.name, "tokens_predicted": num_output,
-        "tokens_evaluated": len(gen.prompt_ids), "tokens_cached": gen.num_cached_tokens, "truncated": False,
+        "tokens_evaluated": gen.num_prompt_tokens, "tokens_cached": gen.num_cached_tokens, "truncated": False,
         "stop_type": _stop_type(finish_reason, hit), "stopping_word": "",
-        "timings": {"prompt_n": len(gen.prompt_ids), "prompt_ms": prompt_ms,
+        "timings": {"prompt_n": gen.num_prompt_tokens, "prompt_ms": prompt_ms,
                     "predicted_n": num_output, "predicted_ms": predicted_ms,
                     "predicted_per_second": num_output / predicted_ms * 1000 if predicted_ms > 0 else 0.0},
     }
@@ -175,7 +183,7 @@ async def completion(request: Request) -> Response:
 
 async def _stream(gen: Generation):
     count = 0
-    async for d in gen.deltas():
+    async for _, d in gen.deltas():
         count += len(d.token_ids)
         chunk = {"content": d.text, "stop": False, "tokens": d.token_ids}
         if gen.params.logprobs:
@@ -190,7 +198,7 @@ async def _stream(gen: Generation):
 
 async def _collect(gen: Generation) -> dict:
     text, ids, lps, tops, reason, hit = "", [], [], [], None, False
-    async for d in gen.deltas():
+    async for _, d in gen.deltas():
         text += d.text
         ids += d.token_ids
         lps += d.logprobs or []

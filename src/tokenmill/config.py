@@ -1,0 +1,325 @@
+"""One configuration for `tokenmill serve`: every server and engine setting, read from defaults, then
+a TOML file (`--config PATH` or TOKENMILL_CONFIG), then TOKENMILL_* environment variables, then
+command-line flags; each later source overrides the earlier ones. Every value is checked once, here,
+with an error naming the setting, where the value came from, what was expected and what was given.
+
+The file holds flat `key = value` lines with the keys of OPTIONS (`tokenmill serve --print-config`
+prints a complete one). `host` may carry a port (`0.0.0.0:8080`, like OLLAMA_HOST) wherever it is set;
+an explicit `port` from the same source or a later one wins over it."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # importing the engine pulls in torch: seconds that `tokenmill --help` should not pay
+    from tokenmill.engine.config import EngineConfig
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 11434  # Ollama's, so Ollama clients work unconfigured
+CONFIG_ENV = "TOKENMILL_CONFIG"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+POLICIES = ("fifo", "priority", "sjf")  # engine.config.POLICIES (a test keeps them equal)
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names it and where its value came from."""
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str                        # the key in the file and the Config attribute
+    kind: type                       # str, int, float or bool
+    default: Any
+    help: str
+    flags: tuple[str, ...] = ()      # command-line spellings; the first is the one shown
+    env: tuple[str, ...] = ()        # extra (older) environment names besides TOKENMILL_<NAME>
+    choices: tuple[str, ...] | None = None
+    lo: float | None = None          # smallest allowed value
+    hi: float | None = None
+    zero_ok: bool = False            # 0 is allowed below lo (means "automatic")
+    group: str = "engine"
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return (f"TOKENMILL_{self.name.upper()}", *self.env)
+
+
+OPTIONS: tuple[Option, ...] = (
+    # --- server ---------------------------------------------------------------------------------
+    Option("model", str, "smollm2", "model to serve: a catalog name (pulled on first use) or a .gguf path",
+           group="server"),
+    Option("host", str, DEFAULT_HOST, "address to listen on; may carry a port (host:port)", ("--host",),
+           group="server"),
+    Option("port", int, DEFAULT_PORT, "port to listen on", ("--port",), lo=0, hi=65535, group="server"),
+    Option("max_queue", int, 256, "most in-flight requests (running + waiting); more get 503", ("--max-queue",),
+           lo=1, group="server"),
+    Option("drain_timeout", float, 30.0, "seconds in-flight requests get to finish on SIGTERM", ("--drain-timeout",),
+           lo=0, group="server"),
+    Option("keep_alive", float, 5.0, "seconds an idle HTTP keep-alive connection stays open", ("--keep-alive",),
+           lo=0, group="server"),
+    Option("log_level", str, "info", "log level", ("--log-level",), choices=LOG_LEVELS, group="server"),
+    # --- engine ---------------------------------------------------------------------------------
+    Option("dtype", str, "bf16", "compute dtype", ("--dtype",), choices=("bf16", "fp32")),
+    Option("num_ctx", int, 0, "context per sequence in tokens (max_model_len); 0 = the model's own",
+           ("--ctx", "--num-ctx"), env=("TOKENMILL_CTX",), lo=2, zero_ok=True),
+    Option("kv_size", int, 65536, "KV cache size in tokens, shared by all sequences (max_total_tokens)",
+           ("--kv-size",), lo=16),
+    Option("block_size", int, 16, "tokens per KV cache block", ("--block-size",), lo=1),
+    Option("parallel", int, 64, "most sequences running at once", ("--parallel",), lo=1),
+    Option("n_batch", int, 512, "token budget of one engine step (decodes + prefill chunks)", ("--batch-size",),
+           env=("TOKENMILL_BATCH",), lo=1),
+    Option("n_ubatch", int, 512, "most tokens one model call processes", ("--ubatch-size",),
+           env=("TOKENMILL_UBATCH",), lo=1),
+    Option("prefix_cache", bool, True, "reuse the KV blocks of prompt prefixes across requests",
+           ("--prefix-cache",)),
+    Option("policy", str, "fifo", "waiting-queue order: fifo, priority (request priority first) or sjf "
+           "(shortest job first, with ageing)", ("--policy",), choices=POLICIES),
+    Option("aging_ms", float, 10.0, "sjf: each aging_ms of waiting counts as one token less of work",
+           ("--aging-ms",), lo=0.001),
+    Option("max_wait_ms", float, 0.0, "an idle engine waits up to this long for a burst of requests to "
+           "start as one batch; 0 = never", ("--max-wait-ms",), lo=0),
+)
+BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclass
+class Config:
+    """The effective settings; one field per entry of OPTIONS, in the same order, with its default."""
+    model: str = "smollm2"
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    max_queue: int = 256
+    drain_timeout: float = 30.0
+    keep_alive: float = 5.0
+    log_level: str = "info"
+    dtype: str = "bf16"
+    num_ctx: int = 0
+    kv_size: int = 65536
+    block_size: int = 16
+    parallel: int = 64
+    n_batch: int = 512
+    n_ubatch: int = 512
+    prefix_cache: bool = True
+    policy: str = "fifo"
+    aging_ms: float = 10.0
+    max_wait_ms: float = 0.0
+    # Where each value came from: "default", "config file PATH", "env NAME", "flag --name", "argument MODEL".
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    config_file: Path | None = field(default=None, compare=False, repr=False)
+
+    def engine_config(self) -> EngineConfig:
+        from tokenmill.engine.config import EngineConfig
+
+        return EngineConfig(dtype=self.dtype, block_size=self.block_size, max_total_tokens=self.kv_size,
+                            max_model_len=self.num_ctx or None, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
+                            parallel=self.parallel, enable_prefix_caching=self.prefix_cache, policy=self.policy,
+                            aging_ms=self.aging_ms, max_wait_ms=self.max_wait_ms)
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "default")
+
+    def to_toml(self) -> str:
+        """The effective values as a config file, each with its source as a comment."""
+        lines = ["# tokenmill serve: effective configuration",
+                 f"# config file: {self.config_file or 'none'}"]
+        for group in ("server", "engine"):
+            lines += ["", f"# --- {group} ---"]
+            for o in OPTIONS:
+                if o.group == group:
+                    lines += [f"# {o.help}", f"{o.name} = {_toml_value(getattr(self, o.name))}  # {self.source(o.name)}"]
+        return "\n".join(lines) + "\n"
+
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    return repr(v)
+
+
+# --- reading values -------------------------------------------------------------------------------
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _convert(o: Option, value: Any, source: str, from_text: bool) -> Any:
+    """value as o.kind, or a ConfigError naming the source, the key, the expected type and the value."""
+    def wrong() -> ConfigError:
+        return ConfigError(f"{source}: {o.name} must be {_TYPE_NAMES[o.kind]}, got {value!r}")
+
+    if from_text:  # environment variables and flags arrive as text
+        text = str(value).strip()
+        if o.kind is str:
+            return text
+        if o.kind is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise wrong()
+        try:
+            return o.kind(text)
+        except ValueError:
+            raise wrong() from None
+    # TOML values keep their types: no strings for numbers, but an int is a fine float.
+    if o.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) != (o.kind is bool) or not isinstance(value, o.kind):
+        raise wrong()
+    return value
+
+
+def _check(o: Option, value: Any, source: str) -> None:
+    if o.choices is not None and value not in o.choices:
+        raise ConfigError(f"{source}: {o.name} must be one of {', '.join(o.choices)}, got {value!r}")
+    if o.zero_ok and value == 0:
+        return
+    if o.lo is not None and value < o.lo:
+        raise ConfigError(f"{source}: {o.name} must be at least {o.lo:g}{' (or 0)' if o.zero_ok else ''}, got {value}")
+    if o.hi is not None and value > o.hi:
+        raise ConfigError(f"{source}: {o.name} must be at most {o.hi:g}, got {value}")
+
+
+def split_host_port(value: str) -> tuple[str, int | None]:
+    """`host`, `host:port`, `:port`, `http://host:port` or `[::1]:port`, as OLLAMA_HOST accepts;
+    the port is None when the value has none."""
+    v = value.strip()
+    for scheme in ("http://", "https://"):
+        if v.startswith(scheme):
+            v = v[len(scheme):]
+    v = v.rstrip("/")
+    if v.startswith("["):  # bracketed IPv6
+        host, _, rest = v[1:].partition("]")
+        port = rest.lstrip(":")
+    elif v.count(":") == 1:
+        host, port = v.split(":")
+    else:
+        host, port = v, ""
+    try:
+        port_num = int(port) if port else None
+    except ValueError:
+        raise ConfigError(f"invalid port in {value!r}") from None
+    if port_num is not None and not 0 <= port_num <= 65535:
+        raise ConfigError(f"port out of range in {value!r}")
+    return host or DEFAULT_HOST, port_num
+
+
+def parse_host_port(value: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    host, port = split_host_port(value)
+    return host, default_port if port is None else port
+
+
+# One source's values: name -> (value, source label).
+Layer = dict[str, tuple[Any, str]]
+
+
+def _layer(values: Mapping[str, tuple[Any, str]], from_text: bool) -> Layer:
+    out: Layer = {}
+    for name, (raw, source) in values.items():
+        o = BY_NAME[name]
+        value = _convert(o, raw, source, from_text)
+        if name == "host":
+            try:
+                value, port = split_host_port(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: {exc}") from None
+            if port is not None and "port" not in values:
+                out["port"] = (port, source)
+        _check(o, value, source)
+        out[name] = (value, source)
+    return out
+
+
+def read_file(path: Path) -> Layer:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for key in data:
+        if key not in BY_NAME:
+            close = difflib.get_close_matches(key, BY_NAME, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"config file {path}: unknown setting {key!r}{hint}; "
+                              f"known settings: {', '.join(BY_NAME)}")
+    return _layer({k: (v, f"config file {path}") for k, v in data.items()}, from_text=False)
+
+
+def read_env(env: Mapping[str, str]) -> Layer:
+    values = {}
+    for o in OPTIONS:
+        for name in o.env_names:
+            raw = env.get(name)
+            if raw is not None and raw.strip() != "":  # empty = unset
+                values[o.name] = (raw, f"env {name}")
+                break
+    return _layer(values, from_text=True)
+
+
+def read_flags(args: argparse.Namespace | None) -> Layer:
+    """Flags that were given: an unset flag is None (or absent from a hand-made Namespace)."""
+    if args is None:
+        return {}
+    values = {}
+    for o in OPTIONS:
+        value = getattr(args, o.name, None)
+        if value is None:
+            continue
+        if o.name == "model":
+            label = "argument MODEL"
+        elif o.kind is bool and value is False:
+            label = f"flag --no-{o.flags[0].removeprefix('--')}"
+        else:
+            label = f"flag {o.flags[0]}"
+        values[o.name] = (value, label)
+    return _layer(values, from_text=True)
+
+
+def load_config(args: argparse.Namespace | None = None, *, env: Mapping[str, str] | None = None,
+                config_file: str | Path | None = None) -> Config:
+    """defaults < file < environment < flags. The file is config_file, else args.config, else
+    $TOKENMILL_CONFIG, else none."""
+    env = os.environ if env is None else env
+    path = config_file or getattr(args, "config", None) or env.get(CONFIG_ENV) or None
+    cfg = Config(config_file=Path(path) if path else None)
+    layers = [read_file(Path(path)) if path else {}, read_env(env), read_flags(args)]
+    for layer in layers:
+        for name, (value, source) in layer.items():
+            setattr(cfg, name, value)
+            cfg.sources[name] = source
+    # The one relation between settings (each value alone was checked above).
+    if cfg.kv_size < cfg.block_size:
+        raise ConfigError(f"kv_size ({cfg.kv_size}, {cfg.source('kv_size')}) is below one block "
+                          f"(block_size {cfg.block_size}, {cfg.source('block_size')})")
+    return cfg
+
+
+# --- command line ---------------------------------------------------------------------------------
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """The serve flags of every option that has one. All default to None (= not given), so unset
+    flags fall back to the environment, the file and the defaults."""
+    for o in OPTIONS:
+        if not o.flags:
+            continue
+        env = ", ".join(o.env_names)
+        help_ = f"{o.help} (env {env}; default {_toml_value(o.default)})"
+        if o.kind is bool:
+            parser.add_argument(*o.flags, dest=o.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_)
+        else:
+            parser.add_argument(*o.flags, dest=o.name, default=None, choices=o.choices, help=help_,
+                                metavar=None if o.choices else o.name.upper())
