@@ -85,6 +85,9 @@ OPTIONS: tuple[Option, ...] = (
            ("--aging-ms",), lo=0.001),
     Option("max_wait_ms", float, 0.0, "an idle engine waits up to this long for a burst of requests to "
            "start as one batch; 0 = never", ("--max-wait-ms",), lo=0),
+    Option("threads", int, 0, "torch compute threads; 0 = torch's default (one per core). On a shared machine "
+           "1 is steadier: busy-waiting threads that lose their core slow every op", ("--threads",), lo=1,
+           zero_ok=True),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -110,6 +113,7 @@ class Config:
     policy: str = "fifo"
     aging_ms: float = 10.0
     max_wait_ms: float = 0.0
+    threads: int = 0
     # Where each value came from: "default", "config file PATH", "env NAME", "flag --name", "argument MODEL".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     config_file: Path | None = field(default=None, compare=False, repr=False)
@@ -120,7 +124,7 @@ class Config:
         return EngineConfig(dtype=self.dtype, block_size=self.block_size, max_total_tokens=self.kv_size,
                             max_model_len=self.num_ctx or None, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
                             parallel=self.parallel, enable_prefix_caching=self.prefix_cache, policy=self.policy,
-                            aging_ms=self.aging_ms, max_wait_ms=self.max_wait_ms)
+                            aging_ms=self.aging_ms, max_wait_ms=self.max_wait_ms, threads=self.threads)
 
     def source(self, name: str) -> str:
         return self.sources.get(name, "default")

@@ -65,6 +65,8 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, cfg: EngineConfig | None = None):
         cfg = cfg or EngineConfig()
         cfg.validate()
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.loaded = loaded
         self.tokenizer = tokenizer
