@@ -1,0 +1,39 @@
+"""`tokenmill bench`: benchmarks that print tokenmill's figures next to a peer (transformers) measured
+in the same run, with the ratio.
+
+    tokenmill bench offline [--num-prompts 64 --prompt-len 100 --max-tokens 128 ...]
+    tokenmill bench single-stream [--dtypes bf16,fp32 ...]
+
+The same benchmarks run as scripts: bench/offline.py, bench/single_stream.py."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "offline": ("tokenmill.bench.offline", "throughput of N prompts submitted at once (continuous batching)"),
+    "single-stream": ("tokenmill.bench.single_stream", "load time and one-request greedy decode tokens/s"),
+    "serve": ("tokenmill.bench.serving", "load generator against a running server (OpenAI/Ollama API)"),
+    "shared-prefix": ("tokenmill.bench.shared_prefix", "TTFT of a burst sharing a long prefix vs unique prefixes"),
+    "quality": ("tokenmill.bench.quality", "greedy agreement and logit error of bf16/int4 vs fp32"),
+}
+
+
+def _usage() -> str:
+    rows = "\n".join(f"  {name:15}{help_}" for name, (_, help_) in BENCHMARKS.items())
+    return f"usage: tokenmill bench {{{','.join(BENCHMARKS)}}} [options]\n\nbenchmarks:\n{rows}\n"
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    rest = list(getattr(args, "rest", None) or [])
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not rest or rest[0] in ("-h", "--help"):
+        print(_usage(), end="")
+        return 0 if rest else 2
+    name, argv = rest[0].replace("_", "-"), rest[1:]
+    if name not in BENCHMARKS:
+        print(f"tokenmill bench: unknown benchmark {rest[0]!r}\n\n{_usage()}", end="")
+        return 2
+    module = importlib.import_module(BENCHMARKS[name][0])
+    return module.main(argv, prog=f"tokenmill bench {name}")

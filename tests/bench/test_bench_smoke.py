@@ -1,0 +1,54 @@
+"""Smoke test of the benchmarks on the tiny model: they run end to end and report sane numbers.
+No timing assertions: only that the figures exist, are positive and add up."""
+from __future__ import annotations
+
+import json
+
+from tokenmill.cli import main
+
+
+def test_offline_bench_tiny(tiny_gguf, tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    rc = main(["bench", "offline", "--model", str(tiny_gguf), "--num-prompts", "5", "--prompt-len", "12",
+               "--max-tokens", "6", "--n-batch", "32", "--parallel", "4", "--max-total-tokens", "1024",
+               "--skip-hf", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "output tok/s" in printed and "step ms" in printed
+
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "offline" and r["hf"] is None
+    tm = r["tokenmill"]
+    assert tm["prompt_tokens"] == 5 * 12
+    assert tm["output_tokens"] == tm["expected_output_tokens"] == 5 * 6  # EOS ignored: every token arrives
+    for key in ("output_tok_s", "prefill_tok_s", "total_tok_s", "elapsed_seconds", "prefill_seconds",
+                "load_seconds", "kv_cache_bytes", "kv_used_peak_bytes", "peak_rss_bytes"):
+        assert tm[key] > 0, key
+    assert tm["prefill_seconds"] <= tm["elapsed_seconds"]
+    assert tm["kv_used_peak_bytes"] <= tm["kv_cache_bytes"]
+    # parallel=4 < 5 prompts and a 32-token budget: several steps, some of them decode-only
+    assert tm["num_steps"] >= 6 and tm["num_decode_steps"] >= 1
+    s = tm["step_ms"]
+    assert 0 < s["p50"] <= s["p95"] <= s["p99"] <= s["max"]
+    assert 0 < tm["decode_step_ms"]["p50"]
+    assert r["ratio_tokenmill_over_hf"]["output_tok_s"] is None
+
+
+def test_single_stream_bench_tiny(tiny_gguf, tmp_path):
+    out = tmp_path / "single.json"
+    rc = main(["bench", "single-stream", "--model", str(tiny_gguf), "--prompt-len", "10", "--max-tokens", "5",
+               "--repeats", "2", "--max-total-tokens", "512", "--skip-hf", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert set(r["runs"]) == {"bf16", "fp32"}
+    for entry in r["runs"].values():
+        tm = entry["tokenmill"]
+        assert tm["decode_tok_s"] > 0 and tm["prefill_tok_s"] > 0 and tm["load_seconds"] > 0
+        assert len(tm["decode_tok_s_runs"]) == 2
+        assert entry["hf"] is None
+
+
+def test_bench_usage(capsys):
+    assert main(["bench"]) == 2
+    assert main(["bench", "nope"]) == 2
+    assert "offline" in capsys.readouterr().out
