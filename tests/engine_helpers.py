@@ -1,6 +1,8 @@
 """Drive an LLMEngine synchronously in tests, asserting cache integrity after every step."""
 from __future__ import annotations
 
+import random
+
 from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenmill.model import LoadedModel
 from tokenmill.tokenizer import Tokenizer
@@ -43,3 +45,9 @@ def step_until_done(engine: LLMEngine, *, check_every_step: bool = True) -> dict
             engine.blocks.check_integrity()
     assert_all_free(engine)
     return outputs
+
+
+def random_ids(n: int, seed: int = 0) -> list[int]:
+    """n token ids from the tiny vocabulary's non-special range, reproducible by seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 270) for _ in range(n)]

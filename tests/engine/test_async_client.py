@@ -4,18 +4,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from engine_helpers import assert_all_free, make_engine, run_to_completion
 from tokenmill.engine import AsyncEngine, InvalidSamplingParams, SamplingParams
-from tokenmill.model import load_model
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_gguf):
-    return load_model(tiny_gguf, torch.float32)
 
 
 def test_concurrent_streams_match_offline_and_abort_frees(loaded):

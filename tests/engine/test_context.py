@@ -3,25 +3,12 @@ generation (drop the older half after num_keep, recompute the rest from position
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
-import torch
 
-from engine_helpers import make_engine, run_to_completion, step_until_done
+from engine_helpers import random_ids as ids, make_engine, run_to_completion, step_until_done
 from tokenmill.engine import FinishReason, PromptTooLongError, SamplingParams
 from tokenmill.engine.context import generation_reserve, shift_context, truncate_prompt
-from tokenmill.model import load_model
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_gguf):
-    return load_model(tiny_gguf, torch.float32)
-
-
-def ids(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 270) for _ in range(n)]
 
 
 def test_truncate_prompt_keeps_head_and_tail():

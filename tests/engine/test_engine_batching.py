@@ -4,18 +4,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from engine_helpers import assert_all_free, make_engine, run_one_at_a_time, run_to_completion
 from tokenmill.engine import FinishReason, PromptTooLongError, SamplingParams
-from tokenmill.model import load_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_gguf):
-    return load_model(tiny_gguf, torch.float32)
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:

@@ -3,18 +3,11 @@ every block is free once all requests are done."""
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_helpers import assert_all_free, make_engine
 from tokenmill.engine import SamplingParams
-from tokenmill.model import load_model
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_gguf):
-    return load_model(tiny_gguf, torch.float32)
 
 
 action = st.one_of(

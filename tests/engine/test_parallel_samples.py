@@ -6,20 +6,13 @@ import asyncio
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_helpers import assert_all_free, make_engine, run_to_completion, step_until_done
 from tokenmill.engine import LLM, AsyncEngine, EngineConfig, FinishReason, Priority, SamplingParams
-from tokenmill.model import load_model
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_gguf):
-    return load_model(tiny_gguf, torch.float32)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -2,26 +2,12 @@
 ageing, and holding a step back to let a batch fill (max_wait_ms)."""
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
-from engine_helpers import make_engine, run_to_completion
+from engine_helpers import random_ids as ids, make_engine, run_to_completion
 from tokenmill.engine import ConfigError, EngineConfig, Priority, SamplingParams
 from tokenmill.engine.policy import WaitingQueue, expected_work
 from tokenmill.engine.request import Sequence
-from tokenmill.model import load_model
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_gguf):
-    return load_model(tiny_gguf, torch.float32)
-
-
-def ids(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 270) for _ in range(n)]
 
 
 def seq(seq_id: int, n_prompt: int, max_tokens: int, arrival: float, priority=Priority.NORMAL) -> Sequence:

@@ -2,26 +2,14 @@
 request is still using), always computes its last prompt token, and counts cached vs computed."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from engine_helpers import make_engine, run_to_completion, step_until_done
+from engine_helpers import random_ids as ids, make_engine, run_to_completion, step_until_done
 from tokenmill.engine import SamplingParams
 from tokenmill.model import load_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_gguf):
-    return load_model(tiny_gguf, torch.float32)
-
-
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 270) for _ in range(n)]
 
 
 def test_new_request_shares_blocks_of_a_running_one(loaded):
