@@ -57,8 +57,9 @@ def build_parser(prog: str = "tokenmill bench shared-prefix") -> argparse.Argume
     return p
 
 
-def _first_words(n: int, rng: random.Random) -> list[str]:
-    """n distinct capitalised words to start the unique prefixes with."""
+def _first_words(n: int, rng: random.Random, first_token=None) -> list[str]:
+    """n distinct capitalised words to start the unique prefixes with; with `first_token` (text ->
+    its first token id), words whose first tokens differ, as far as the corpus has such words."""
     seen: dict[str, None] = {}
     for w in CORPUS.split():
         w = "".join(ch for ch in w if ch.isalpha())
@@ -66,6 +67,12 @@ def _first_words(n: int, rng: random.Random) -> list[str]:
             seen.setdefault(w.lower().capitalize(), None)
     words = list(seen)
     rng.shuffle(words)
+    if first_token is not None:
+        by_first: dict[int, str] = {}
+        for w in words:
+            by_first.setdefault(first_token(w), w)
+        distinct = list(by_first.values())
+        words = distinct + [w for w in words if w not in by_first.values()]
     return [words[i % len(words)] + ("" if i < len(words) else str(i)) for i in range(n)]
 
 
@@ -81,7 +88,8 @@ def make_texts(maker: TextMaker, args: argparse.Namespace, nonce: str) -> dict[s
             q += tail
             tail = ""
         questions.append(q + "\nAnswer:")
-    unique = [f"{w} {nonce}-{i}. " + body for i, w in enumerate(_first_words(args.burst, rng))]
+    first = (lambda t: maker.tokenizer.encode(t, add_special_tokens=False)[0]) if maker.exact else None
+    unique = [f"{w} {nonce}-{i}. " + body for i, w in enumerate(_first_words(args.burst, rng, first))]
     return {"prefix": body, "questions": questions, "unique_prefixes": unique}
 
 
