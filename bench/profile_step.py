@@ -30,11 +30,13 @@ def main() -> int:
     p.add_argument("--warm-steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="decode through the compiled graphs (the server default)")
     p.add_argument("--trace", metavar="PATH", help="also write a Chrome trace")
     args = p.parse_args()
     set_threads(args.threads)
 
-    engine = LLMEngine.from_path(resolve_model(args.model), EngineConfig(dtype=args.dtype, parallel=max(64, args.batch)))
+    engine = LLMEngine.from_path(resolve_model(args.model), EngineConfig(dtype=args.dtype, parallel=max(64, args.batch),
+                                                                                compile=args.compile))
     params = SamplingParams(max_tokens=args.warm_steps + args.steps + 50, temperature=0, ignore_eos=True)
     for ids in corpus_prompts(engine.tokenizer.encode, args.batch, args.prompt_len):
         engine.add_request(ids, params)

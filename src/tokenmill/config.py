@@ -88,6 +88,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("threads", int, 0, "torch compute threads; 0 = torch's default (one per core). On a shared machine "
            "1 is steadier: busy-waiting threads that lose their core slow every op", ("--threads",), lo=1,
            zero_ok=True),
+    Option("compile", bool, True, "compile decode steps with torch.compile (about a minute per graph the first "
+           "time, cached on disk after); --no-compile runs every step eagerly", ("--compile",)),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -114,6 +116,7 @@ class Config:
     aging_ms: float = 10.0
     max_wait_ms: float = 0.0
     threads: int = 0
+    compile: bool = True
     # Where each value came from: "default", "config file PATH", "env NAME", "flag --name", "argument MODEL".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     config_file: Path | None = field(default=None, compare=False, repr=False)
@@ -124,7 +127,8 @@ class Config:
         return EngineConfig(dtype=self.dtype, block_size=self.block_size, max_total_tokens=self.kv_size,
                             max_model_len=self.num_ctx or None, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
                             parallel=self.parallel, enable_prefix_caching=self.prefix_cache, policy=self.policy,
-                            aging_ms=self.aging_ms, max_wait_ms=self.max_wait_ms, threads=self.threads)
+                            aging_ms=self.aging_ms, max_wait_ms=self.max_wait_ms, threads=self.threads,
+                            compile=self.compile)
 
     def source(self, name: str) -> str:
         return self.sources.get(name, "default")

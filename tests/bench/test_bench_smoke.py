@@ -11,7 +11,7 @@ def test_offline_bench_tiny(tiny_gguf, tmp_path, capsys):
     out = tmp_path / "offline.json"
     rc = main(["bench", "offline", "--model", str(tiny_gguf), "--num-prompts", "5", "--prompt-len", "12",
                "--max-tokens", "6", "--n-batch", "32", "--parallel", "4", "--max-total-tokens", "1024",
-               "--skip-hf", "--json", str(out)])
+               "--skip-hf", "--no-compile", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "output tok/s" in printed and "step ms" in printed
@@ -37,7 +37,7 @@ def test_offline_bench_tiny(tiny_gguf, tmp_path, capsys):
 def test_single_stream_bench_tiny(tiny_gguf, tmp_path):
     out = tmp_path / "single.json"
     rc = main(["bench", "single-stream", "--model", str(tiny_gguf), "--prompt-len", "10", "--max-tokens", "5",
-               "--repeats", "2", "--max-total-tokens", "512", "--skip-hf", "--json", str(out)])
+               "--repeats", "2", "--max-total-tokens", "512", "--skip-hf", "--no-compile", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert set(r["runs"]) == {"bf16", "fp32"}

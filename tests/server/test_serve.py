@@ -74,7 +74,7 @@ def test_unknown_model_fails_before_serving(capsys):
 def test_sigterm_drains_in_flight_requests_then_exits(tiny_gguf, tmp_path):
     port = free_port()
     env = {**os.environ, "TOKENMILL_HOME": str(tmp_path), "TOKENMILL_DTYPE": "fp32", "TOKENMILL_KV_SIZE": "4096",
-           "TOKENMILL_DRAIN_TIMEOUT": "20"}
+           "TOKENMILL_DRAIN_TIMEOUT": "20", "TOKENMILL_COMPILE": "false"}
     cmd = [sys.executable, "-c", "import sys; from tokenmill.cli import main; sys.exit(main(sys.argv[1:]))",
            "serve", str(tiny_gguf), "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -28,6 +28,7 @@ def build_parser(prog: str = "tokenmill bench single-stream") -> argparse.Argume
     p.add_argument("--max-total-tokens", type=int, default=65536, help="engine KV budget in tokens")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--no-compile", action="store_true", help="eager decode steps (the server's default compiles them)")
     p.add_argument("--json", metavar="PATH")
     return p
 
@@ -46,12 +47,13 @@ def _rates(prompt_len: int, t0: float, first: float, last: float, n: int) -> dic
 
 
 class TokenmillSide:
-    def __init__(self, gguf_path: str, dtype: str, max_total_tokens: int):
+    def __init__(self, gguf_path: str, dtype: str, max_total_tokens: int, compile: bool = True):
         from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
 
         self._params = SamplingParams
         start = time.perf_counter()
-        self.engine = LLMEngine.from_path(gguf_path, EngineConfig(dtype=dtype, max_total_tokens=max_total_tokens))
+        self.engine = LLMEngine.from_path(gguf_path, EngineConfig(dtype=dtype, max_total_tokens=max_total_tokens,
+                                                                           compile=compile))
         self.init_seconds = time.perf_counter() - start
         self.load_seconds = self.engine.loaded.load_seconds
         self.vocab_size = self.engine.loaded.config.vocab_size
@@ -83,7 +85,7 @@ def run_dtype(gguf_path: str, prompts: list[list[int]], dtype: str, args: argpar
     machine load hits both; the ratio is the median of the per-pair ratios."""
     entry: dict[str, Any] = {"loadavg_start": loadavg()}
     progress(f"loading tokenmill {dtype}")
-    tm = TokenmillSide(gguf_path, dtype, args.max_total_tokens)
+    tm = TokenmillSide(gguf_path, dtype, args.max_total_tokens, compile=not args.no_compile)
     hf = None
     if not args.skip_hf:
         progress(f"loading transformers {dtype}")

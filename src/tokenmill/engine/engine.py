@@ -14,6 +14,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.context import generation_reserve, truncate_prompt
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
+from tokenmill.model.decode_graph import DecodeGraph
 from tokenmill.engine.sampler import Sampler, SamplerInput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
@@ -75,7 +76,11 @@ class LLMEngine:
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.kv = KVStorage(mc.n_layers, cfg.num_blocks, cfg.block_size, mc.n_kv_heads, mc.head_dim, loaded.dtype)
         self.scheduler = Scheduler(cfg, self.blocks, tokenizer.stop_ids)
-        self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch)
+        graph = None
+        if cfg.compile:
+            graph = DecodeGraph(loaded.model, self.kv.k, self.kv.v, cfg.block_size)
+            graph.warmup()  # before any request: it writes into blocks 0 and 1
+        self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, graph)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -173,7 +178,8 @@ class LLMEngine:
             self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
             logits = self.runner.run(batch)
             self.scheduler.fork_samples(batch, lambda: next(self._seq_ids))
-            result = None if logits is None else self.sampler(self._logits(logits, batch), self._sampler_input(batch))
+            result = None if logits is None else self.sampler(self._logits(logits, batch), self._sampler_input(batch),
+                                                                owned=True)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("step failed; finishing its %d sequences with an error", len(batch.chunks))
             return events + self._fail(batch, f"{type(exc).__name__}: {exc}")

@@ -8,6 +8,7 @@ from tokenmill.engine.scheduler import ScheduledBatch, ScheduledChunk
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import AttentionMetadata, ChunkSpec
+from tokenmill.model.decode_graph import DecodeGraph
 
 
 def split_ubatches(chunks: list[ScheduledChunk], n_ubatch: int) -> list[list[tuple[ScheduledChunk, int, int]]]:
@@ -28,11 +29,14 @@ def split_ubatches(chunks: list[ScheduledChunk], n_ubatch: int) -> list[list[tup
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVStorage, blocks: BlockManager, n_ubatch: int):
+    def __init__(self, model: torch.nn.Module, kv: KVStorage, blocks: BlockManager, n_ubatch: int,
+                 decode_graph: DecodeGraph | None = None):
         self.model = model
         self.kv = kv
         self.blocks = blocks
         self.n_ubatch = n_ubatch
+        self.decode_graph = decode_graph
+        self.graph_steps = 0  # micro-batches that ran through the compiled decode graph
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
@@ -51,8 +55,32 @@ class ModelRunner:
                 specs.append(ChunkSpec(self.blocks.block_table(chunk.seq.seq_id), start, num_new))
                 if chunk.samples and start + num_new == chunk.start + chunk.num_new:
                     sample_rows.append(len(ids) - 1)
+            if self._graph_fits(specs, sample_rows):
+                logits.append(self._run_graph(ids, positions, specs))
+                continue
             meta = AttentionMetadata.build(specs, bs)
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv)
             if sample_rows:
                 logits.append(self.model.logits(hidden, torch.tensor(sample_rows)))
-        return torch.cat(logits) if logits else None
+        if not logits:
+            return None
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _graph_fits(self, specs: list[ChunkSpec], sample_rows: list[int]) -> bool:
+        """Decode-only micro-batches where every row samples go through the compiled graph."""
+        g = self.decode_graph
+        if g is None or not g.ready or len(sample_rows) != len(specs) or any(s.num_new != 1 for s in specs):
+            return False
+        width = max(-(-(s.num_cached + 1) // self.kv.block_size) for s in specs)
+        return g.accepts(len(specs), width)
+
+    def _run_graph(self, ids: list[int], positions: list[int], specs: list[ChunkSpec]) -> torch.Tensor:
+        bs = self.kv.block_size
+        lens = [s.num_cached + 1 for s in specs]
+        width = self.decode_graph.padded_width(max(-(-n // bs) for n in lens))
+        tables = [list(s.block_table[:-(-n // bs)]) for s, n in zip(specs, lens)]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        block_ids = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        self.graph_steps += 1
+        return self.decode_graph(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), block_ids,
+                                 torch.tensor(lens))

@@ -66,7 +66,10 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, inp: SamplerInput) -> SampleResult:
+    @torch.inference_mode()  # the runner's logits are inference tensors; updating them in place needs this
+    def __call__(self, logits: torch.Tensor, inp: SamplerInput, *, owned: bool = False) -> SampleResult:
+        """owned: the caller hands `logits` over, so it may be modified in place (saves a copy of
+        [rows, vocab] per step)."""
         n = logits.shape[0]
         params = inp.params
         if n != len(params):
@@ -76,7 +79,7 @@ class Sampler:
 
         logits = logits.float()  # no-op for float32; penalties and cumulative sums want fp32
         penalised = apply_penalties(logits, params, inp.recent_token_ids)
-        logits = _suppress_stop_tokens(penalised, inp, in_place=penalised is not logits)
+        logits = _suppress_stop_tokens(penalised, inp, in_place=owned or penalised is not logits)
 
         greedy = [p.is_greedy for p in params]
         if all(greedy):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.attention import AttentionMetadata, paged_attention
+from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, fused_decode_attention, paged_attention
 from tokenmill.model.linear import Linear
 
 
@@ -45,8 +45,9 @@ class RotaryEmbedding(nn.Module):
         # rotate_half(x) = cat(-x2, x1); the sign lives in the table so a swap of halves suffices.
         self.register_buffer("sin", torch.cat([-sin, sin], -1).float(), persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, *, check: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if check and positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} beyond the rotary table ({self.cos.shape[0]})")
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
@@ -81,8 +82,15 @@ class Attention(nn.Module):
         qk = RotaryEmbedding.apply(qk.view(-1, self.n_heads + self.n_kv_heads, hd), cos, sin)
         return qk[:, :self.n_heads], qk[:, self.n_heads:], v.view(-1, self.n_kv_heads, hd)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | GraphDecodeMeta,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if isinstance(meta, GraphDecodeMeta):
+            # index_put_ rather than index_copy_: inductor lowers it to an in-place scatter.
+            k_cache[:, meta.slot_mapping] = k.transpose(0, 1)
+            v_cache[:, meta.slot_mapping] = v.transpose(0, 1)
+            scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+            out = fused_decode_attention(q, k_cache, v_cache, meta, scale)
+            return self.o_proj(out.flatten(1))
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)

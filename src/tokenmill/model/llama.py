@@ -8,9 +8,9 @@ from torch import nn
 
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kvcache.storage import KVStorage
-from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta
 from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, _param, interleaved_to_half_split
-from tokenmill.model.linear import Int4Weight
+from tokenmill.model.linear import Int4Weight, Linear, PackedWeight, dense_linear, pack_bf16
 
 
 class LlamaBlock(nn.Module):
@@ -36,14 +36,27 @@ class LlamaModel(nn.Module):
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = self.embed if cfg.tied_embeddings else _param(cfg.vocab_size, cfg.dim)
+        self.lm_head_packed: PackedWeight | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: KVStorage) -> torch.Tensor:
-        """Flat batch in, pre-norm hidden states out ([T, dim]); the caches are written in place."""
+    def pack_weights(self) -> None:
+        """After loading: give every dense bf16 weight its oneDNN-packed form (see model/linear.py)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack_dense()
+        self.lm_head_packed = pack_bf16(self.lm_head.data)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | GraphDecodeMeta,
+                kv: KVStorage | None = None, *, k_caches: list[torch.Tensor] | None = None,
+                v_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Flat batch in, pre-norm hidden states out ([T, dim]); the caches (kv's, or the lists
+        given) are written in place."""
+        k_caches = kv.k if kv is not None else k_caches
+        v_caches = kv.v if kv is not None else v_caches
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope.tables(positions, x.dtype)
+        # A compiled graph cannot branch on data; its caller keeps positions within the context.
+        cos, sin = self.rope.tables(positions, x.dtype, check=not isinstance(meta, GraphDecodeMeta))
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, meta, kv.k[i], kv.v[i])
+            x = block(x, cos, sin, meta, k_caches[i], v_caches[i])
         return x
 
     def final_hidden(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,7 +64,7 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (float32) only for the rows that sample, as llama.cpp's output flags do."""
-        return F.linear(self.final_hidden(hidden, indices), self.lm_head).float()
+        return dense_linear(self.final_hidden(hidden, indices), self.lm_head, self.lm_head_packed).float()
 
     # --- loading -------------------------------------------------------------------------------
     def gguf_tensor_names(self) -> list[str]:

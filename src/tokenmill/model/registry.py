@@ -63,6 +63,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.bfloat16, *, p
         if pending:
             raise ModelLoadError(f"{path}: tensors without their fused siblings: {sorted(pending)[:4]}")
         model.rope.to(torch.float32)
+        model.pack_weights()
         model.eval()
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from exc

@@ -1,0 +1,72 @@
+"""The compiled decode step (model/decode_graph.py) against the eager forward it replaces."""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from engine_helpers import make_engine, random_ids, run_to_completion
+from tiny_model import TinyLlamaSpec, write_tiny_llama
+from tokenmill.engine import SamplingParams
+from tokenmill.model import load_model
+from tokenmill.model.decode_graph import MAX_BLOCKS
+
+pytestmark = pytest.mark.slow  # each engine compiles two graphs (tens of seconds, cached on disk after)
+
+
+def _compare_paths(engine, diffs: list[tuple[int, float]]):
+    """Run every graph-eligible micro-batch through both paths; record (rows, max logit difference).
+    Writing the same K/V twice to the same slots is harmless, so the two runs see the same cache."""
+    runner, graph = engine.runner, engine.runner.decode_graph
+    run = runner.run
+
+    def both(batch):
+        before = runner.graph_steps
+        fast = run(batch)
+        if runner.graph_steps == before:
+            return fast
+        graph.ready = False
+        try:
+            slow = run(batch)
+        finally:
+            graph.ready = True
+        diffs.append((fast.shape[0], (fast - slow).abs().max().item()))
+        return fast
+
+    runner.run = both
+
+
+def test_graph_logits_match_eager_fp32_and_greedy_is_unchanged(loaded):
+    requests = [(random_ids(n, seed=n), SamplingParams(max_tokens=24 if n < 40 else 40, temperature=0, ignore_eos=True))
+                for n in (1, 5, 15, 16, 17, 40)]
+    eager = run_to_completion(make_engine(loaded), requests)
+    engine = make_engine(loaded, compile=True)
+    diffs: list[tuple[int, float]] = []
+    _compare_paths(engine, diffs)
+    assert run_to_completion(engine, requests) == eager
+    assert engine.runner.graph_steps > 20
+    assert {rows for rows, _ in diffs} >= {6, 1}  # the batched graph and, at the tail, the 1-row one
+    assert max(d for _, d in diffs) < 1e-4
+
+
+def test_graph_with_int4_weights_matches_eager_bf16(tmp_path):
+    path = write_tiny_llama(tmp_path / "q41.gguf", TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q4_1))
+    engine = make_engine(load_model(path, torch.bfloat16), dtype="bf16", compile=True)
+    diffs: list[tuple[int, float]] = []
+    _compare_paths(engine, diffs)
+    requests = [(random_ids(n, seed=n), SamplingParams(max_tokens=12 + n, temperature=0, ignore_eos=True))
+                for n in (3, 30)]
+    run_to_completion(engine, requests)
+    rows = {r for r, _ in diffs}
+    assert 1 in rows and 2 in rows  # one row uses the int4 weights, two rows the dense ones
+    # bf16 logits of a random model are O(1); the two paths round in different places.
+    assert max(d for _, d in diffs) < 0.1
+
+
+def test_contexts_wider_than_the_graph_run_eagerly(tmp_path):
+    loaded = load_model(write_tiny_llama(tmp_path / "long.gguf", TinyLlamaSpec(context_length=1024)), torch.float32)
+    request = [(random_ids(MAX_BLOCKS + 4), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))]
+    engine = make_engine(loaded, compile=True, block_size=1, max_total_tokens=4096)
+    out = run_to_completion(engine, request)
+    assert engine.runner.graph_steps == 0
+    assert out == run_to_completion(make_engine(loaded, block_size=1, max_total_tokens=4096), request)
