@@ -61,3 +61,22 @@ def test_model_decode_with_int4_close_to_dense(tmp_path):
         h = model(torch.tensor([11]), torch.tensor([len(ids)]), AttentionMetadata.build([ChunkSpec(table, len(ids), 1)], BLOCK), kv)
         outs.append(model.logits(h))
     assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[1].abs().max()
+
+
+def test_packed_weights_are_used_and_freed_with_their_model(tiny_gguf):
+    import gc
+
+    from tokenmill.model import linear
+
+    if not linear.onednn_bf16_available():
+        pytest.skip("oneDNN bf16 is not available on this CPU")
+    before = len(linear._PACKED)
+    model = load_model(tiny_gguf, torch.bfloat16).model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.packed is not None for m in layers) and model.lm_head_packed is not None
+    assert len(linear._PACKED) == before + len(layers) + 1
+    x = torch.randn(3, layers[0].weight.shape[1], dtype=torch.bfloat16)
+    assert torch.allclose(layers[0](x).float(), (x @ layers[0].weight.T).float(), atol=1e-2, rtol=1e-2)
+    del model, layers
+    gc.collect()
+    assert len(linear._PACKED) == before

@@ -14,7 +14,6 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.context import generation_reserve, truncate_prompt
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.model.decode_graph import DecodeGraph
 from tokenmill.engine.sampler import Sampler, SamplerInput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
@@ -22,6 +21,7 @@ from tokenmill.engine.stats import HISTOGRAM_NAMES, EngineStats, HistogramSnapsh
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import AttentionMetadata, ChunkSpec, LoadedModel, load_model
+from tokenmill.model.decode_graph import DecodeGraph
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
@@ -79,7 +79,7 @@ class LLMEngine:
         graph = None
         if cfg.compile:
             graph = DecodeGraph(loaded.model, self.kv.k, self.kv.v, cfg.block_size)
-            graph.warmup()  # before any request: it writes into blocks 0 and 1
+            graph.warmup()  # before any request: its dummy batches write into the first blocks
         self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, graph)
         self.sampler = Sampler()
         self.stats = EngineStats()

@@ -9,6 +9,8 @@ to that int4 format without requantizing: a 32-value group with scale d and offs
 w = (q - 8) * d + (m + 8d). The scales are held in bf16, which rounds them like the dense bf16 copy."""
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,7 +92,7 @@ class Linear(nn.Module):
         self.packed: PackedWeight | None = None  # oneDNN-blocked copy of a bf16 weight
 
     def pack_dense(self) -> None:
-        self.packed = pack_bf16(self.weight.data)
+        self.packed = pack_bf16(self.weight.data, self)
 
     def set_int4(self, w: Int4Weight | None) -> None:
         if w is not None and self.weight.dtype == torch.bfloat16:
@@ -105,10 +107,12 @@ class Linear(nn.Module):
         return dense_linear(x, self.weight, self.packed)
 
 
-# oneDNN-packed weights live in this registry and graphs name them by index: a packed (opaque
+# oneDNN-packed weights live in this registry and graphs name them by handle: a packed (opaque
 # layout) tensor cannot be a torch.compile input, and inductor's own packing (freezing) turns off its
-# on-disk cache. Indices are handed out in load order, so the same model gets the same graph key.
-_PACKED: list[torch.Tensor] = []
+# on-disk cache. Handles are handed out in load order, so a process's first model gets the same
+# graph key on every start. An entry goes when its owner (a layer, a model) is collected.
+_PACKED: dict[int, torch.Tensor] = {}
+_handles = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -117,13 +121,15 @@ class PackedWeight:
     out_features: int
 
 
-def pack_bf16(weight: torch.Tensor) -> PackedWeight | None:
+def pack_bf16(weight: torch.Tensor, owner: object) -> PackedWeight | None:
     """A bf16 weight reordered for oneDNN once, or None. fp32 stays on F.linear, the path the fp32
     parity tests with transformers were measured on."""
     if weight.dtype != torch.bfloat16 or not onednn_bf16_available():
         return None
-    _PACKED.append(torch.ops.mkldnn._reorder_linear_weight(weight, 64))  # 64: the row count it is tuned for
-    return PackedWeight(len(_PACKED) - 1, weight.shape[0])
+    handle = next(_handles)
+    _PACKED[handle] = torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # 64: the row count it is tuned for
+    weakref.finalize(owner, _PACKED.pop, handle, None)
+    return PackedWeight(handle, weight.shape[0])
 
 
 @torch.library.custom_op("tokenmill::onednn_linear", mutates_args=())

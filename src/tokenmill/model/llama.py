@@ -43,7 +43,7 @@ class LlamaModel(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack_dense()
-        self.lm_head_packed = pack_bf16(self.lm_head.data)
+        self.lm_head_packed = pack_bf16(self.lm_head.data, self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | GraphDecodeMeta,
                 kv: KVStorage | None = None, *, k_caches: list[torch.Tensor] | None = None,
