@@ -70,3 +70,17 @@ def test_contexts_wider_than_the_graph_run_eagerly(tmp_path):
     out = run_to_completion(engine, request)
     assert engine.runner.graph_steps == 0
     assert out == run_to_completion(make_engine(loaded, block_size=1, max_total_tokens=4096), request)
+
+
+def test_a_failed_compile_leaves_an_eager_engine(loaded, monkeypatch, caplog):
+    from tokenmill.model import decode_graph
+
+    def broken(self):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(decode_graph.DecodeGraph, "warmup", broken)
+    engine = make_engine(loaded, compile=True)
+    assert engine.runner.decode_graph is None
+    assert "running them eagerly" in caplog.text
+    request = [(random_ids(8), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))]
+    assert run_to_completion(engine, request) == run_to_completion(make_engine(loaded), request)

@@ -79,7 +79,11 @@ class LLMEngine:
         graph = None
         if cfg.compile:
             graph = DecodeGraph(loaded.model, self.kv.k, self.kv.v, cfg.block_size)
-            graph.warmup()  # before any request: its dummy batches write into the first blocks
+            try:
+                graph.warmup()  # before any request: its dummy batches write into the first blocks
+            except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly rather than not at all
+                log.warning("compiling decode steps failed, running them eagerly: %s: %s", type(exc).__name__, exc)
+                graph = None
         self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, graph)
         self.sampler = Sampler()
         self.stats = EngineStats()
