@@ -37,3 +37,34 @@ def test_concurrent_completions_through_the_graphs_match_eager(tiny_gguf):
         finally:
             server.stop()
     assert answers[True] == answers[False]
+
+
+def test_switching_models_compiles_the_new_one_while_the_old_keeps_streaming(tiny_gguf, tmp_path):
+    import json
+    import time
+
+    from tiny_model import TinyLlamaSpec, write_tiny_llama
+
+    other = write_tiny_llama(tmp_path / "other-tiny.gguf", TinyLlamaSpec(seed=7))
+    server, host = start_server(str(tiny_gguf), compile=True)
+    try:
+        assert host.wait_ready(300), host.error
+        old = host.current
+        with httpx.Client(base_url=server.url, timeout=300) as c:
+            with c.stream("POST", "/api/generate", json={"model": old.name, "prompt": "hello", "raw": True,
+                                                         "options": {"temperature": 0, "num_predict": 150}}) as r:
+                lines = r.iter_lines()
+                assert json.loads(next(lines))["done"] is False
+                assert c.post("/load", json={"model": str(other)}).status_code == 202
+                final = [json.loads(line) for line in lines][-1]
+            assert final["done"] is True and final["eval_count"] == 150
+            deadline = time.monotonic() + 300
+            while host.current is old and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert host.current is not old and host.current.engine.runner.decode_graph is not None
+            r = c.post("/api/generate", json={"model": "other-tiny", "prompt": "x", "stream": False, "raw": True,
+                                              "options": {"num_predict": 20, "temperature": 0}})
+            assert r.status_code == 200 and r.json()["eval_count"] == 20
+            assert host.current.engine.runner.graph_steps > 0
+    finally:
+        server.stop()
