@@ -55,8 +55,9 @@ class ModelRunner:
                 specs.append(ChunkSpec(self.blocks.block_table(chunk.seq.seq_id), start, num_new))
                 if chunk.samples and start + num_new == chunk.start + chunk.num_new:
                     sample_rows.append(len(ids) - 1)
-            if self._graph_fits(specs, sample_rows):
-                logits.append(self._run_graph(ids, positions, specs))
+            graph_logits = self._run_graph(ids, positions, specs, sample_rows)
+            if graph_logits is not None:
+                logits.append(graph_logits)
                 continue
             meta = AttentionMetadata.build(specs, bs)
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv)
@@ -66,21 +67,21 @@ class ModelRunner:
             return None
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
-    def _graph_fits(self, specs: list[ChunkSpec], sample_rows: list[int]) -> bool:
-        """Decode-only micro-batches where every row samples go through the compiled graph."""
+    def _run_graph(self, ids: list[int], positions: list[int], specs: list[ChunkSpec],
+                   sample_rows: list[int]) -> torch.Tensor | None:
+        """Decode-only micro-batches where every row samples go through the compiled graph;
+        None when this one does not (the caller runs it eagerly)."""
         g = self.decode_graph
         if g is None or not g.ready or len(sample_rows) != len(specs) or any(s.num_new != 1 for s in specs):
-            return False
-        width = max(-(-(s.num_cached + 1) // self.kv.block_size) for s in specs)
-        return g.accepts(len(specs), width)
-
-    def _run_graph(self, ids: list[int], positions: list[int], specs: list[ChunkSpec]) -> torch.Tensor:
+            return None
         bs = self.kv.block_size
         lens = [s.num_cached + 1 for s in specs]
-        width = self.decode_graph.padded_width(max(-(-n // bs) for n in lens))
-        tables = [list(s.block_table[:-(-n // bs)]) for s, n in zip(specs, lens)]
+        used = [-(-n // bs) for n in lens]
+        if not g.accepts(len(specs), max(used)):
+            return None
+        width = g.padded_width(max(used))
+        tables = [list(s.block_table[:u]) for s, u in zip(specs, used)]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
         block_ids = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         self.graph_steps += 1
-        return self.decode_graph(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), block_ids,
-                                 torch.tensor(lens))
+        return g(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), block_ids, torch.tensor(lens))

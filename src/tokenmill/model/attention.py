@@ -113,13 +113,14 @@ class GraphDecodeMeta:
 
 
 def fused_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: GraphDecodeMeta,
-                           scale: float) -> torch.Tensor:
+                           scale: float | None = None) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D], written for inductor: the slot gather sits inside the two
     reductions, which inductor fuses into single loops over the cache, so no gathered copy of K/V is
     ever made (the eager path's gather copied ~8 MB per layer at 64 sequences). In eager mode this
     form would materialise [Hkv, B, G, W, D]; eager decodes use decode_attention."""
     b, h, d = q.shape
     h_kv = k_cache.shape[0]
+    scale = d ** -0.5 if scale is None else scale
     qg = q.view(b, h_kv, h // h_kv, d).transpose(0, 1).float()                       # [Hkv, B, G, D]
     k = k_cache[:, meta.slot_index]                                                   # [Hkv, B, W, D]
     scores = (qg.unsqueeze(3) * k.unsqueeze(2).float()).sum(-1) * scale               # [Hkv, B, G, W]

@@ -88,8 +88,7 @@ class Attention(nn.Module):
             # index_put_ rather than index_copy_: inductor lowers it to an in-place scatter.
             k_cache[:, meta.slot_mapping] = k.transpose(0, 1)
             v_cache[:, meta.slot_mapping] = v.transpose(0, 1)
-            scale = self.head_dim ** -0.5 if self.scale is None else self.scale
-            out = fused_decode_attention(q, k_cache, v_cache, meta, scale)
+            out = fused_decode_attention(q, k_cache, v_cache, meta, self.scale)
             return self.o_proj(out.flatten(1))
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
