@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Prompt processing: one prompt of --prompt-len tokens (corpus text), prefilled in one step and a
 single sampled token, repeated; prints tok/s (median and best after one warm-up run). The analogue
-of llama-bench's pp512.
+of llama-bench's pp512. Steps are compiled, as `tokenmill serve` runs them, unless --no-compile.
 
     .venv/bin/python bench/prefill.py --prompt-len 512
 """
@@ -23,10 +23,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-compile", action="store_true", help="eager steps (the server compiles by default)")
     args = p.parse_args()
     set_threads(args.threads)
     engine = LLMEngine.from_path(resolve_model(args.model),
                                  EngineConfig(dtype=args.dtype, enable_prefix_caching=False,
+                                              compile=not args.no_compile,
                                               n_batch=max(512, args.prompt_len), n_ubatch=max(512, args.prompt_len)))
     n = args.prompt_len
     prompt = sum(corpus_prompts(engine.tokenizer.encode, -(-n // 100) + 1, 100), [])[:n]

@@ -1,4 +1,5 @@
-"""The compiled decode step (model/decode_graph.py) against the eager forward it replaces."""
+"""The compiled decode steps (model/decode_graph.py) and prefill/mixed steps (model/step_graph.py)
+against the eager forward they replace."""
 from __future__ import annotations
 
 import gguf
@@ -14,23 +15,30 @@ from tokenmill.model.decode_graph import MAX_BLOCKS
 pytestmark = pytest.mark.slow  # each engine compiles two graphs (tens of seconds, cached on disk after)
 
 
-def _compare_paths(engine, diffs: list[tuple[int, float]]):
-    """Run every graph-eligible micro-batch through both paths; record (rows, max logit difference).
-    Writing the same K/V twice to the same slots is harmless, so the two runs see the same cache."""
-    runner, graph = engine.runner, engine.runner.decode_graph
+def _compare_paths(engine, diffs: list[tuple[str, int, float]]):
+    """Run every step that a compiled graph takes through the eager forward too; record (graph,
+    rows, max logit difference). Writing the same K/V twice to the same slots is harmless, so both
+    runs see the same cache. Steps where nobody samples have no logits to compare; their K/V shows
+    in the later ones."""
+    runner = engine.runner
+    graphs = [g for g in (runner.decode_graph, runner.step_graph) if g is not None]
     run = runner.run
 
     def both(batch):
-        before = runner.graph_steps
+        before = runner.graph_steps, runner.step_graph_steps
         fast = run(batch)
-        if runner.graph_steps == before:
+        after = runner.graph_steps, runner.step_graph_steps
+        if fast is None or after == before:
             return fast
-        graph.ready = False
+        for g in graphs:
+            g.ready = False
         try:
             slow = run(batch)
         finally:
-            graph.ready = True
-        diffs.append((fast.shape[0], (fast - slow).abs().max().item()))
+            for g in graphs:
+                g.ready = True
+        kind = "decode" if after[0] > before[0] else "mixed"
+        diffs.append((kind, fast.shape[0], (fast - slow).abs().max().item()))
         return fast
 
     runner.run = both
@@ -41,26 +49,28 @@ def test_graph_logits_match_eager_fp32_and_greedy_is_unchanged(loaded):
                 for n in (1, 5, 15, 16, 17, 40)]
     eager = run_to_completion(make_engine(loaded), requests)
     engine = make_engine(loaded, compile=True)
-    diffs: list[tuple[int, float]] = []
+    diffs: list[tuple[str, int, float]] = []
     _compare_paths(engine, diffs)
     assert run_to_completion(engine, requests) == eager
     assert engine.runner.graph_steps > 20
-    assert {rows for rows, _ in diffs} >= {6, 1}  # the batched graph and, at the tail, the 1-row one
-    assert max(d for _, d in diffs) < 1e-4
+    # The six prompts prefill in one mixed step; then the batched decode graph and, at the tail, the 1-row one.
+    assert {(kind, rows) for kind, rows, _ in diffs} >= {("mixed", 6), ("decode", 6), ("decode", 1)}
+    assert max(d for _, _, d in diffs) < 1e-4
 
 
 def test_graph_with_int4_weights_matches_eager_bf16(tmp_path):
     path = write_tiny_llama(tmp_path / "q41.gguf", TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q4_1))
     engine = make_engine(load_model(path, torch.bfloat16), dtype="bf16", compile=True)
-    diffs: list[tuple[int, float]] = []
+    diffs: list[tuple[str, int, float]] = []
     _compare_paths(engine, diffs)
     requests = [(random_ids(n, seed=n), SamplingParams(max_tokens=12 + n, temperature=0, ignore_eos=True))
                 for n in (3, 30)]
     run_to_completion(engine, requests)
-    rows = {r for r, _ in diffs}
-    assert 1 in rows and 2 in rows  # one row uses the int4 weights, two rows the dense ones
+    rows = {(kind, r) for kind, r, _ in diffs}
+    # One row uses the int4 weights, two rows the dense ones.
+    assert {("mixed", 2), ("decode", 2), ("decode", 1)} <= rows
     # bf16 logits of a random model are O(1); the two paths round in different places.
-    assert max(d for _, d in diffs) < 0.1
+    assert max(d for _, _, d in diffs) < 0.1
 
 
 def test_contexts_wider_than_the_graph_run_eagerly(tmp_path):
@@ -80,7 +90,7 @@ def test_a_failed_compile_leaves_an_eager_engine(loaded, monkeypatch, caplog):
 
     monkeypatch.setattr(decode_graph.DecodeGraph, "warmup", broken)
     engine = make_engine(loaded, compile=True)
-    assert engine.runner.decode_graph is None
-    assert "running them eagerly" in caplog.text
+    assert engine.runner.decode_graph is None and engine.runner.step_graph is None
+    assert "running it eagerly" in caplog.text
     request = [(random_ids(8), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))]
     assert run_to_completion(engine, request) == run_to_completion(make_engine(loaded), request)

@@ -22,6 +22,7 @@ from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import AttentionMetadata, ChunkSpec, LoadedModel, load_model
 from tokenmill.model.decode_graph import DecodeGraph
+from tokenmill.model.step_graph import MIN_TOKENS, StepGraph
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
@@ -76,15 +77,19 @@ class LLMEngine:
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.kv = KVStorage(mc.n_layers, cfg.num_blocks, cfg.block_size, mc.n_kv_heads, mc.head_dim, loaded.dtype)
         self.scheduler = Scheduler(cfg, self.blocks, tokenizer.stop_ids)
-        graph = None
+        decode_graph = step_graph = None
         if cfg.compile:
-            graph = DecodeGraph(loaded.model, self.kv.k, self.kv.v, cfg.block_size)
+            # Before any request: the warm-up batches write into the first blocks.
             try:
-                graph.warmup()  # before any request: its dummy batches write into the first blocks
+                decode_graph = DecodeGraph(loaded.model, self.kv.k, self.kv.v, cfg.block_size)
+                decode_graph.warmup()
+                if cfg.n_ubatch >= MIN_TOKENS:
+                    step_graph = StepGraph(loaded.model, self.kv.k, self.kv.v, cfg.block_size, cfg.n_ubatch)
+                    step_graph.warmup()
             except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly rather than not at all
-                log.warning("compiling decode steps failed, running them eagerly: %s: %s", type(exc).__name__, exc)
-                graph = None
-        self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, graph)
+                log.warning("compiling the model failed, running it eagerly: %s: %s", type(exc).__name__, exc)
+                decode_graph = step_graph = None
+        self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, decode_graph, step_graph)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._seq_ids = itertools.count()

@@ -9,6 +9,7 @@ from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import AttentionMetadata, ChunkSpec
 from tokenmill.model.decode_graph import DecodeGraph
+from tokenmill.model.step_graph import StepGraph
 
 
 def split_ubatches(chunks: list[ScheduledChunk], n_ubatch: int) -> list[list[tuple[ScheduledChunk, int, int]]]:
@@ -30,13 +31,15 @@ def split_ubatches(chunks: list[ScheduledChunk], n_ubatch: int) -> list[list[tup
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVStorage, blocks: BlockManager, n_ubatch: int,
-                 decode_graph: DecodeGraph | None = None):
+                 decode_graph: DecodeGraph | None = None, step_graph: StepGraph | None = None):
         self.model = model
         self.kv = kv
         self.blocks = blocks
         self.n_ubatch = n_ubatch
         self.decode_graph = decode_graph
+        self.step_graph = step_graph
         self.graph_steps = 0  # micro-batches that ran through the compiled decode graph
+        self.step_graph_steps = 0  # ... and through the compiled prefill/mixed graph
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
@@ -60,7 +63,11 @@ class ModelRunner:
                 logits.append(graph_logits)
                 continue
             meta = AttentionMetadata.build(specs, bs)
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv)
+            if self.step_graph is not None and self.step_graph.accepts(len(ids)):
+                self.step_graph_steps += 1
+                hidden = self.step_graph(torch.tensor(ids), torch.tensor(positions), meta)
+            else:
+                hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv)
             if sample_rows:
                 logits.append(self.model.logits(hidden, torch.tensor(sample_rows)))
         if not logits:

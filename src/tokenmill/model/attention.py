@@ -173,3 +173,40 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                             scale=scale, enable_gqa=True)
         out[p.start:p.end] = op[0].transpose(0, 1)
     return out
+
+
+# --- prefill and mixed steps under torch.compile -------------------------------------------------
+# A step's AttentionMetadata (python lists, per-chunk masks) cannot be a graph input without the
+# graph specialising on its structure. The compiled step instead carries a one-element tensor naming
+# the metadata registered here for the duration of the call, and attention runs as an opaque custom
+# op around the eager paged_attention: the graph fuses everything between the matmuls and the
+# attention, which is where a prefill step spends what is not matmul or attention.
+_STEP_METAS: dict[int, AttentionMetadata] = {}
+
+
+@dataclass
+class GraphStepMeta:
+    """A prefill or mixed batch inside the compiled step: the key of its registered metadata."""
+    key: torch.Tensor  # [1] int64
+
+
+def register_step_meta(key: int, meta: AttentionMetadata) -> None:
+    _STEP_METAS[key] = meta
+
+
+def unregister_step_meta(key: int) -> None:
+    _STEP_METAS.pop(key, None)
+
+
+@torch.library.custom_op("tokenmill::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
+    meta = _STEP_METAS[int(key)]
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+@paged_attention_op.register_fake
+def _paged_attention_shape(q, k, v, k_cache, v_cache, key, scale):
+    return torch.empty_like(q)

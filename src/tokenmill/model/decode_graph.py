@@ -37,6 +37,18 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill" / "inductor"
 
 
+def compile_private(step: nn.Module, name: str):
+    """torch.compile of step.forward under a code object of its own. Dynamo keys compiled code by
+    code object; one per graph keeps the graphs of different engines (a model switch, tests) apart,
+    which makes it safe to drop the guards on the modules' attributes (about 1 ms per call): the
+    weights never change."""
+    fn = type(step).forward
+    code = fn.__code__.replace(co_name=f"{name}_{next(_graph_ids)}")
+    forward = types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name), step)
+    return torch.compile(forward, dynamic=False, fullgraph=True,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
 class _DecodeStep(nn.Module):
     def __init__(self, model: nn.Module, block_size: int):
         super().__init__()
@@ -59,14 +71,7 @@ class DecodeGraph:
         self.k_caches, self.v_caches = k_caches, v_caches
         self.block_size = block_size
         self.num_blocks = k_caches[0].shape[1] // block_size
-        # Dynamo keys compiled code by code object. A code object of its own per graph keeps the
-        # graphs of different engines (a model switch, tests) apart, which makes it safe to drop
-        # the guards on the modules' attributes (about 1 ms per call); the weights never change.
-        fn = _DecodeStep.forward
-        code = fn.__code__.replace(co_name=f"decode_step_{next(_graph_ids)}")
-        forward = types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name), _DecodeStep(model, block_size))
-        self._step = torch.compile(forward, dynamic=False, fullgraph=True,
-                                   options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        self._step = compile_private(_DecodeStep(model, block_size), "decode_step")
         self.ready = False
 
     def accepts(self, batch_size: int, table_width: int) -> bool:

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, fused_decode_attention, paged_attention
+from tokenmill.model.attention import (AttentionMetadata, GraphDecodeMeta, GraphStepMeta, fused_decode_attention,
+                                       paged_attention, paged_attention_op)
 from tokenmill.model.linear import Linear
 
 
@@ -82,8 +83,13 @@ class Attention(nn.Module):
         qk = RotaryEmbedding.apply(qk.view(-1, self.n_heads + self.n_kv_heads, hd), cos, sin)
         return qk[:, :self.n_heads], qk[:, self.n_heads:], v.view(-1, self.n_kv_heads, hd)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | GraphDecodeMeta,
-               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> torch.Tensor:
+        if isinstance(meta, GraphStepMeta):
+            scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+            out = paged_attention_op(q, k, v, k_cache, v_cache, meta.key, scale)
+            return self.o_proj(out.flatten(1))
         if isinstance(meta, GraphDecodeMeta):
             # index_put_ rather than index_copy_: inductor lowers it to an in-place scatter.
             k_cache[:, meta.slot_mapping] = k.transpose(0, 1)

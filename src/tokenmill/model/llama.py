@@ -8,7 +8,7 @@ from torch import nn
 
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kvcache.storage import KVStorage
-from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta
+from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
 from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, _param, interleaved_to_half_split
 from tokenmill.model.linear import Int4Weight, Linear, PackedWeight, dense_linear, pack_bf16
 
@@ -45,7 +45,8 @@ class LlamaModel(nn.Module):
                 m.pack_dense()
         self.lm_head_packed = pack_bf16(self.lm_head.data, self)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | GraphDecodeMeta,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta,
                 kv: KVStorage | None = None, *, k_caches: list[torch.Tensor] | None = None,
                 v_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Flat batch in, pre-norm hidden states out ([T, dim]); the caches (kv's, or the lists
@@ -54,7 +55,7 @@ class LlamaModel(nn.Module):
         v_caches = kv.v if kv is not None else v_caches
         x = F.embedding(input_ids, self.embed)
         # A compiled graph cannot branch on data; its caller keeps positions within the context.
-        cos, sin = self.rope.tables(positions, x.dtype, check=not isinstance(meta, GraphDecodeMeta))
+        cos, sin = self.rope.tables(positions, x.dtype, check=isinstance(meta, AttentionMetadata))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, meta, k_caches[i], v_caches[i])
         return x
