@@ -88,7 +88,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("threads", int, 0, "torch compute threads; 0 = torch's default (one per core). On a shared machine "
            "1 is steadier: busy-waiting threads that lose their core slow every op", ("--threads",), lo=1,
            zero_ok=True),
-    Option("compile", bool, True, "compile decode steps with torch.compile (about a minute per graph the first "
+    Option("compile", bool, True, "compile model steps with torch.compile (about a minute per graph the first "
            "time, cached on disk after); --no-compile runs every step eagerly", ("--compile",)),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
