@@ -68,6 +68,8 @@ class StepGraph:
         so it runs before any sequence owns one. Returns the seconds it took."""
         start = time.perf_counter()
         n = min(self.max_tokens, self.num_blocks * self.block_size)
+        if n < MIN_TOKENS:  # a cache too small for any batch the graph would take
+            return 0.0
         chunks = max(1, min(WARMUP_CHUNKS, n // MIN_TOKENS))
         sizes = [n // chunks + (i < n % chunks) for i in range(chunks)]
         table = list(range(self.num_blocks))
