@@ -94,3 +94,12 @@ def test_a_failed_compile_leaves_an_eager_engine(loaded, monkeypatch, caplog):
     assert "running it eagerly" in caplog.text
     request = [(random_ids(8), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))]
     assert run_to_completion(engine, request) == run_to_completion(make_engine(loaded), request)
+
+
+def test_a_context_shorter_than_the_warmup_batches_still_compiles(tmp_path):
+    loaded = load_model(write_tiny_llama(tmp_path / "short.gguf", TinyLlamaSpec(context_length=48)), torch.float32)
+    engine = make_engine(loaded, compile=True, n_ubatch=512, n_batch=512)
+    assert engine.runner.step_graph is not None and engine.runner.step_graph.ready
+    requests = [(random_ids(n, seed=n), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for n in (20, 30)]
+    assert run_to_completion(engine, requests) == run_to_completion(make_engine(loaded), requests)
+    assert engine.runner.step_graph_steps >= 1

@@ -71,6 +71,7 @@ class DecodeGraph:
         self.k_caches, self.v_caches = k_caches, v_caches
         self.block_size = block_size
         self.num_blocks = k_caches[0].shape[1] // block_size
+        self.context_length = model.config.context_length
         self._step = compile_private(_DecodeStep(model, block_size), "decode_step")
         self.ready = False
 
@@ -102,7 +103,9 @@ class DecodeGraph:
         for batch in (1, WARMUP_BATCH):
             rows = torch.arange(batch)
             block_ids = torch.arange(width).remainder(self.num_blocks).repeat(batch, 1)
-            self(torch.zeros(batch, dtype=torch.long), rows % keys, rows % slots_total, block_ids,
+            # Positions stay inside the rotary table: an index error inside a compiled kernel aborts.
+            positions = rows % min(keys, self.context_length)
+            self(torch.zeros(batch, dtype=torch.long), positions, rows % slots_total, block_ids,
                  torch.full((batch,), keys))
         self.ready = True
         seconds = time.perf_counter() - start

@@ -45,6 +45,7 @@ class StepGraph:
         self.block_size = block_size
         self.max_tokens = max_tokens
         self.num_blocks = k_caches[0].shape[1] // block_size
+        self.context_length = model.config.context_length
         self._step = compile_private(_Step(model), "mixed_step")
         self.ready = False
 
@@ -74,7 +75,8 @@ class StepGraph:
         sizes = [n // chunks + (i < n % chunks) for i in range(chunks)]
         table = list(range(self.num_blocks))
         specs = [ChunkSpec(table, 0, size) for size in sizes]
-        positions = torch.cat([torch.arange(size) for size in sizes])
+        # Dummy positions, kept inside the rotary table: an index error inside a compiled kernel aborts.
+        positions = torch.cat([torch.arange(size) for size in sizes]) % self.context_length
         self(torch.zeros(n, dtype=torch.long), positions, AttentionMetadata.build(specs, self.block_size))
         self.ready = True
         seconds = time.perf_counter() - start
