@@ -31,9 +31,13 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compile", action="store_true", help="decode through the compiled graphs (the server default)")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="with --compile: name each inductor kernel in the profile (compiles graphs of its own)")
     p.add_argument("--trace", metavar="PATH", help="also write a Chrome trace")
     args = p.parse_args()
     set_threads(args.threads)
+    if args.kernel_profile:
+        torch._inductor.config.cpp.enable_kernel_profile = True
 
     engine = LLMEngine.from_path(resolve_model(args.model), EngineConfig(dtype=args.dtype, parallel=max(64, args.batch),
                                                                                 compile=args.compile))
