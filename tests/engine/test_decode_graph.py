@@ -12,7 +12,7 @@ from tokenmill.engine import SamplingParams
 from tokenmill.model import load_model
 from tokenmill.model.decode_graph import MAX_BLOCKS
 
-pytestmark = pytest.mark.slow  # each engine compiles two graphs (tens of seconds, cached on disk after)
+pytestmark = pytest.mark.slow  # each engine compiles three graphs (tens of seconds, cached on disk after)
 
 
 def _compare_paths(engine, diffs: list[tuple[str, int, float]]):
