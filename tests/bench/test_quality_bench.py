@@ -30,6 +30,7 @@ def test_quality_bench_tiny(tiny_q4, tmp_path, capsys):
     assert set(r["formats"]) == {"fp32", "bf16", "bf16-int4"}
     assert r["formats"]["fp32"]["direct_argmax_matches_engine_pct"] == 100.0
     assert r["formats"]["bf16"]["int4_layers"] == 0 and r["formats"]["bf16-int4"]["int4_layers"] > 0
+    assert r["compiled"] is False and r["formats"]["bf16-int4"]["compiled_steps"] == 0
     for name in ("bf16", "bf16-int4"):
         f = r["formats"][name]
         assert 0 <= f["identical_pct"] <= 100 and 0 <= f["top1_agree_pct"] <= 100
@@ -47,6 +48,18 @@ def test_quality_bench_tiny(tiny_q4, tmp_path, capsys):
     a = [p["decode_logit_mean_abs"] for p in r["formats"]["bf16"]["per_prompt"]]
     b = [p["decode_logit_mean_abs"] for p in r["formats"]["bf16-int4"]["per_prompt"]]
     assert a != b
+
+
+@pytest.mark.slow  # compiles the tiny model's graphs
+def test_quality_bench_through_the_compiled_graphs(tiny_q4, tmp_path):
+    out = tmp_path / "quality.json"
+    assert main(["bench", "quality", "--model", str(tiny_q4), "--formats", "bf16-int4", "--max-tokens", "6",
+                 "--num-prompts", "2", "--compile", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    f = r["formats"]["bf16-int4"]
+    # Each prompt: a prefill step (mixed graph) and five single-row decode steps (1-row graph).
+    assert r["compiled"] is True and f["compiled_steps"] == 2 * 6
+    assert 0 <= f["identical_pct"] <= 100 and len(f["per_prompt"]) == 2
 
 
 def test_quality_bench_bad_args(capsys):

@@ -50,6 +50,9 @@ def build_parser(prog: str = "tokenmill bench quality") -> argparse.ArgumentPars
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"first N of the {len(PROMPTS)} prompts")
     p.add_argument("--raw", action="store_true", help="encode prompts as is, without the chat template")
+    p.add_argument("--compile", action="store_true",
+                   help="greedy decoding of the measured formats through the compiled graphs, as `tokenmill serve` "
+                        "runs it (the fp32 reference and the teacher-forced logits stay eager)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p
@@ -90,13 +93,19 @@ class DirectRunner:
         return out
 
 
-def engine_greedy(loaded, tokenizer, prompt: list[int], n: int, dtype_name: str) -> list[int]:
-    """n greedy tokens from the engine, one request alone (single-row decode steps), EOS ignored."""
-    from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
+def greedy_engine(loaded, tokenizer, prompts: list[list[int]], n: int, dtype_name: str, compile: bool = False):
+    """An engine that serves one request at a time (single-row decode steps), room for the longest."""
+    from tokenmill.engine import EngineConfig, LLMEngine
 
-    room = -(-(len(prompt) + n + 1) // BLOCK) * BLOCK
-    eng = LLMEngine(loaded, tokenizer, EngineConfig(dtype=dtype_name, max_total_tokens=max(room, 256), parallel=1,
-                                                    enable_prefix_caching=False))
+    room = -(-(max(len(p) for p in prompts) + n + 1) // BLOCK) * BLOCK
+    return LLMEngine(loaded, tokenizer, EngineConfig(dtype=dtype_name, max_total_tokens=max(room, 256), parallel=1,
+                                                     enable_prefix_caching=False, compile=compile))
+
+
+def engine_greedy(eng, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens from the engine for one request alone, EOS ignored."""
+    from tokenmill.engine import SamplingParams
+
     rid = eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     out: list[int] = []
     while eng.has_unfinished():
@@ -135,7 +144,7 @@ def _count_int4(model) -> int:
     return sum(1 for m in model.modules() if isinstance(m, Linear) and m.int4 is not None)
 
 
-def run(path, formats: list[str], n: int, num_prompts: int, raw: bool) -> dict[str, Any]:
+def run(path, formats: list[str], n: int, num_prompts: int, raw: bool, compile: bool = False) -> dict[str, Any]:
     from tokenmill.tokenizer import Tokenizer
 
     progress("loading fp32 reference")
@@ -145,8 +154,9 @@ def run(path, formats: list[str], n: int, num_prompts: int, raw: bool) -> dict[s
     prompts = encode_prompts(tok, PROMPTS[:num_prompts], raw, max(1, ctx - n - 1))
     ref_tokens, ref_logits = [], []
     t0 = time.perf_counter()
+    ref_engine = greedy_engine(ref, tok, prompts, n, "fp32")  # the reference stays eager
     for ids in prompts:
-        toks = engine_greedy(ref, tok, ids, n, "fp32")
+        toks = engine_greedy(ref_engine, ids, n)
         ref_tokens.append(toks)
         ref_logits.append(DirectRunner(ref.model, len(ids) + n).teacher_forced(ids, toks))
     stop = sorted(t for t in tok.stop_ids if 0 <= t < ref.config.vocab_size)
@@ -163,16 +173,17 @@ def run(path, formats: list[str], n: int, num_prompts: int, raw: bool) -> dict[s
                   for lgs, toks in zip(ref_logits, ref_tokens)]
     results: dict[str, Any] = {"fp32": {"seconds": time.perf_counter() - t0, "int4_layers": 0,
                                         "direct_argmax_matches_engine_pct": 100 * statistics.fmean(consistent)}}
-    del ref
+    del ref, ref_engine
     gc.collect()
 
     for name in formats:
         progress(f"{name}: loading and decoding")
         loaded = _load(path, name)
+        eng = greedy_engine(loaded, tok, prompts, n, "bf16" if "bf16" in name else "fp32", compile)
         t0 = time.perf_counter()
         rows = []
         for i, ids in enumerate(prompts):
-            toks = engine_greedy(loaded, tok, ids, n, "bf16" if "bf16" in name else "fp32")
+            toks = engine_greedy(eng, ids, n)
             lgs = DirectRunner(loaded.model, len(ids) + n).teacher_forced(ids, ref_tokens[i])
             ref_t = ref_tokens[i]
             same = [a == b for a, b in zip(toks, ref_t)]
@@ -193,6 +204,7 @@ def run(path, formats: list[str], n: int, num_prompts: int, raw: bool) -> dict[s
         results[name] = {
             "seconds": time.perf_counter() - t0,
             "int4_layers": _count_int4(loaded.model),
+            "compiled_steps": eng.runner.graph_steps + eng.runner.step_graph_steps,
             "identical_pct": statistics.fmean(r["identical_pct"] for r in rows),
             "first_divergence_min": min(firsts),
             "first_divergence_median": statistics.median(firsts),
@@ -204,7 +216,7 @@ def run(path, formats: list[str], n: int, num_prompts: int, raw: bool) -> dict[s
             "decode_logit_mean_abs": statistics.fmean(r["decode_logit_mean_abs"] for r in rows),
             "per_prompt": rows,
         }
-        del loaded
+        del loaded, eng
         gc.collect()
     return {"num_prompts": len(prompts), "max_tokens": n, "formats": results,
             "fp32_texts": [tok.decode(t, skip_special_tokens=True) for t in ref_tokens]}
@@ -213,7 +225,7 @@ def run(path, formats: list[str], n: int, num_prompts: int, raw: bool) -> dict[s
 def print_table(r: dict[str, Any]) -> None:
     n = r["max_tokens"]
     print(f"quality vs fp32: {r['model']}, {r['num_prompts']} prompts, {n} greedy tokens each "
-          f"(single-sequence decode)")
+          f"(single-sequence decode{', compiled graphs' if r.get('compiled') else ''})")
     print(f"{'format':10} {'int4 lin':>8} {'identical %':>11} {'1st div min/med':>15} {'all-same':>8} "
           f"{'top1 %':>7} {'prefill logit max/mean':>23} {'decode logit max/mean':>22}")
     for name, f in r["formats"].items():
@@ -242,8 +254,8 @@ def main(argv: list[str] | None = None, prog: str = "tokenmill bench quality") -
 
     path = resolve_model(args.model)
     la = loadavg()
-    out = run(path, formats, args.max_tokens, args.num_prompts, args.raw)
-    result = {"benchmark": "quality", "model": str(path), **out, "loadavg_start": la, "loadavg_end": loadavg(),
+    out = run(path, formats, args.max_tokens, args.num_prompts, args.raw, args.compile)
+    result = {"benchmark": "quality", "model": str(path), "compiled": args.compile, **out, "loadavg_start": la, "loadavg_end": loadavg(),
               "environment": environment()}
     print_table(result)
     write_json(args.json, result)
