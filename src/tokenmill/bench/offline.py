@@ -33,7 +33,7 @@ def build_parser(prog: str = "tokenmill bench offline") -> argparse.ArgumentPars
     p.add_argument("--parallel", type=int, default=64, help="engine: most sequences running at once")
     p.add_argument("--max-total-tokens", type=int, default=65536, help="engine KV budget in tokens")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-compile", action="store_true", help="eager decode steps (the server's default compiles them)")
+    p.add_argument("--no-compile", action="store_true", help="eager model steps (the server's default compiles them)")
     p.add_argument("--warmup-tokens", type=int, default=4, help="tokens of an untimed warm-up request (0 = none)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
     p.add_argument("--skip-hf", action="store_true", help="only run tokenmill")

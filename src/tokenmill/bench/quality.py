@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None, prog: str = "tokenmill bench quality") -
     path = resolve_model(args.model)
     la = loadavg()
     out = run(path, formats, args.max_tokens, args.num_prompts, args.raw, args.compile)
-    result = {"benchmark": "quality", "model": str(path), "compiled": args.compile, **out, "loadavg_start": la, "loadavg_end": loadavg(),
-              "environment": environment()}
+    result = {"benchmark": "quality", "model": str(path), "compiled": args.compile, **out, "loadavg_start": la,
+              "loadavg_end": loadavg(), "environment": environment()}
     print_table(result)
     write_json(args.json, result)
     return 0

@@ -28,7 +28,7 @@ def build_parser(prog: str = "tokenmill bench single-stream") -> argparse.Argume
     p.add_argument("--max-total-tokens", type=int, default=65536, help="engine KV budget in tokens")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--no-compile", action="store_true", help="eager decode steps (the server's default compiles them)")
+    p.add_argument("--no-compile", action="store_true", help="eager model steps (the server's default compiles them)")
     p.add_argument("--json", metavar="PATH")
     return p
 

@@ -151,6 +151,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.matmul(probs, v).transpose(0, 1).reshape(b, h, d)
 
 
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
+    """Write this step's K/V [T, Hkv, D] into their slots, then paged_attention."""
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
     """q: [T, H, D]; k/v: this step's [T, Hkv, D], already written to the [Hkv, slots, D] caches.
@@ -201,10 +209,7 @@ def unregister_step_meta(key: int) -> None:
 @torch.library.custom_op("tokenmill::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
-    meta = _STEP_METAS[int(key)]
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return write_and_attend(q, k, v, k_cache, v_cache, _STEP_METAS[int(key)], scale)
 
 
 @paged_attention_op.register_fake

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.attention import (AttentionMetadata, GraphDecodeMeta, GraphStepMeta, fused_decode_attention,
-                                       paged_attention, paged_attention_op)
+                                       paged_attention_op, write_and_attend)
 from tokenmill.model.linear import Linear
 
 
@@ -89,16 +89,13 @@ class Attention(nn.Module):
         if isinstance(meta, GraphStepMeta):
             scale = self.head_dim ** -0.5 if self.scale is None else self.scale
             out = paged_attention_op(q, k, v, k_cache, v_cache, meta.key, scale)
-            return self.o_proj(out.flatten(1))
-        if isinstance(meta, GraphDecodeMeta):
+        elif isinstance(meta, GraphDecodeMeta):
             # index_put_ rather than index_copy_: inductor lowers it to an in-place scatter.
             k_cache[:, meta.slot_mapping] = k.transpose(0, 1)
             v_cache[:, meta.slot_mapping] = v.transpose(0, 1)
             out = fused_decode_attention(q, k_cache, v_cache, meta, self.scale)
-            return self.o_proj(out.flatten(1))
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        else:
+            out = write_and_attend(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
