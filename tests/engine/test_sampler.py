@@ -42,6 +42,28 @@ def test_greedy_is_argmax():
     assert run(logits, [SamplingParams(temperature=0)] * 6) == logits.argmax(-1).tolist()
 
 
+def test_bf16_logits_give_the_float32_answers():
+    """The model hands over logits in its own dtype; greedy rows argmax them as they are, every
+    other path widens first, so a bf16 model samples exactly as if its logits were float32."""
+    torch.manual_seed(7)
+    x = (torch.randn(5, 300) * 4).bfloat16()
+    x[0, 17] = x[0, 99] = x[0].max() + 1  # a tie: both paths pick the first
+    eos = frozenset({int(x[1].argmax())})
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, ignore_eos=True),
+              SamplingParams(temperature=0, repeat_penalty=1.3), SamplingParams(temperature=0, logprobs=True),
+              SamplingParams(temperature=0.7, seed=3)]
+    recent = [[], [], [int(x[2].argmax())], [], []]
+    for rows in ([0], [0, 1], list(range(5))):
+        ps = [params[i] for i in rows]
+        inp = lambda: SamplerInput(params=ps, recent_token_ids=[recent[i] for i in rows],
+                                   generators=[make_generator(p.seed) for p in ps], stop_token_ids=[eos] * len(rows))
+        low = sampler(x[rows].clone(), inp(), owned=True)
+        wide = sampler(x[rows].float(), inp(), owned=True)
+        assert low.token_ids == wide.token_ids
+        assert low.logprobs == wide.logprobs
+    assert low.token_ids[0] == 17 and low.token_ids[1] != next(iter(eos))
+
+
 def test_greedy_batch_consumes_no_randomness():
     logits = torch.randn(4, 50)
     state = torch.get_rng_state()

@@ -43,7 +43,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Logits [num sampling chunks, vocab] (float32) in batch order, or None if nobody samples."""
+        """Logits [num sampling chunks, vocab] (the model's dtype) in batch order, or None if nobody samples."""
         bs = self.kv.block_size
         logits: list[torch.Tensor] = []
         for ubatch in split_ubatches(batch.chunks, self.n_ubatch):

@@ -63,7 +63,7 @@ class _DecodeStep(nn.Module):
 
 class DecodeGraph:
     """Callable on a decode-only batch: (ids, positions, slot_mapping, block_ids [B, W], lens) ->
-    float32 logits [B, vocab], writing the new K/V into the caches."""
+    logits [B, vocab] in the model's dtype, writing the new K/V into the caches."""
 
     def __init__(self, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  block_size: int, cache_dir: Path | None = None):

@@ -64,8 +64,10 @@ class LlamaModel(nn.Module):
         return self.norm(hidden if indices is None else hidden[indices])
 
     def logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (float32) only for the rows that sample, as llama.cpp's output flags do."""
-        return dense_linear(self.final_hidden(hidden, indices), self.lm_head, self.lm_head_packed).float()
+        """Logits only for the rows that sample, as llama.cpp's output flags do. They stay in the
+        model's dtype: the head already rounded them to it, so widening here would only add a
+        [rows, vocab] pass that a greedy step never needs (the sampler widens when it must)."""
+        return dense_linear(self.final_hidden(hidden, indices), self.lm_head, self.lm_head_packed)
 
     # --- loading -------------------------------------------------------------------------------
     def gguf_tensor_names(self) -> list[str]:
