@@ -62,6 +62,24 @@ def test_quality_bench_through_the_compiled_graphs(tiny_q4, tmp_path):
     assert 0 <= f["identical_pct"] <= 100 and len(f["per_prompt"]) == 2
 
 
+def test_quality_bench_on_long_corpus_prompts(tmp_path, monkeypatch):
+    """--prompt-len: corpus windows long enough that the prefill attends in query pieces."""
+    from tokenmill.model import attention
+
+    path = write_tiny_llama(tmp_path / "long.gguf", TinyLlamaSpec(context_length=1024))
+    calls = []
+    real = attention.causal_pieces
+    monkeypatch.setattr(attention, "causal_pieces", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    out = tmp_path / "quality.json"
+    assert main(["bench", "quality", "--model", str(path), "--formats", "bf16", "--max-tokens", "3",
+                 "--num-prompts", "2", "--prompt-len", "300", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    rows = r["formats"]["bf16"]["per_prompt"]
+    assert [row["prompt_tokens"] for row in rows] == [300, 300] and rows[0]["prompt"] != rows[1]["prompt"]
+    assert calls and set(calls) == {300}
+
+
 def test_quality_bench_bad_args(capsys):
     assert main(["bench", "quality", "--formats", "fp8"]) == 2
     assert main(["bench", "quality", "--num-prompts", "0"]) == 2
+    assert main(["bench", "quality", "--prompt-len", "1"]) == 2

@@ -7,7 +7,7 @@ import torch
 
 from model_helpers import BLOCK, greedy, hf_model, new_cache, prefill_logits
 from tiny_model import TinyLlamaSpec, write_tiny_llama
-from tokenmill.model import AttentionMetadata, ChunkSpec, load_model
+from tokenmill.model import AttentionMetadata, ChunkSpec, attention, load_model
 
 Q = gguf.GGMLQuantizationType
 PROMPT = [5, 77, 100, 3, 250, 9, 42, 42, 17, 200, 11, 60, 61, 62, 63, 64, 65, 90, 91, 92, 93]
@@ -31,6 +31,29 @@ def test_greedy_matches_transformers(tiny_gguf):
         expected = ref.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)
     assert greedy(ours, PROMPT, 24) == expected[0, len(PROMPT):].tolist()
+
+
+@pytest.mark.parametrize("chunk", [None, 300])
+def test_long_prompt_matches_transformers(tmp_path, chunk):
+    """Prompt chunks of PIECE_FROM tokens or more attend in query pieces rather than through SDPA:
+    whole (no earlier context) and continued (the second chunk sees the first through the cache)."""
+    assert 300 >= attention.PIECE_FROM and 300 % attention.PIECE != 0  # a ragged last piece too
+    path = write_tiny_llama(tmp_path / "m.gguf", TinyLlamaSpec(context_length=1024))
+    prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours = load_model(path, torch.float32).model
+    with torch.inference_mode():
+        expected = hf_model(path)(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(ours, prompt, chunk=chunk), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_causal_pieces_match_masked_sdpa():
+    torch.manual_seed(0)
+    for n, length in [(300, 300), (129, 700), (1, 9)]:
+        q, k, v = torch.randn(8, n, 32), torch.randn(2, length, 32), torch.randn(2, length, 32)
+        mask = torch.arange(length)[None] <= torch.arange(length - n, length)[:, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                                                enable_gqa=True)[0]
+        torch.testing.assert_close(attention.causal_pieces(q, k, v, 32 ** -0.5), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16])

@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from tokenmill.bench.common import environment, fmt, loadavg, progress, set_threads, write_json
+from tokenmill.bench.common import corpus_prompts, environment, fmt, loadavg, progress, set_threads, write_json
 
 FORMATS = {"fp32": ("float32", False), "bf16": ("bfloat16", False), "bf16-int4": ("bfloat16", True)}
 BLOCK = 16
@@ -50,6 +50,9 @@ def build_parser(prog: str = "tokenmill bench quality") -> argparse.ArgumentPars
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"first N of the {len(PROMPTS)} prompts")
     p.add_argument("--raw", action="store_true", help="encode prompts as is, without the chat template")
+    p.add_argument("--prompt-len", type=int, default=None, metavar="N",
+                   help="instead of the chat prompts, windows of N tokens of the benchmark corpus: long prefills "
+                        "(from 256 tokens a chunk attends in query pieces, see model/attention.py)")
     p.add_argument("--compile", action="store_true",
                    help="greedy decoding of the measured formats through the compiled graphs, as `tokenmill serve` "
                         "runs it (the fp32 reference and the teacher-forced logits stay eager)")
@@ -144,14 +147,20 @@ def _count_int4(model) -> int:
     return sum(1 for m in model.modules() if isinstance(m, Linear) and m.int4 is not None)
 
 
-def run(path, formats: list[str], n: int, num_prompts: int, raw: bool, compile: bool = False) -> dict[str, Any]:
+def run(path, formats: list[str], n: int, num_prompts: int, raw: bool, compile: bool = False,
+        prompt_len: int | None = None) -> dict[str, Any]:
     from tokenmill.tokenizer import Tokenizer
 
     progress("loading fp32 reference")
     ref = _load(path, "fp32")
     tok = Tokenizer.from_gguf_metadata(ref.gguf.metadata)
     ctx = ref.config.context_length
-    prompts = encode_prompts(tok, PROMPTS[:num_prompts], raw, max(1, ctx - n - 1))
+    if prompt_len is None:
+        labels = PROMPTS[:num_prompts]
+        prompts = encode_prompts(tok, labels, raw, max(1, ctx - n - 1))
+    else:
+        prompts = corpus_prompts(tok.encode, num_prompts, min(prompt_len, ctx - n - 1), stride=97)
+        labels = [f"corpus window {i} ({len(p)} tokens)" for i, p in enumerate(prompts)]
     ref_tokens, ref_logits = [], []
     t0 = time.perf_counter()
     ref_engine = greedy_engine(ref, tok, prompts, n, "fp32")  # the reference stays eager
@@ -192,7 +201,7 @@ def run(path, formats: list[str], n: int, num_prompts: int, raw: bool, compile: 
             dec = diffs[1:]
             top1 = [argmax(a) == argmax(b) for a, b in zip(lgs, ref_logits[i])]
             rows.append({
-                "prompt": PROMPTS[i], "prompt_tokens": len(ids), "tokens": len(toks),
+                "prompt": labels[i], "prompt_tokens": len(ids), "tokens": len(toks),
                 "first_divergence": first, "identical_pct": 100 * sum(same) / max(1, len(ref_t)),
                 "prefill_logit_max_abs": float(diffs[0].max()), "prefill_logit_mean_abs": float(diffs[0].mean()),
                 "decode_logit_max_abs": max((float(d.max()) for d in dec), default=0.0),
@@ -245,16 +254,17 @@ def main(argv: list[str] | None = None, prog: str = "tokenmill bench quality") -
     args = build_parser(prog).parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip() and f.strip() != "fp32"]
     bad = [f for f in formats if f not in FORMATS]
-    if bad or args.max_tokens < 1 or not 1 <= args.num_prompts <= len(PROMPTS):
+    if (bad or args.max_tokens < 1 or not 1 <= args.num_prompts <= len(PROMPTS)
+            or (args.prompt_len is not None and args.prompt_len < 2)):
         print(f"{prog}: error: formats are {', '.join(FORMATS)}; --max-tokens >= 1; "
-              f"--num-prompts 1..{len(PROMPTS)}")
+              f"--num-prompts 1..{len(PROMPTS)}; --prompt-len >= 2")
         return 2
     set_threads(args.threads)
     from tokenmill.store import resolve_model
 
     path = resolve_model(args.model)
     la = loadavg()
-    out = run(path, formats, args.max_tokens, args.num_prompts, args.raw, args.compile)
+    out = run(path, formats, args.max_tokens, args.num_prompts, args.raw, args.compile, args.prompt_len)
     result = {"benchmark": "quality", "model": str(path), "compiled": args.compile, **out, "loadavg_start": la,
               "loadavg_end": loadavg(), "environment": environment()}
     print_table(result)
