@@ -43,8 +43,8 @@ def test_greedy_is_argmax():
 
 
 def test_bf16_logits_give_the_float32_answers():
-    """The model hands over logits in its own dtype; greedy rows argmax them as they are, every
-    other path widens first, so a bf16 model samples exactly as if its logits were float32."""
+    """The model hands over logits in its own dtype; widening them is exact, so a bf16 model
+    samples exactly as if its logits were float32."""
     torch.manual_seed(7)
     x = (torch.randn(5, 300) * 4).bfloat16()
     x[0, 17] = x[0, 99] = x[0].max() + 1  # a tie: both paths pick the first
