@@ -69,7 +69,7 @@ def test_quality_bench_on_long_corpus_prompts(tmp_path, monkeypatch):
     path = write_tiny_llama(tmp_path / "long.gguf", TinyLlamaSpec(context_length=1024))
     calls = []
     real = attention.causal_pieces
-    monkeypatch.setattr(attention, "causal_pieces", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    monkeypatch.setattr(attention, "causal_pieces", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     out = tmp_path / "quality.json"
     assert main(["bench", "quality", "--model", str(path), "--formats", "bf16", "--max-tokens", "3",
                  "--num-prompts", "2", "--prompt-len", "300", "--json", str(out)]) == 0

@@ -13,6 +13,7 @@ over query pieces (causal_pieces); a chunk with no earlier context attends to it
 without touching the cache."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -156,32 +157,41 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 PIECE, PIECE_FROM = 128, 256
 
 
-def causal_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal grouped-query attention of a chunk whose queries are the last q.shape[1] of the
-    k.shape[1] keys: q [H, n, D], k/v [Hkv, L, D] -> [H, n, D].
+@functools.lru_cache(maxsize=8)
+def _keys_after_query(group: int) -> torch.Tensor:
+    """[PIECE * group, PIECE]: True where a piece's diagonal key comes after the row's query.
+    Rows are (query, group member) pairs, as causal_pieces lays them out."""
+    return torch.ones(PIECE, PIECE, dtype=torch.bool).triu_(1).repeat_interleave(group, 0)
+
+
+def causal_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention of a chunk whose queries are the last q.shape[0] of the
+    k.shape[1] keys: q [n, H, D] (the batch's token-major rows), k/v [Hkv, L, D]; writes and
+    returns out [n, H, D].
 
     CPU flash SDPA manages about 30 GF/s on this shape (head_dim 64, 3 kv heads) at 512 tokens. Cut
     into PIECE-query slices, each slice is two plain matmuls over the keys it can see plus a
     softmax, masked only on its diagonal square: about a third of the causal square's work is
-    wasted on masked keys, but the matmuls run near the machine's bf16 speed. Scores and
+    wasted on masked keys, but the matmuls run near the machine's bf16 speed. A kv head's query
+    rows are ordered (token, group member), so every piece is a contiguous run of rows. Scores and
     probabilities stay in the input dtype (the matmul has already rounded them to it), as in
     decode_attention; the softmax reduces in float32 internally."""
-    h, n, d = q.shape
+    n, h, d = q.shape
     h_kv, length, _ = k.shape
     g = h // h_kv
     past = length - n
-    qg = (q * scale).view(h_kv, g, n, d)
-    out = torch.empty(h_kv, g, n, d, dtype=q.dtype)
-    hidden = torch.ones(PIECE, PIECE, dtype=torch.bool).triu_(1)  # True = key after the query
+    k, v = k.contiguous(), v.contiguous()
+    rows = (q.view(n, h_kv, g, d).transpose(0, 1) * scale).reshape(h_kv, n * g, d)
+    hidden = _keys_after_query(g)
+    out_rows = out.view(n, h_kv, g, d)
     for s in range(0, n, PIECE):
         e = min(n, s + PIECE)
         m, seen = e - s, past + e
-        scores = torch.matmul(qg[:, :, s:e].reshape(h_kv, g * m, d), k[:, :seen].transpose(-1, -2))
-        scores = scores.view(h_kv, g, m, seen)
-        scores[..., past + s:].masked_fill_(hidden[:m, :m], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(h_kv, g * m, seen)
-        out[:, :, s:e] = torch.matmul(probs, v[:, :seen]).view(h_kv, g, m, d)
-    return out.view(h, n, d)
+        scores = torch.matmul(rows[:, s * g:e * g], k[:, :seen].transpose(-1, -2))   # [Hkv, m * g, seen]
+        scores[..., past + s:].masked_fill_(hidden[:m * g, :m], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out_rows[s:e] = torch.matmul(probs, v[:, :seen]).view(h_kv, m, g, d).transpose(0, 1)
+    return out
 
 
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -202,15 +212,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if d is not None:
         out[d.rows] = decode_attention(q[d.rows], k_cache, v_cache, d, meta.block_size, scale)
     for p in meta.prefills:
-        qp = q[p.start:p.end].transpose(0, 1)                                     # [H, q, D]
         if p.block_ids is None:
             kp, vp = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
         else:
             kp = _gather_blocks(k_cache, p.block_ids, meta.block_size)[:, :p.num_kv]
             vp = _gather_blocks(v_cache, p.block_ids, meta.block_size)[:, :p.num_kv]
         if p.end - p.start >= PIECE_FROM:
-            out[p.start:p.end] = causal_pieces(qp, kp, vp, scale).transpose(0, 1)
+            causal_pieces(q[p.start:p.end], kp, vp, scale, out[p.start:p.end])
             continue
+        qp = q[p.start:p.end].transpose(0, 1)                                     # [H, q, D]
         # 4-D inputs: with 3-D ones and enable_gqa, CPU SDPA takes its math path (2.1x slower at
         # 512 tokens) instead of the flash kernel.
         op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], attn_mask=p.mask, is_causal=p.mask is None,
