@@ -83,3 +83,4 @@ def test_quality_bench_bad_args(capsys):
     assert main(["bench", "quality", "--formats", "fp8"]) == 2
     assert main(["bench", "quality", "--num-prompts", "0"]) == 2
     assert main(["bench", "quality", "--prompt-len", "1"]) == 2
+    assert main(["bench", "quality", "--num-prompts", "9"]) == 2  # 8 chat prompts; more needs --prompt-len

@@ -28,6 +28,7 @@ from typing import Any
 
 from tokenmill.bench.common import corpus_prompts, environment, fmt, loadavg, progress, set_threads, write_json
 
+MAX_CORPUS_PROMPTS = 64
 FORMATS = {"fp32": ("float32", False), "bf16": ("bfloat16", False), "bf16-int4": ("bfloat16", True)}
 BLOCK = 16
 
@@ -48,7 +49,9 @@ def build_parser(prog: str = "tokenmill bench quality") -> argparse.ArgumentPars
     p.add_argument("--model", default="smollm2", help="model name or .gguf path (default: smollm2)")
     p.add_argument("--formats", default="bf16,bf16-int4", help="formats compared with fp32 (default: bf16,bf16-int4)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
-    p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"first N of the {len(PROMPTS)} prompts")
+    p.add_argument("--num-prompts", type=int, default=len(PROMPTS),
+                   help=f"first N of the {len(PROMPTS)} prompts (with --prompt-len: N corpus windows, up to "
+                        f"{MAX_CORPUS_PROMPTS})")
     p.add_argument("--raw", action="store_true", help="encode prompts as is, without the chat template")
     p.add_argument("--prompt-len", type=int, default=None, metavar="N",
                    help="instead of the chat prompts, windows of N tokens of the benchmark corpus: long prefills "
@@ -254,10 +257,11 @@ def main(argv: list[str] | None = None, prog: str = "tokenmill bench quality") -
     args = build_parser(prog).parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip() and f.strip() != "fp32"]
     bad = [f for f in formats if f not in FORMATS]
-    if (bad or args.max_tokens < 1 or not 1 <= args.num_prompts <= len(PROMPTS)
+    most = len(PROMPTS) if args.prompt_len is None else MAX_CORPUS_PROMPTS
+    if (bad or args.max_tokens < 1 or not 1 <= args.num_prompts <= most
             or (args.prompt_len is not None and args.prompt_len < 2)):
         print(f"{prog}: error: formats are {', '.join(FORMATS)}; --max-tokens >= 1; "
-              f"--num-prompts 1..{len(PROMPTS)}; --prompt-len >= 2")
+              f"--num-prompts 1..{len(PROMPTS)} (1..{MAX_CORPUS_PROMPTS} with --prompt-len); --prompt-len >= 2")
         return 2
     set_threads(args.threads)
     from tokenmill.store import resolve_model
