@@ -71,6 +71,23 @@ def test_causal_pieces_in_bf16_are_as_precise_as_flash_sdpa():
     assert our_err < 1.5 * flash_err
 
 
+def test_eager_decode_attention_in_bf16_is_as_precise_as_sdpa():
+    """Decode rows outside the compiled graph (mixed steps, eager engines) keep float32 scores too."""
+    torch.manual_seed(2)
+    b, length, block = 8, 200, BLOCK
+    per = -(-length // block)
+    k_cache, v_cache = (torch.randn(3, b * per * block, 64) * 2).bfloat16(), torch.randn(3, b * per * block, 64).bfloat16()
+    meta = AttentionMetadata.build([ChunkSpec(list(range(i * per, (i + 1) * per)), length - 1, 1) for i in range(b)], block)
+    q = (torch.randn(b, 9, 64) * 2).bfloat16()
+    k = k_cache.view(3, b, per * block, 64)[:, :, :length].transpose(0, 1)   # [B, Hkv, L, D]
+    v = v_cache.view(3, b, per * block, 64)[:, :, :length].transpose(0, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ref = sdpa(q[:, :, None].double(), k.double(), v.double(), enable_gqa=True)[:, :, 0]
+    peer = sdpa(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    ours = attention.decode_attention(q, k_cache, v_cache, meta.decode, block, 64 ** -0.5)
+    assert (ours.double() - ref).abs().mean() < 1.5 * (peer.double() - ref).abs().mean()
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 16])
 def test_chunked_prefill_equals_whole_prefill(tiny_gguf, chunk):
     model = load_model(tiny_gguf, torch.float32).model

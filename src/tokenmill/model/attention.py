@@ -146,7 +146,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k = _gather_blocks(k_cache, g.block_ids, block_size).view(h_kv, b, -1, d)   # [Hkv, B, L, D]
     v = _gather_blocks(v_cache, g.block_ids, block_size).view(h_kv, b, -1, d)
     qg = q.view(b, h_kv, h // h_kv, d).transpose(0, 1)                          # [Hkv, B, G, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(scale)          # [Hkv, B, G, L]
+    # Scores in float32, as the compiled decode graph and flash SDPA compute them: a bf16 matmul's
+    # output rounds them, which gave 4-5x the error at realistic sizes (and a decode row's result
+    # would then depend on whether its step also held a prompt chunk).
+    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)).mul_(scale)  # [Hkv, B, G, L]
     if g.mask is not None:
         scores.masked_fill_(~g.mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
