@@ -31,8 +31,8 @@ class EngineConfig:
     max_wait_ms: float = 0.0
     threads: int = 0                   # torch compute threads (process-wide); 0 = leave torch's default
     # Model steps through torch.compile'd graphs (model/decode_graph.py, model/step_graph.py),
-    # compiled when the engine is built. Off by default here so library users and tests do not pay the compile; the
-    # CLI's default (config.py) is on.
+    # compiled when the engine is built. Off by default here so library users and tests do not pay
+    # the compile; the CLI's default (config.py) is on.
     compile: bool = False
 
     def validate(self) -> None:

@@ -44,7 +44,8 @@ class PrefillChunk:
     end: int
     block_ids: torch.Tensor | None  # blocks holding the context; None = no earlier context (use fresh K/V)
     num_kv: int                     # keys attended: num_cached + num_new
-    mask: torch.Tensor | None       # [q, num_kv] offset-causal; None means plain causal
+    mask: torch.Tensor | None       # [q, num_kv] offset-causal for SDPA; None: plain causal, or in pieces
+    in_pieces: bool = False         # attended by causal_pieces (PIECE_FROM queries or more), not SDPA
 
 
 @dataclass
@@ -73,12 +74,14 @@ class AttentionMetadata:
                 decode_rows.append(row)
                 decode_tables.append(list(table[:num_blocks]))
                 decode_lens.append(total)
-            elif c.num_cached == 0:
-                prefills.append(PrefillChunk(row, row + c.num_new, None, total, None))
             else:
-                q_pos = torch.arange(c.num_cached, total).unsqueeze(1)
-                mask = torch.arange(total).unsqueeze(0) <= q_pos
-                prefills.append(PrefillChunk(row, row + c.num_new, torch.as_tensor(table[:num_blocks]), total, mask))
+                in_pieces = c.num_new >= PIECE_FROM
+                blocks, mask = None, None
+                if c.num_cached:
+                    blocks = torch.as_tensor(table[:num_blocks])
+                    if not in_pieces:  # causal_pieces masks by position itself
+                        mask = torch.arange(total).unsqueeze(0) <= torch.arange(c.num_cached, total).unsqueeze(1)
+                prefills.append(PrefillChunk(row, row + c.num_new, blocks, total, mask, in_pieces))
             row += c.num_new
         decode = None
         if decode_rows:
@@ -222,7 +225,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             kp = _gather_blocks(k_cache, p.block_ids, meta.block_size)[:, :p.num_kv]
             vp = _gather_blocks(v_cache, p.block_ids, meta.block_size)[:, :p.num_kv]
-        if p.end - p.start >= PIECE_FROM:
+        if p.in_pieces:
             causal_pieces(q[p.start:p.end], kp, vp, scale, out[p.start:p.end])
             continue
         qp = q[p.start:p.end].transpose(0, 1)                                     # [H, q, D]
