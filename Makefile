@@ -18,6 +18,7 @@ install: $(STAMP)
 
 test: install
 	$(BIN)/tokenmill pull $(MODEL)
+	$(BIN)/tokenmill pull gemma3:270m
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: install

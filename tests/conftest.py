@@ -29,3 +29,28 @@ def smollm2_path() -> Path:
         if os.environ.get("CI"):
             raise
         pytest.skip(f"SmolLM2 not installed ({exc}); run `tokenmill pull smollm2`")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """The real Gemma 3 270M Q4_K_M GGUF (a SentencePiece vocabulary of 262,144 tokens).
+    TOKENMILL_GEMMA3_GGUF points at a file directly."""
+    direct = os.environ.get("TOKENMILL_GEMMA3_GGUF")
+    if direct:
+        return Path(direct)
+    from tokenmill.store import resolve_model
+
+    try:
+        return resolve_model("gemma3:270m")
+    except Exception as exc:  # noqa: BLE001 - turn a missing model into a clear skip reason
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"Gemma 3 270M not installed ({exc}); run `tokenmill pull gemma3:270m`")
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3_path):
+    """transformers' tokenizer for the real Gemma 3 file (the oracle; ~30 s to build, so once per run)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name)

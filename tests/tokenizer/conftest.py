@@ -10,6 +10,7 @@ import gguf
 import pytest
 
 from tiny_model import CHATML_TEMPLATE, tiny_vocab
+from tiny_spm import write_tokenizer_gguf
 from tokenmill.gguf import open_gguf
 from tokenmill.tokenizer import Tokenizer
 
@@ -78,6 +79,35 @@ def smollm2_reference(smollm2_path):
 @pytest.fixture(scope="session")
 def reference_for() -> Callable[[Path], object]:
     return _reference
+
+
+def sentencepiece_reference(path: Path):
+    """transformers' tokenizer for a SentencePiece GGUF, loaded the way users do (AutoTokenizer picks
+    GemmaTokenizer for a Gemma file, with its own special-token defaults)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_spm_path(tmp_path_factory) -> Path:
+    """The tiny Gemma-style SentencePiece vocabulary of tests/tiny_spm.py, as a Gemma 3 GGUF."""
+    return write_tokenizer_gguf(tmp_path_factory.mktemp("spm") / "tiny-spm.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_spm_tokenizer(tiny_spm_path) -> Tokenizer:
+    return Tokenizer.from_file(tiny_spm_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_spm_reference(tiny_spm_path):
+    return sentencepiece_reference(tiny_spm_path)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(open_gguf(gemma3_path).metadata)
 
 
 @pytest.fixture(scope="session")

@@ -123,3 +123,66 @@ def test_stream_equals_decode_around_added_tokens(half_char_tokenizer, data, ski
     pool = [0, 1, 2, *_ids_of(tok, "é€a<"), tok.vocab_size - 2, tok.vocab_size - 1]
     ids = data.draw(st.lists(st.sampled_from(pool), max_size=12))
     assert "".join(_stream(tok, ids, skip_special_tokens=skip)) == ref.decode(ids, skip_special_tokens=skip)
+
+
+# --- SentencePiece byte fallback: decode() reads a run of <0xXX> tokens as a whole ---------------
+
+
+def _byte_ids(tok: Tokenizer, data: bytes) -> list[int]:
+    from tiny_spm import tiny_spm_metadata
+
+    vocab = {t: i for i, t in enumerate(tiny_spm_metadata()["tokenizer.ggml.tokens"])}
+    return [vocab[f"<0x{b:02X}>"] for b in data]
+
+
+def test_byte_fallback_run_is_held_until_it_ends(tiny_spm_tokenizer):
+    tok = tiny_spm_tokenizer
+    ids = _ids_of(tok, "🙂a🙂")  # no piece for the emoji: four byte tokens each
+    assert len(ids) == 9
+    assert _stream(tok, ids, skip_special_tokens=True) == ["", "", "", "", "🙂a", "", "", "", "", "🙂"]
+
+
+def test_invalid_byte_fallback_run_gives_one_replacement_per_byte(tiny_spm_tokenizer, tiny_spm_reference):
+    tok, ref = tiny_spm_tokenizer, tiny_spm_reference
+    a = _ids_of(tok, "a")
+    # A cut-off character, and a valid 'é' followed by a stray continuation byte: unlike a plain UTF-8
+    # decoder, ByteFallback replaces every byte of a run that is not valid as a whole.
+    for data, text in ((b"\xe6\x97", "\ufffd\ufffd"), (b"\xc3\xa9\xa9", "\ufffd\ufffd\ufffd"), (b"\xc3\xa9", "é")):
+        ids = [*_byte_ids(tok, data), *a]
+        assert tok.decode(ids) == ref.decode(ids) == text + "a"
+        assert _stream(tok, ids, skip_special_tokens=True) == [""] * len(data) + [text + "a", ""]
+        assert "".join(_stream(tok, _byte_ids(tok, data), skip_special_tokens=True)) == text  # ended by flush
+
+
+def test_special_token_inside_a_byte_fallback_run(tiny_spm_tokenizer):
+    tok = tiny_spm_tokenizer
+    lead, cont = _byte_ids(tok, b"\xc3\xa9")
+    ids = [lead, 6, cont]  # <end_of_turn> between the two bytes of 'é'
+    assert "".join(_stream(tok, ids, skip_special_tokens=False)) == tok.decode(ids) == "\ufffd<end_of_turn>\ufffd"
+    # A skipped special token is not there for decode(), so the run goes on.
+    assert _stream(tok, ids, skip_special_tokens=True) == ["", "", "", "é"]
+    assert tok.decode(ids, skip_special_tokens=True) == "é"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), skip=st.booleans())
+def test_sentencepiece_stream_equals_decode_property(tiny_spm_tokenizer, tiny_spm_reference, data, skip):
+    tok = tiny_spm_tokenizer
+    ids = data.draw(st.lists(st.one_of(
+        st.integers(0, tok.vocab_size + 2).map(lambda i: [i]),
+        st.binary(max_size=4).map(lambda b: _byte_ids(tok, b)),
+        st.text(max_size=6).map(lambda s: _ids_of(tok, s)),
+    ), max_size=10).map(lambda parts: [i for part in parts for i in part]))
+    assert "".join(_stream(tok, ids, skip_special_tokens=skip)) == tiny_spm_reference.decode(
+        ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("skip", [True, False])
+def test_gemma3_stream_equals_decode(gemma3_tokenizer, corpus, skip):
+    tok = gemma3_tokenizer
+    for text in [*corpus, *MULTIBYTE_TEXTS, "<start_of_turn>model\n🙂 \U0001f9ff<end_of_turn>"]:
+        ids = _ids_of(tok, text)
+        pieces = _stream(tok, ids, skip_special_tokens=skip)
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
+        assert not any("\ufffd" in p for p in pieces), text

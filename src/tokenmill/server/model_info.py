@@ -11,6 +11,7 @@ import numpy as np
 from tokenmill.server.model_host import ModelHost, ServedModel, normalize_name
 from tokenmill.store import list_models
 from tokenmill.store.catalog import spec_for_filename
+from tokenmill.tokenizer.tokenizer import chat_template_source
 
 # Metadata arrays as long as a vocabulary are left out of /api/show unless verbose is asked for.
 _BULKY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
@@ -96,7 +97,7 @@ def show(e: ModelEntry, verbose: bool = False, metadata: dict | None = None) -> 
         metadata = open_gguf(e.path).metadata
     info = {k: v for k, v in metadata.items()
             if not k.startswith("tokenizer.chat_template") and (verbose or k not in _BULKY_KEYS)}
-    template = metadata.get("tokenizer.chat_template") or ""
+    template = chat_template_source(metadata) or ""
     capabilities = ["completion", "embedding"]
     if "tools" in template:
         capabilities.append("tools")

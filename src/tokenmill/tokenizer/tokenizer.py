@@ -3,7 +3,8 @@
 A GGUF has no tokenizer.json, so we rebuild the `tokenizers` pipeline the same way transformers does
 for a GGUF (integrations/gguf/gguf_tokenizer_mapping.py): same vocabulary spelling, merges,
 pre-tokenizer split, decoder and added tokens. That makes ids and decoded text identical to
-transformers' without importing it at run time.
+transformers' without importing it at run time. Byte-level BPE vocabularies are built here, Gemma's
+SentencePiece ones in sentencepiece.py.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 from tokenmill.gguf import open_gguf
+from tokenmill.tokenizer import sentencepiece
 from tokenmill.tokenizer.chat_template import ChatTemplate, ChatTemplateError, TokenizerError
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
@@ -159,6 +161,21 @@ def _build_byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> _Backen
     return backend
 
 
+def _build_sentencepiece(metadata: Mapping[str, Any],
+                         tokens: list[str]) -> tuple[_Backend, list[bytes], frozenset[int]]:
+    architecture = metadata.get("general.architecture")
+    if architecture not in sentencepiece.GEMMA_ARCHITECTURES:
+        # transformers gives other SentencePiece models (Llama 2, Mistral, Phi-3...) a prefix space and a
+        # decoder that strips it again; that pipeline is not built here.
+        raise TokenizerError(
+            f"SentencePiece tokenizers (tokenizer.ggml.model='llama') are supported for Gemma only "
+            f"(general.architecture {', '.join(sorted(sentencepiece.GEMMA_ARCHITECTURES))}), not {architecture!r}"
+        )
+    named = {key: _token_id(metadata, key, len(tokens))
+             for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")}
+    return sentencepiece.build_gemma(metadata, tokens, {k: v for k, v in named.items() if v is not None})
+
+
 def _decoded_bytes(backend: _Backend, vocab_size: int) -> list[bytes]:
     """What decode() turns each id into: the ByteLevel decoder maps alphabet characters back to bytes,
     and keeps a token's UTF-8 text when any character is outside the alphabet."""
@@ -174,6 +191,58 @@ def _decoded_bytes(backend: _Backend, vocab_size: int) -> list[bytes]:
     return table
 
 
+# Gemma GGUFs converted without the model's tokenizer_config.json carry no chat template, so Gemma's
+# own format is built in, rewritten after the template of Google's Gemma 3 instruct models: turns
+# alternate user/model ("assistant" is written "model"), contents are trimmed, and a first system
+# message goes at the start of the first user turn, followed by a blank line. Gemma 1 and 2's own
+# templates write turns the same way but reject a system message; this one folds it in instead.
+_GEMMA_CHAT_TEMPLATE = """{{- bos_token -}}
+{%- if messages and messages[0]['role'] == 'system' -%}
+  {%- set system = messages[0]['content'] -%}
+  {%- set first_prefix = (system if system is string else system[0]['text']) + '\n\n' -%}
+  {%- set turns = messages[1:] -%}
+{%- else -%}
+  {%- set first_prefix = '' -%}
+  {%- set turns = messages -%}
+{%- endif -%}
+{%- for message in turns -%}
+  {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+    {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+  {%- endif -%}
+  {{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' -}}
+  {{- first_prefix if loop.first else '' -}}
+  {%- if message['content'] is string -%}
+    {{- message['content'] | trim -}}
+  {%- elif message['content'] is iterable -%}
+    {%- for part in message['content'] -%}
+      {%- if part['type'] == 'image' -%}
+        {{- '<start_of_image>' -}}
+      {%- elif part['type'] == 'text' -%}
+        {{- part['text'] | trim -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- else -%}
+    {{- raise_exception('Invalid content type') -}}
+  {%- endif -%}
+  {{- '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<start_of_turn>model\n' -}}
+{%- endif -%}
+"""
+
+# Used only when the file has none, keyed by general.architecture.
+_BUILTIN_CHAT_TEMPLATES = dict.fromkeys(sentencepiece.GEMMA_ARCHITECTURES, _GEMMA_CHAT_TEMPLATE)
+
+
+def chat_template_source(metadata: Mapping[str, Any]) -> str | None:
+    """The chat template a model is served with: its file's, else the built-in one for its architecture."""
+    source = metadata.get("tokenizer.chat_template")
+    if isinstance(source, str) and source:
+        return source
+    return _BUILTIN_CHAT_TEMPLATES.get(metadata.get("general.architecture"))
+
+
 def _stop_ids(metadata: Mapping[str, Any], tokens: list[str]) -> frozenset[int]:
     named = (_token_id(metadata, key, len(tokens)) for key in ("eos_token_id", "eot_token_id", "eom_token_id"))
     stops = {index for index in named if index is not None}
@@ -185,7 +254,8 @@ def _stop_ids(metadata: Mapping[str, Any], tokens: list[str]) -> frozenset[int]:
 class Tokenizer:
     """A GGUF model's tokenizer: encode/decode with transformers' exact results, plus its chat template."""
 
-    def __init__(self, backend: _Backend, tokens: list[str], metadata: Mapping[str, Any]):
+    def __init__(self, backend: _Backend, tokens: list[str], metadata: Mapping[str, Any], *,
+                 token_bytes: list[bytes], byte_fallback_ids: frozenset[int] = frozenset()):
         self._backend = backend
         self.vocab_size = len(tokens)
         self.bos_id = _token_id(metadata, "bos_token_id", self.vocab_size)
@@ -196,14 +266,15 @@ class Tokenizer:
         self._special_ids = frozenset(
             i for i, added in backend.get_added_tokens_decoder().items() if added.special and i < self.vocab_size
         )
-        self._bytes = _decoded_bytes(backend, self.vocab_size)
+        self._bytes = token_bytes
+        self._byte_fallback_ids = byte_fallback_ids
 
         self.chat_template: ChatTemplate | None = None
         # A template that does not compile must not make the model unloadable (raw completion still
         # works), so its error is kept and raised when a chat prompt is asked for.
         self._template_error: ChatTemplateError | None = None
-        source = metadata.get("tokenizer.chat_template")
-        if isinstance(source, str) and source:
+        source = chat_template_source(metadata)
+        if source is not None:
 
             def named(key: str) -> str | None:
                 index = _token_id(metadata, key, self.vocab_size)
@@ -226,14 +297,14 @@ class Tokenizer:
         tokens = list(tokens)
         if model == "gpt2":
             backend = _build_byte_level(metadata, tokens)
-        elif model == "llama":
-            raise TokenizerError("SentencePiece tokenizers (tokenizer.ggml.model='llama', e.g. Gemma, Llama 2) "
-                                 "are not supported yet; only byte-level BPE ('gpt2') is")
-        else:
-            raise TokenizerError(
-                f"unsupported tokenizer.ggml.model={model!r}; only byte-level BPE ('gpt2') is supported"
-            )
-        return cls(backend, tokens, metadata)
+            return cls(backend, tokens, metadata, token_bytes=_decoded_bytes(backend, len(tokens)))
+        if model == "llama":
+            backend, table, byte_ids = _build_sentencepiece(metadata, tokens)
+            return cls(backend, tokens, metadata, token_bytes=table, byte_fallback_ids=byte_ids)
+        raise TokenizerError(
+            f"unsupported tokenizer.ggml.model={model!r}; supported: byte-level BPE ('gpt2') and "
+            "SentencePiece ('llama') for Gemma"
+        )
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -261,6 +332,11 @@ class Tokenizer:
         if not 0 <= token_id < self.vocab_size:
             raise TokenizerError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         return self._bytes[token_id]
+
+    def is_byte_fallback(self, token_id: int) -> bool:
+        """Whether this is a SentencePiece `<0xXX>` token. decode() reads a run of them as one: their
+        bytes as text when they are valid UTF-8, else one U+FFFD per byte (the ByteFallback decoder)."""
+        return token_id in self._byte_fallback_ids
 
     def is_special(self, token_id: int) -> bool:
         """Whether `decode(..., skip_special_tokens=True)` drops this token."""
