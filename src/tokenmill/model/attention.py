@@ -14,7 +14,7 @@ without touching the cache."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -54,9 +54,22 @@ class AttentionMetadata:
     block_size: int
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
+    chunks: Sequence[ChunkSpec] = ()
+    window: int | None = None   # keys older than this many positions before a query are hidden
+    _windowed: dict = field(default_factory=dict, repr=False)
+
+    def with_window(self, window: int) -> "AttentionMetadata":
+        """The same batch for a sliding-window layer (Gemma 3's local layers): itself while no
+        sequence is longer than the window, else a variant whose masks also hide the keys that fell
+        out of it, built once per step and shared by every such layer."""
+        if all(c.num_cached + c.num_new <= window for c in self.chunks):
+            return self
+        if window not in self._windowed:
+            self._windowed[window] = AttentionMetadata.build(self.chunks, self.block_size, window)
+        return self._windowed[window]
 
     @classmethod
-    def build(cls, chunks: Sequence[ChunkSpec], block_size: int) -> "AttentionMetadata":
+    def build(cls, chunks: Sequence[ChunkSpec], block_size: int, window: int | None = None) -> "AttentionMetadata":
         slot_mapping: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
@@ -75,12 +88,16 @@ class AttentionMetadata:
                 decode_tables.append(list(table[:num_blocks]))
                 decode_lens.append(total)
             else:
-                in_pieces = c.num_new >= PIECE_FROM
-                blocks, mask = None, None
-                if c.num_cached:
-                    blocks = torch.as_tensor(table[:num_blocks])
-                    if not in_pieces:  # causal_pieces masks by position itself
-                        mask = torch.arange(total).unsqueeze(0) <= torch.arange(c.num_cached, total).unsqueeze(1)
+                windowed = window is not None and total > window
+                # causal_pieces masks only causally; a windowed chunk takes SDPA with its band mask.
+                in_pieces = c.num_new >= PIECE_FROM and not windowed
+                blocks = torch.as_tensor(table[:num_blocks]) if c.num_cached else None
+                mask = None
+                if windowed or (c.num_cached and not in_pieces):
+                    keys, queries = torch.arange(total).unsqueeze(0), torch.arange(c.num_cached, total).unsqueeze(1)
+                    mask = keys <= queries
+                    if windowed:
+                        mask &= keys > queries - window
                 prefills.append(PrefillChunk(row, row + c.num_new, blocks, total, mask, in_pieces))
             row += c.num_new
         decode = None
@@ -90,12 +107,16 @@ class AttentionMetadata:
             padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
             width = max_blocks * block_size
             mask = None
-            if any(length != width for length in decode_lens):
-                mask = (torch.arange(width).unsqueeze(0) < torch.as_tensor(decode_lens).unsqueeze(1))[None, :, None, :]
+            if any(length != width for length in decode_lens) or (window is not None and max(decode_lens) > window):
+                keys, lens = torch.arange(width).unsqueeze(0), torch.as_tensor(decode_lens).unsqueeze(1)
+                mask = keys < lens
+                if window is not None:
+                    mask &= keys >= lens - window
+                mask = mask[None, :, None, :]
             contiguous = decode_rows == list(range(decode_rows[0], decode_rows[0] + n))
             rows = slice(decode_rows[0], decode_rows[0] + n) if contiguous else torch.as_tensor(decode_rows)
             decode = DecodeGroup(rows, torch.as_tensor(padded).view(-1), n, max_blocks, mask)
-        return cls(torch.as_tensor(slot_mapping, dtype=torch.long), block_size, decode, prefills)
+        return cls(torch.as_tensor(slot_mapping, dtype=torch.long), block_size, decode, prefills, chunks, window)
 
 
 @dataclass
@@ -105,6 +126,14 @@ class GraphDecodeMeta:
     slot_mapping: torch.Tensor  # [B] slot each new token's K/V is written to
     slot_index: torch.Tensor    # [B, W] cache slot of each key position (padding points at block 0)
     mask: torch.Tensor          # [1, B, 1, W] True = attend
+    lens: torch.Tensor | None = None  # [B] keys per sequence
+
+    def with_window(self, window: int) -> "GraphDecodeMeta":
+        """For a sliding-window layer: also hide keys more than `window` positions back (inside the
+        graph, so it costs one fused comparison)."""
+        pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+        recent = (pos.unsqueeze(0) >= (self.lens - window).unsqueeze(1))[None, :, None, :]
+        return GraphDecodeMeta(self.slot_mapping, self.slot_index, self.mask & recent, self.lens)
 
     @classmethod
     def build(cls, slot_mapping: torch.Tensor, block_ids: torch.Tensor, lens: torch.Tensor,
@@ -114,7 +143,7 @@ class GraphDecodeMeta:
         pos = torch.arange(width, device=block_ids.device)
         slot_index = block_ids[:, pos // block_size] * block_size + pos % block_size
         mask = (pos.unsqueeze(0) < lens.unsqueeze(1))[None, :, None, :]
-        return cls(slot_mapping, slot_index, mask)
+        return cls(slot_mapping, slot_index, mask, lens)
 
 
 def fused_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: GraphDecodeMeta,
@@ -262,10 +291,12 @@ def unregister_step_meta(key: int) -> None:
 
 @torch.library.custom_op("tokenmill::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
-    return write_and_attend(q, k, v, k_cache, v_cache, _STEP_METAS[int(key)], scale)
+                       v_cache: torch.Tensor, key: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """window: a sliding-window layer's window, 0 for full attention."""
+    meta = _STEP_METAS[int(key)]
+    return write_and_attend(q, k, v, k_cache, v_cache, meta.with_window(window) if window else meta, scale)
 
 
 @paged_attention_op.register_fake
-def _paged_attention_shape(q, k, v, k_cache, v_cache, key, scale):
+def _paged_attention_shape(q, k, v, k_cache, v_cache, key, scale, window):
     return torch.empty_like(q)

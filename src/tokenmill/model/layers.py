@@ -18,18 +18,23 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, *, offset: float = 0.0):
+    """Llama's RMSNorm rounds the normalised activations to the model dtype before the weight
+    multiplies them; Gemma's (`weight_in_float32`) multiplies first, in float32. (Gemma checkpoints
+    store weight-1; GGUF converters have already added the 1 back.)"""
+
+    def __init__(self, dim: int, eps: float, *, weight_in_float32: bool = False):
         super().__init__()
         self.eps = eps
-        self.offset = offset  # Gemma stores weight-1
+        self.weight_in_float32 = weight_in_float32
         self.weight = _param(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight if self.offset == 0.0 else self.weight + self.offset
-        return w * x32.to(dtype)
+        if self.weight_in_float32:
+            return (x32 * self.weight.float()).to(dtype)
+        return self.weight * x32.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -37,9 +42,9 @@ class RotaryEmbedding(nn.Module):
     Llama GGUFs store Q/K rows interleaved (llama.cpp's NORM mode); their loader permutes those rows
     once, so every architecture rotates the same way, q and k together, in three kernels."""
 
-    def __init__(self, rope_dim: int, theta: float, max_positions: int):
+    def __init__(self, rope_dim: int, theta: float, max_positions: int, *, linear_scaling: float = 1.0):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)) / linear_scaling
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
         self.register_buffer("cos", torch.cat([cos, cos], -1).float(), persistent=False)
@@ -67,12 +72,20 @@ def interleaved_to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, scale: float | None = None):
+    """Grouped-query attention over the paged cache. Options for Gemma 3: `qk_norm_eps` adds RMSNorms
+    over each q and k head before the rotary embedding; `window` makes it a sliding-window layer."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, scale: float | None = None,
+                 qk_norm_eps: float | None = None, window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = scale
+        self.window = window
         self.qkv_proj = Linear((n_heads + 2 * n_kv_heads) * head_dim, dim)
         self.o_proj = Linear(dim, n_heads * head_dim)
+        gemma_norm = qk_norm_eps is not None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=True) if gemma_norm else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=True) if gemma_norm else None
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,7 +93,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         hd = self.head_dim
         qk, v = qkv.split([(self.n_heads + self.n_kv_heads) * hd, self.n_kv_heads * hd], dim=-1)
-        qk = RotaryEmbedding.apply(qk.view(-1, self.n_heads + self.n_kv_heads, hd), cos, sin)
+        qk = qk.view(-1, self.n_heads + self.n_kv_heads, hd)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :self.n_heads]), self.k_norm(qk[:, self.n_heads:])], dim=1)
+        qk = RotaryEmbedding.apply(qk, cos, sin)
         return qk[:, :self.n_heads], qk[:, self.n_heads:], v.view(-1, self.n_kv_heads, hd)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -88,14 +104,17 @@ class Attention(nn.Module):
                v_cache: torch.Tensor) -> torch.Tensor:
         if isinstance(meta, GraphStepMeta):
             scale = self.head_dim ** -0.5 if self.scale is None else self.scale
-            out = paged_attention_op(q, k, v, k_cache, v_cache, meta.key, scale)
+            out = paged_attention_op(q, k, v, k_cache, v_cache, meta.key, scale, self.window or 0)
         elif isinstance(meta, GraphDecodeMeta):
             # index_put_ rather than index_copy_: inductor lowers it to an in-place scatter.
             k_cache[:, meta.slot_mapping] = k.transpose(0, 1)
             v_cache[:, meta.slot_mapping] = v.transpose(0, 1)
+            if self.window:
+                meta = meta.with_window(self.window)
             out = fused_decode_attention(q, k_cache, v_cache, meta, self.scale)
         else:
-            out = write_and_attend(q, k, v, k_cache, v_cache, meta, self.scale)
+            out = write_and_attend(q, k, v, k_cache, v_cache, meta.with_window(self.window) if self.window else meta,
+                                   self.scale)
         return self.o_proj(out.flatten(1))
 
 

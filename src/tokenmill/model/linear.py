@@ -94,6 +94,13 @@ class Linear(nn.Module):
     def pack_dense(self) -> None:
         self.packed = pack_bf16(self.weight.data, self)
 
+    def load_parts(self, parts: list[tuple[torch.Tensor, Int4Weight | None]]) -> None:
+        """A fused projection's weight from its GGUF parts (e.g. Q, K, V), stacked by rows; int4 only
+        if every part has an int4 form."""
+        self.weight.data = torch.cat([w for w, _ in parts])
+        int4 = [i for _, i in parts]
+        self.set_int4(None if None in int4 else Int4Weight.concat(int4))
+
     def set_int4(self, w: Int4Weight | None) -> None:
         if w is not None and self.weight.dtype == torch.bfloat16:
             w.pack()

@@ -106,18 +106,23 @@ class LlamaModel(nn.Module):
             return
         pending[name] = (tensor, int4)
         cfg = self.config
-        q, k, v = (f"blk.{idx}.attn_{p}.weight" for p in "qkv")
-        if all(n in pending for n in (q, k, v)):
-            (wq, iq), (wk, ik), (wv, iv) = pending.pop(q), pending.pop(k), pending.pop(v)
+        qkv = take_parts(pending, [f"blk.{idx}.attn_{p}.weight" for p in "qkv"])
+        if qkv:
+            (wq, iq), (wk, ik), (wv, iv) = qkv
             # GGUF stores Llama's Q/K rows in rotary-interleaved order; the model rotates half-split.
             order_q = interleaved_to_half_split(torch.arange(wq.shape[0]).unsqueeze(1), cfg.n_heads).squeeze(1)
             order_k = interleaved_to_half_split(torch.arange(wk.shape[0]).unsqueeze(1), cfg.n_kv_heads).squeeze(1)
-            block.attn.qkv_proj.weight.data = torch.cat([wq[order_q], wk[order_k], wv])
-            parts = (iq, ik, iv)
-            block.attn.qkv_proj.set_int4(None if None in parts else Int4Weight.concat(
-                [iq.permute_rows(order_q), ik.permute_rows(order_k), iv]))
-        gate, up = f"blk.{idx}.ffn_gate.weight", f"blk.{idx}.ffn_up.weight"
-        if gate in pending and up in pending:
-            (wg, ig), (wu, iu) = pending.pop(gate), pending.pop(up)
-            block.mlp.gate_up_proj.weight.data = torch.cat([wg, wu])
-            block.mlp.gate_up_proj.set_int4(None if ig is None or iu is None else Int4Weight.concat([ig, iu]))
+            block.attn.qkv_proj.load_parts([(wq[order_q], None if iq is None else iq.permute_rows(order_q)),
+                                            (wk[order_k], None if ik is None else ik.permute_rows(order_k)),
+                                            (wv, iv)])
+        gate_up = take_parts(pending, [f"blk.{idx}.ffn_gate.weight", f"blk.{idx}.ffn_up.weight"])
+        if gate_up:
+            block.mlp.gate_up_proj.load_parts(gate_up)
+
+
+def take_parts(pending: dict[str, tuple[torch.Tensor, Int4Weight | None]], names: list[str]
+               ) -> list[tuple[torch.Tensor, Int4Weight | None]] | None:
+    """The parts of a fused weight, removed from `pending`, once all of them have arrived."""
+    if not all(n in pending for n in names):
+        return None
+    return [pending.pop(n) for n in names]
