@@ -125,3 +125,85 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def add_metadata(writer: gguf.GGUFWriter, metadata: dict) -> None:
+    """Write plain Python metadata values (e.g. a tokenizer's `tokenizer.ggml.*`) with inferred GGUF types."""
+    V = gguf.GGUFValueType
+    scalar = {bool: V.BOOL, int: V.INT32, float: V.FLOAT32, str: V.STRING}
+    for key, value in metadata.items():
+        if isinstance(value, (list, tuple)):
+            writer.add_key_value(key, list(value), V.ARRAY, scalar[type(value[0])])
+        else:
+            writer.add_key_value(key, value, scalar[type(value)])
+
+
+@dataclass
+class TinyGemma3Spec:
+    # 7 layers: local 0-4, global 5 (every 6th), local 6. head_dim 256 as in every Gemma 3 but the
+    # 27B, so transformers' default query_pre_attn_scalar (256) and llama.cpp's 1/sqrt(head_dim) agree.
+    n_layers: int = 7
+    dim: int = 64
+    n_heads: int = 2
+    n_kv_heads: int = 1
+    head_dim: int = 256
+    ffn_dim: int = 128
+    context_length: int = 256
+    sliding_window: int = 8
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32
+    seed: int = 0
+
+
+def write_tiny_gemma3(path: Path | str, tokenizer: dict, spec: TinyGemma3Spec | None = None) -> Path:
+    """A tiny random Gemma 3 as llama.cpp's converter writes one: norm weights stored with Gemma's
+    +1 already added, Q/K rows in half-split rotary order, tied embeddings. `tokenizer` holds the
+    `tokenizer.ggml.*` metadata (its token list sets the vocabulary size)."""
+    spec = spec or TinyGemma3Spec()
+    path = Path(path)
+    rng = np.random.default_rng(spec.seed)
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_name("tiny-random-gemma3")
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.dim)
+    w.add_feed_forward_length(spec.ffn_dim)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(spec.norm_eps)
+    w.add_sliding_window(spec.sliding_window)
+    w.add_file_type(int(spec.weight_type))
+    add_metadata(w, tokenizer)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return rng.normal(0.0, 0.08, size=(rows, cols))
+
+    def norm(n: int) -> np.ndarray:
+        return 1.0 + rng.normal(0, 0.1, n)
+
+    f32, wt, hd = gguf.GGMLQuantizationType.F32, spec.weight_type, spec.head_dim
+    _add(w, "token_embd.weight", mat(vocab, spec.dim), wt)
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            _add(w, p + name + ".weight", norm(spec.dim), f32)
+        _add(w, p + "attn_q_norm.weight", norm(hd), f32)
+        _add(w, p + "attn_k_norm.weight", norm(hd), f32)
+        _add(w, p + "attn_q.weight", mat(spec.n_heads * hd, spec.dim), wt)
+        _add(w, p + "attn_k.weight", mat(spec.n_kv_heads * hd, spec.dim), wt)
+        _add(w, p + "attn_v.weight", mat(spec.n_kv_heads * hd, spec.dim), wt)
+        _add(w, p + "attn_output.weight", mat(spec.dim, spec.n_heads * hd), wt)
+        _add(w, p + "ffn_gate.weight", mat(spec.ffn_dim, spec.dim), wt)
+        _add(w, p + "ffn_up.weight", mat(spec.ffn_dim, spec.dim), wt)
+        _add(w, p + "ffn_down.weight", mat(spec.dim, spec.ffn_dim), wt)
+    _add(w, "output_norm.weight", norm(spec.dim), f32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -10,6 +10,7 @@ def test_names_and_aliases_resolve_to_canonical_specs():
     assert lookup("smollm2").name == "smollm2:135m"
     assert lookup("smollm2:135m") is lookup("SmolLM2")
     assert lookup("gemma3:270m").name == "gemma3:270m"
+    assert lookup("gemma3").name == "gemma3:270m"
 
 
 def test_unknown_name_lists_known_models():

@@ -9,8 +9,9 @@ from torch import nn
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
-from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, _param, interleaved_to_half_split
-from tokenmill.model.linear import Int4Weight, Linear, PackedWeight, dense_linear, pack_bf16
+from tokenmill.model.decoder import DecoderLM, take_parts
+from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, interleaved_to_half_split
+from tokenmill.model.linear import Int4Weight
 
 
 class LlamaBlock(nn.Module):
@@ -27,23 +28,14 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.ffn_norm(x))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderLM):
+    BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                     "ffn_down")
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.embed = _param(cfg.vocab_size, cfg.dim)
+        super().__init__(cfg, RMSNorm(cfg.dim, cfg.norm_eps))
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = self.embed if cfg.tied_embeddings else _param(cfg.vocab_size, cfg.dim)
-        self.lm_head_packed: PackedWeight | None = None
-
-    def pack_weights(self) -> None:
-        """After loading: give every dense bf16 weight its oneDNN-packed form (see model/linear.py)."""
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.pack_dense()
-        self.lm_head_packed = pack_bf16(self.lm_head.data, self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta,
@@ -60,38 +52,12 @@ class LlamaModel(nn.Module):
             x = block(x, cos, sin, meta, k_caches[i], v_caches[i])
         return x
 
-    def final_hidden(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
-        return self.norm(hidden if indices is None else hidden[indices])
-
-    def logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits only for the rows that sample, as llama.cpp's output flags do, in the model's
-        dtype (the head has already rounded them to it); the sampler widens them to float32."""
-        return dense_linear(self.final_hidden(hidden, indices), self.lm_head, self.lm_head_packed)
-
     # --- loading -------------------------------------------------------------------------------
-    def gguf_tensor_names(self) -> list[str]:
-        names = ["token_embd.weight", "output_norm.weight"]
-        if not self.config.tied_embeddings:
-            names.append("output.weight")
-        for i in range(self.config.n_layers):
-            names += [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                                                     "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
-        return names
-
     def load_tensor(self, name: str, tensor: torch.Tensor, int4: Int4Weight | None,
                     pending: dict[str, tuple[torch.Tensor, Int4Weight | None]]) -> None:
         """Place one dequantized GGUF tensor (and its int4 form, if it has one); parts of fused
         weights wait in `pending` for their siblings."""
-        if name == "token_embd.weight":
-            self.embed.data = tensor
-            if self.config.tied_embeddings:
-                self.lm_head = self.embed
-            return
-        if name == "output.weight":
-            self.lm_head.data = tensor
-            return
-        if name == "output_norm.weight":
-            self.norm.weight.data = tensor
+        if self.load_outer_tensor(name, tensor):
             return
         _, idx, part, _ = name.split(".")
         block = self.blocks[int(idx)]
@@ -119,10 +85,3 @@ class LlamaModel(nn.Module):
         if gate_up:
             block.mlp.gate_up_proj.load_parts(gate_up)
 
-
-def take_parts(pending: dict[str, tuple[torch.Tensor, Int4Weight | None]], names: list[str]
-               ) -> list[tuple[torch.Tensor, Int4Weight | None]] | None:
-    """The parts of a fused weight, removed from `pending`, once all of them have arrived."""
-    if not all(n in pending for n in names):
-        return None
-    return [pending.pop(n) for n in names]

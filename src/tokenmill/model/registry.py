@@ -11,9 +11,10 @@ from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import GGUFError, GGUFFile, open_gguf
 from tokenmill.gguf.weights import check_supported, iter_dequantized
 from tokenmill.model.linear import Int4Weight
+from tokenmill.model.gemma3 import Gemma3Model
 from tokenmill.model.llama import LlamaModel
 
-ARCHITECTURES: dict[str, type] = {"llama": LlamaModel}
+ARCHITECTURES: dict[str, type] = {"llama": LlamaModel, "gemma3": Gemma3Model}
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 

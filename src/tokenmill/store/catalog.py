@@ -65,7 +65,7 @@ _SPECS = (
     ),
     ModelSpec(
         name="gemma3:270m",
-        aliases=(),
+        aliases=("gemma3",),
         filename="gemma-3-270m-q4_k_m.gguf",
         parts=_gemma3_270m_parts(),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",

@@ -1,0 +1,69 @@
+"""What every architecture's model shares: tied or separate embeddings and output head, the final
+norm, logits for the sampled rows only, oneDNN packing, and the loading of those tensors and of
+fused projections. An architecture adds its blocks, forward and per-block loading."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.gguf.config import ModelConfig
+from tokenmill.model.layers import RMSNorm, _param
+from tokenmill.model.linear import Int4Weight, Linear, PackedWeight, dense_linear, pack_bf16
+
+Parts = list[tuple[torch.Tensor, Int4Weight | None]]
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, norm: RMSNorm):
+        super().__init__()
+        self.config = cfg
+        self.embed = _param(cfg.vocab_size, cfg.dim)
+        self.norm = norm
+        self.lm_head = self.embed if cfg.tied_embeddings else _param(cfg.vocab_size, cfg.dim)
+        self.lm_head_packed: PackedWeight | None = None
+
+    def pack_weights(self) -> None:
+        """After loading: give every dense bf16 weight its oneDNN-packed form (see model/linear.py)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack_dense()
+        self.lm_head_packed = pack_bf16(self.lm_head.data, self)
+
+    def final_hidden(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        return self.norm(hidden if indices is None else hidden[indices])
+
+    def logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits only for the rows that sample, as llama.cpp's output flags do, in the model's
+        dtype (the head has already rounded them to it); the sampler widens them to float32."""
+        return dense_linear(self.final_hidden(hidden, indices), self.lm_head, self.lm_head_packed)
+
+    def gguf_tensor_names(self) -> list[str]:
+        names = ["token_embd.weight", "output_norm.weight"]
+        if not self.config.tied_embeddings:
+            names.append("output.weight")
+        for i in range(self.config.n_layers):
+            names += [f"blk.{i}.{n}.weight" for n in self.BLOCK_TENSORS]
+        return names
+
+    BLOCK_TENSORS: tuple[str, ...] = ()
+
+    def load_outer_tensor(self, name: str, tensor: torch.Tensor) -> bool:
+        """Place the embeddings, output head or final norm; False for a block's tensor."""
+        if name == "token_embd.weight":
+            self.embed.data = tensor
+            if self.config.tied_embeddings:
+                self.lm_head = self.embed
+        elif name == "output.weight":
+            self.lm_head.data = tensor
+        elif name == "output_norm.weight":
+            self.norm.weight.data = tensor
+        else:
+            return False
+        return True
+
+
+def take_parts(pending: dict[str, tuple[torch.Tensor, Int4Weight | None]], names: list[str]) -> Parts | None:
+    """The parts of a fused weight, removed from `pending`, once all of them have arrived."""
+    if not all(n in pending for n in names):
+        return None
+    return [pending.pop(n) for n in names]

@@ -1,0 +1,118 @@
+"""Gemma 3 (text): a Llama-like decoder with four norms per block (before and after attention and
+the MLP), RMSNorms over each q and k head, GeGLU, embeddings scaled by sqrt(dim), and two kinds of
+attention layer: most attend within a sliding window of recent keys with a local rotary base, every
+SLIDING_WINDOW_PATTERN-th attends to everything with the GGUF's rotary base.
+
+The GGUF leaves out what llama.cpp and transformers hard-code for Gemma 3 (the pattern, the local
+base); both are taken from there. All layers keep every key in the paged cache; a local layer only
+masks the old ones (AttentionMetadata.with_window)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.gguf.config import ModelConfig
+from tokenmill.gguf.reader import GGUFError
+from tokenmill.kvcache.storage import KVStorage
+from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
+from tokenmill.model.decoder import DecoderLM, take_parts
+from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from tokenmill.model.linear import Int4Weight
+
+SLIDING_WINDOW_PATTERN = 6  # layers 6, 12, ... (1-based) are global
+LOCAL_ROPE_THETA = 10_000.0
+
+
+def _norm(dim: int, eps: float) -> RMSNorm:
+    return RMSNorm(dim, eps, weight_in_float32=True)
+
+
+class Gemma3Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, window: int | None):
+        super().__init__()
+        eps = cfg.norm_eps
+        self.attn_norm, self.post_attn_norm = _norm(cfg.dim, eps), _norm(cfg.dim, eps)
+        self.ffn_norm, self.post_ffn_norm = _norm(cfg.dim, eps), _norm(cfg.dim, eps)
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, qk_norm_eps=eps, window=window)
+        self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, activation="gelu_tanh")
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache):
+        q, k, v = self.attn.project_qkv(self.attn_norm(x), cos, sin)
+        x = x + self.post_attn_norm(self.attn.attend(q, k, v, meta, k_cache, v_cache))
+        return x + self.post_ffn_norm(self.mlp(self.ffn_norm(x)))
+
+
+class Gemma3Model(DecoderLM):
+    BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
+                     "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, _norm(cfg.dim, cfg.norm_eps))
+        window = cfg.extra.get("attention.sliding_window")
+        self.window = int(window) if window else None
+        self.embed_scale = cfg.dim ** 0.5  # rounded to the model dtype once the weights are in
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length,
+                                    linear_scaling=_linear_rope_factor(cfg))
+        self.local_rope = RotaryEmbedding(cfg.rope_dim, LOCAL_ROPE_THETA, cfg.context_length)
+        self.blocks = nn.ModuleList(Gemma3Block(cfg, None if self.is_global(i) else self.window)
+                                    for i in range(cfg.n_layers))
+
+    def is_global(self, layer: int) -> bool:
+        return self.window is None or (layer + 1) % SLIDING_WINDOW_PATTERN == 0
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta,
+                kv: KVStorage | None = None, *, k_caches: list[torch.Tensor] | None = None,
+                v_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """As LlamaModel.forward: flat batch in, hidden states [T, dim] out, caches written in place."""
+        k_caches = kv.k if kv is not None else k_caches
+        v_caches = kv.v if kv is not None else v_caches
+        x = F.embedding(input_ids, self.embed) * self.embed_scale
+        check = isinstance(meta, AttentionMetadata)
+        tables = {True: self.rope.tables(positions, x.dtype, check=check),
+                  False: self.local_rope.tables(positions, x.dtype, check=check)}
+        for i, block in enumerate(self.blocks):
+            cos, sin = tables[self.is_global(i)]
+            x = block(x, cos, sin, meta, k_caches[i], v_caches[i])
+        return x
+
+    # --- loading -------------------------------------------------------------------------------
+    def load_tensor(self, name: str, tensor: torch.Tensor, int4: Int4Weight | None,
+                    pending: dict[str, tuple[torch.Tensor, Int4Weight | None]]) -> None:
+        if name == "token_embd.weight":
+            # transformers multiplies by sqrt(dim) rounded to the weights' dtype (25.25 in bf16).
+            self.embed_scale = float(torch.tensor(self.config.dim ** 0.5, dtype=tensor.dtype))
+        if self.load_outer_tensor(name, tensor):
+            return
+        _, idx, part, _ = name.split(".")
+        block = self.blocks[int(idx)]
+        single = {"attn_norm": block.attn_norm.weight, "post_attention_norm": block.post_attn_norm.weight,
+                  "ffn_norm": block.ffn_norm.weight, "post_ffw_norm": block.post_ffn_norm.weight,
+                  "attn_q_norm": block.attn.q_norm.weight, "attn_k_norm": block.attn.k_norm.weight}
+        if part in single:
+            single[part].data = tensor
+            return
+        linears = {"attn_output": block.attn.o_proj, "ffn_down": block.mlp.down_proj}
+        if part in linears:
+            linears[part].weight.data = tensor
+            linears[part].set_int4(int4)
+            return
+        pending[name] = (tensor, int4)
+        # Gemma's GGUF keeps Q/K rows in the half-split rotary order the model uses: no permutation.
+        qkv = take_parts(pending, [f"blk.{idx}.attn_{p}.weight" for p in "qkv"])
+        if qkv:
+            block.attn.qkv_proj.load_parts(qkv)
+        gate_up = take_parts(pending, [f"blk.{idx}.ffn_gate.weight", f"blk.{idx}.ffn_up.weight"])
+        if gate_up:
+            block.mlp.gate_up_proj.load_parts(gate_up)
+
+
+def _linear_rope_factor(cfg: ModelConfig) -> float:
+    """Gemma 3's larger models stretch the global layers' positions linearly (rope.scaling.*)."""
+    kind = cfg.extra.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return 1.0
+    if kind != "linear":
+        raise GGUFError(f"{cfg.name}: rope scaling {kind!r} is not supported for gemma3 (only linear)")
+    return float(cfg.extra.get("rope.scaling.factor", 1.0))
