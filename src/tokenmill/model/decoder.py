@@ -1,6 +1,7 @@
 """What every architecture's model shares: tied or separate embeddings and output head, the final
-norm, logits for the sampled rows only, oneDNN packing, and the loading of those tensors and of
-fused projections. An architecture adds its blocks, forward and per-block loading."""
+norm, logits for the sampled rows only, oneDNN packing, and the loading of GGUF tensors into fused
+projections. An architecture adds its blocks, its forward, the names of its blocks' tensors and norms,
+and the row order its rotary embedding wants for Q and K."""
 from __future__ import annotations
 
 import torch
@@ -47,19 +48,47 @@ class DecoderLM(nn.Module):
 
     BLOCK_TENSORS: tuple[str, ...] = ()
 
-    def load_outer_tensor(self, name: str, tensor: torch.Tensor) -> bool:
-        """Place the embeddings, output head or final norm; False for a block's tensor."""
+    def load_tensor(self, name: str, tensor: torch.Tensor, int4: Int4Weight | None,
+                    pending: dict[str, tuple[torch.Tensor, Int4Weight | None]]) -> None:
+        """Place one dequantized GGUF tensor (and its int4 form, if it has one); parts of fused
+        weights wait in `pending` for their siblings."""
         if name == "token_embd.weight":
             self.embed.data = tensor
             if self.config.tied_embeddings:
                 self.lm_head = self.embed
-        elif name == "output.weight":
+            return
+        if name == "output.weight":
             self.lm_head.data = tensor
-        elif name == "output_norm.weight":
+            return
+        if name == "output_norm.weight":
             self.norm.weight.data = tensor
-        else:
-            return False
-        return True
+            return
+        _, idx, part, _ = name.split(".")
+        block = self.blocks[int(idx)]
+        norms = self.block_norms(block)
+        if part in norms:
+            norms[part].data = tensor
+            return
+        linears = {"attn_output": block.attn.o_proj, "ffn_down": block.mlp.down_proj}
+        if part in linears:
+            linears[part].weight.data = tensor
+            linears[part].set_int4(int4)
+            return
+        pending[name] = (tensor, int4)
+        qkv = take_parts(pending, [f"blk.{idx}.attn_{p}.weight" for p in "qkv"])
+        if qkv:
+            block.attn.qkv_proj.load_parts(self.qkv_in_model_order(qkv))
+        gate_up = take_parts(pending, [f"blk.{idx}.ffn_gate.weight", f"blk.{idx}.ffn_up.weight"])
+        if gate_up:
+            block.mlp.gate_up_proj.load_parts(gate_up)
+
+    def block_norms(self, block: nn.Module) -> dict[str, nn.Parameter]:
+        """A block's norm weights by their GGUF names."""
+        raise NotImplementedError
+
+    def qkv_in_model_order(self, parts: Parts) -> Parts:
+        """The Q, K, V parts with their rows in the order the model's rotary embedding expects."""
+        return parts
 
 
 def take_parts(pending: dict[str, tuple[torch.Tensor, Int4Weight | None]], names: list[str]) -> Parts | None:

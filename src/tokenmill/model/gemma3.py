@@ -16,7 +16,7 @@ from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import GGUFError
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
-from tokenmill.model.decoder import DecoderLM, take_parts
+from tokenmill.model.decoder import DecoderLM
 from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from tokenmill.model.linear import Int4Weight
 
@@ -83,30 +83,13 @@ class Gemma3Model(DecoderLM):
         if name == "token_embd.weight":
             # transformers multiplies by sqrt(dim) rounded to the weights' dtype (25.25 in bf16).
             self.embed_scale = float(torch.tensor(self.config.dim ** 0.5, dtype=tensor.dtype))
-        if self.load_outer_tensor(name, tensor):
-            return
-        _, idx, part, _ = name.split(".")
-        block = self.blocks[int(idx)]
-        single = {"attn_norm": block.attn_norm.weight, "post_attention_norm": block.post_attn_norm.weight,
-                  "ffn_norm": block.ffn_norm.weight, "post_ffw_norm": block.post_ffn_norm.weight,
-                  "attn_q_norm": block.attn.q_norm.weight, "attn_k_norm": block.attn.k_norm.weight}
-        if part in single:
-            single[part].data = tensor
-            return
-        linears = {"attn_output": block.attn.o_proj, "ffn_down": block.mlp.down_proj}
-        if part in linears:
-            linears[part].weight.data = tensor
-            linears[part].set_int4(int4)
-            return
-        pending[name] = (tensor, int4)
-        # Gemma's GGUF keeps Q/K rows in the half-split rotary order the model uses: no permutation.
-        qkv = take_parts(pending, [f"blk.{idx}.attn_{p}.weight" for p in "qkv"])
-        if qkv:
-            block.attn.qkv_proj.load_parts(qkv)
-        gate_up = take_parts(pending, [f"blk.{idx}.ffn_gate.weight", f"blk.{idx}.ffn_up.weight"])
-        if gate_up:
-            block.mlp.gate_up_proj.load_parts(gate_up)
+        super().load_tensor(name, tensor, int4, pending)
 
+    # qkv_in_model_order stays as is: Gemma's GGUF keeps Q/K rows in the half-split rotary order.
+    def block_norms(self, block: Gemma3Block) -> dict[str, nn.Parameter]:
+        return {"attn_norm": block.attn_norm.weight, "post_attention_norm": block.post_attn_norm.weight,
+                "ffn_norm": block.ffn_norm.weight, "post_ffw_norm": block.post_ffn_norm.weight,
+                "attn_q_norm": block.attn.q_norm.weight, "attn_k_norm": block.attn.k_norm.weight}
 
 def _linear_rope_factor(cfg: ModelConfig) -> float:
     """Gemma 3's larger models stretch the global layers' positions linearly (rope.scaling.*)."""

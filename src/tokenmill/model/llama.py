@@ -9,9 +9,8 @@ from torch import nn
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
-from tokenmill.model.decoder import DecoderLM, take_parts
+from tokenmill.model.decoder import DecoderLM, Parts
 from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, interleaved_to_half_split
-from tokenmill.model.linear import Int4Weight
 
 
 class LlamaBlock(nn.Module):
@@ -53,35 +52,14 @@ class LlamaModel(DecoderLM):
         return x
 
     # --- loading -------------------------------------------------------------------------------
-    def load_tensor(self, name: str, tensor: torch.Tensor, int4: Int4Weight | None,
-                    pending: dict[str, tuple[torch.Tensor, Int4Weight | None]]) -> None:
-        """Place one dequantized GGUF tensor (and its int4 form, if it has one); parts of fused
-        weights wait in `pending` for their siblings."""
-        if self.load_outer_tensor(name, tensor):
-            return
-        _, idx, part, _ = name.split(".")
-        block = self.blocks[int(idx)]
-        norms = {"attn_norm": block.attn_norm.weight, "ffn_norm": block.ffn_norm.weight}
-        if part in norms:
-            norms[part].data = tensor
-            return
-        linears = {"attn_output": block.attn.o_proj, "ffn_down": block.mlp.down_proj}
-        if part in linears:
-            linears[part].weight.data = tensor
-            linears[part].set_int4(int4)
-            return
-        pending[name] = (tensor, int4)
-        cfg = self.config
-        qkv = take_parts(pending, [f"blk.{idx}.attn_{p}.weight" for p in "qkv"])
-        if qkv:
-            (wq, iq), (wk, ik), (wv, iv) = qkv
-            # GGUF stores Llama's Q/K rows in rotary-interleaved order; the model rotates half-split.
-            order_q = interleaved_to_half_split(torch.arange(wq.shape[0]).unsqueeze(1), cfg.n_heads).squeeze(1)
-            order_k = interleaved_to_half_split(torch.arange(wk.shape[0]).unsqueeze(1), cfg.n_kv_heads).squeeze(1)
-            block.attn.qkv_proj.load_parts([(wq[order_q], None if iq is None else iq.permute_rows(order_q)),
-                                            (wk[order_k], None if ik is None else ik.permute_rows(order_k)),
-                                            (wv, iv)])
-        gate_up = take_parts(pending, [f"blk.{idx}.ffn_gate.weight", f"blk.{idx}.ffn_up.weight"])
-        if gate_up:
-            block.mlp.gate_up_proj.load_parts(gate_up)
+    def block_norms(self, block: LlamaBlock) -> dict[str, nn.Parameter]:
+        return {"attn_norm": block.attn_norm.weight, "ffn_norm": block.ffn_norm.weight}
 
+    def qkv_in_model_order(self, parts: Parts) -> Parts:
+        """GGUF stores Llama's Q/K rows in rotary-interleaved order; the model rotates half-split."""
+        (wq, iq), (wk, ik), v = parts
+        cfg = self.config
+        order_q = interleaved_to_half_split(torch.arange(wq.shape[0]).unsqueeze(1), cfg.n_heads).squeeze(1)
+        order_k = interleaved_to_half_split(torch.arange(wk.shape[0]).unsqueeze(1), cfg.n_kv_heads).squeeze(1)
+        return [(wq[order_q], None if iq is None else iq.permute_rows(order_q)),
+                (wk[order_k], None if ik is None else ik.permute_rows(order_k)), v]
