@@ -14,38 +14,32 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", TinyLlamaSpec())
 
 
-@pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    """The real SmolLM2-135M-Instruct Q4_1 GGUF. `make test` pulls it before pytest runs;
-    TOKENMILL_SMOLLM2_GGUF points at a file directly."""
-    direct = os.environ.get("TOKENMILL_SMOLLM2_GGUF")
+def _installed_model(name: str, env: str) -> Path:
+    """A real model's GGUF: the file $env points at, else the installed `name` (`make test` pulls
+    it first). Missing: a skip locally, an error under CI."""
+    direct = os.environ.get(env)
     if direct:
         return Path(direct)
     from tokenmill.store import resolve_model
 
     try:
-        return resolve_model("smollm2")
+        return resolve_model(name)
     except Exception as exc:  # noqa: BLE001 - turn a missing model into a clear skip reason
         if os.environ.get("CI"):
             raise
-        pytest.skip(f"SmolLM2 not installed ({exc}); run `tokenmill pull smollm2`")
+        pytest.skip(f"{name} not installed ({exc}); run `tokenmill pull {name}`")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF."""
+    return _installed_model("smollm2", "TOKENMILL_SMOLLM2_GGUF")
 
 
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
-    """The real Gemma 3 270M Q4_K_M GGUF (a SentencePiece vocabulary of 262,144 tokens).
-    TOKENMILL_GEMMA3_GGUF points at a file directly."""
-    direct = os.environ.get("TOKENMILL_GEMMA3_GGUF")
-    if direct:
-        return Path(direct)
-    from tokenmill.store import resolve_model
-
-    try:
-        return resolve_model("gemma3:270m")
-    except Exception as exc:  # noqa: BLE001 - turn a missing model into a clear skip reason
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"Gemma 3 270M not installed ({exc}); run `tokenmill pull gemma3:270m`")
+    """The real Gemma 3 270M Q4_K_M GGUF (a SentencePiece vocabulary of 262,144 tokens)."""
+    return _installed_model("gemma3:270m", "TOKENMILL_GEMMA3_GGUF")
 
 
 @pytest.fixture(scope="session")

@@ -81,6 +81,17 @@ def reference_for() -> Callable[[Path], object]:
     return _reference
 
 
+def assert_parity(ours: Tokenizer, ref, texts: list[str]) -> None:
+    """Our ids and decoded text equal transformers' (`ref`), with and without specials."""
+    for text in texts:
+        for add_special in (True, False):
+            assert ours.encode(text, add_special_tokens=add_special) == ref.encode(
+                text, add_special_tokens=add_special), text
+        ids = ours.encode(text)
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+
+
 def sentencepiece_reference(path: Path):
     """transformers' tokenizer for a SentencePiece GGUF, loaded the way users do (AutoTokenizer picks
     GemmaTokenizer for a Gemma file, with its own special-token defaults)."""

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiny_spm import BYTE, CONTROL, NORMAL, USER_DEFINED, tiny_spm_metadata, write_tokenizer_gguf
-from tokenizer.conftest import sentencepiece_reference
+from tokenizer.conftest import assert_parity, sentencepiece_reference
 from tokenmill.tokenizer import Tokenizer, TokenizerError
 from tokenmill.tokenizer.sentencepiece import _merges_by_hashing, _merges_by_slicing, gemma_merges
 
@@ -45,16 +45,6 @@ CHAT_PROMPT = (
 )
 
 
-def _assert_parity(ours: Tokenizer, ref, texts: list[str]) -> None:
-    for text in texts:
-        for add_special in (True, False):
-            assert ours.encode(text, add_special_tokens=add_special) == ref.encode(
-                text, add_special_tokens=add_special), text
-        ids = ours.encode(text)
-        for skip in (False, True):
-            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
-
-
 def _special_ids(ref) -> set[int]:
     return {i for i, added in ref.added_tokens_decoder.items() if added.special}
 
@@ -79,7 +69,7 @@ def test_tiny_vocabulary_is_well_formed():
 
 
 def test_tiny_parity_with_transformers(tiny_spm_tokenizer, tiny_spm_reference, corpus):
-    _assert_parity(tiny_spm_tokenizer, tiny_spm_reference, [*corpus, *SPM_TEXTS])
+    assert_parity(tiny_spm_tokenizer, tiny_spm_reference, [*corpus, *SPM_TEXTS])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -167,7 +157,7 @@ def test_mask_token_missing_from_the_vocabulary(tmp_path):
     assert len(ref) == tok.vocab_size + 1 and ref.encode("<mask>", add_special_tokens=False) == [tok.vocab_size]
     assert tok.vocab_size == 352 and tok.vocab_size not in tok.encode("<mask>")
     assert tok.decode(tok.encode("<mask>", add_special_tokens=False)) == "<mask>"
-    _assert_parity(tok, ref, ["hello world", "<start_of_turn>user\nhi<end_of_turn>"])
+    assert_parity(tok, ref, ["hello world", "<start_of_turn>user\nhi<end_of_turn>"])
 
 
 def test_duplicate_tokens_match_transformers(tmp_path):
@@ -181,7 +171,7 @@ def test_duplicate_tokens_match_transformers(tmp_path):
     tok, ref = Tokenizer.from_file(path), sentencepiece_reference(path)
     # Our size is the file's token count, which the model's embedding has; transformers counts spellings.
     assert tok.vocab_size == len(ref) + 3 == 355
-    _assert_parity(tok, ref, ["hello the x", " the then", *SPM_TEXTS])
+    assert_parity(tok, ref, ["hello the x", " the then", *SPM_TEXTS])
     assert tok.token_bytes(tok.vocab_size - 1) == b"x" and tok.token_bytes(tok.vocab_size - 3) == b"he"
     assert tok.token_bytes(meta["tokenizer.ggml.tokens"].index("x")) == b""  # decode() drops the shadowed id
     assert tok.decode([meta["tokenizer.ggml.tokens"].index("x")]) == ""
@@ -298,7 +288,7 @@ def test_other_models_without_a_template_still_have_none(tiny_gguf):
 
 @pytest.mark.real_model
 def test_gemma3_parity_with_transformers(gemma3_tokenizer, gemma3_reference, corpus):
-    _assert_parity(gemma3_tokenizer, gemma3_reference, [*corpus, *SPM_TEXTS, CHAT_PROMPT])
+    assert_parity(gemma3_tokenizer, gemma3_reference, [*corpus, *SPM_TEXTS, CHAT_PROMPT])
 
 
 @pytest.mark.real_model

@@ -7,23 +7,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokenizer.conftest import assert_parity
 from tokenmill.tokenizer import Tokenizer, TokenizerError
 
 CONTROL, USER_DEFINED, NORMAL = 3, 4, 1
 
 
-def _assert_parity(ours: Tokenizer, ref, texts: list[str]) -> None:
-    for text in texts:
-        for add_special in (True, False):
-            assert ours.encode(text, add_special_tokens=add_special) == ref.encode(
-                text, add_special_tokens=add_special), text
-        ids = ours.encode(text)
-        for skip in (False, True):
-            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
-
-
 def test_tiny_parity_with_transformers(tiny_tokenizer, tiny_reference, corpus):
-    _assert_parity(tiny_tokenizer, tiny_reference, corpus)
+    assert_parity(tiny_tokenizer, tiny_reference, corpus)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -37,9 +28,9 @@ def test_tiny_parity_property(tiny_tokenizer, tiny_reference, pieces):
 
 @pytest.mark.real_model
 def test_smollm2_parity_with_transformers(smollm2_tokenizer, smollm2_reference, corpus):
-    _assert_parity(smollm2_tokenizer, smollm2_reference, corpus)
+    assert_parity(smollm2_tokenizer, smollm2_reference, corpus)
     # SmolLM2's other control tokens are parsed whole, as transformers does.
-    _assert_parity(smollm2_tokenizer, smollm2_reference, ["<repo_name>tokenmill<file_sep>src/a.py\n<jupyter_code>x"])
+    assert_parity(smollm2_tokenizer, smollm2_reference, ["<repo_name>tokenmill<file_sep>src/a.py\n<jupyter_code>x"])
 
 
 @pytest.mark.real_model
@@ -102,7 +93,7 @@ def test_pre_tokenizer_splits_match_transformers(make_tokenizer_gguf, reference_
                                    extra=(("Ġ1", NORMAL), ("ĠĠ", NORMAL), ("ĊĊ", NORMAL), ("12", NORMAL)),
                                    extra_merges=("Ġ 1", "Ġ Ġ", "Ċ Ċ", "1 2"))
         ours, ref = Tokenizer.from_file(path), reference_for(path)
-        _assert_parity(ours, ref, corpus)
+        assert_parity(ours, ref, corpus)
         # The split itself, independent of which merges this small vocabulary happens to have.
         split = [ours._backend.pre_tokenizer.pre_tokenize_str(text) for text in corpus]
         assert split == [ref.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text) for text in corpus], pre
@@ -115,7 +106,7 @@ def test_bos_is_added_only_when_asked(make_tokenizer_gguf, reference_for):
     tok, ref = Tokenizer.from_file(path), reference_for(path)
     assert tok.add_bos is True
     assert tok.encode("hi")[0] == 0 and tok.encode("hi", add_special_tokens=False)[0] != 0
-    _assert_parity(tok, ref, ["hi", "", "<|im_start|>x"])
+    assert_parity(tok, ref, ["hi", "", "<|im_start|>x"])
 
 
 def test_user_defined_tokens_match_whole_but_are_not_special(make_tokenizer_gguf, reference_for):
@@ -125,7 +116,7 @@ def test_user_defined_tokens_match_whole_but_are_not_special(make_tokenizer_gguf
     assert tok.encode("a<think>b")[1] == think
     assert not tok.is_special(think)
     assert tok.decode([think], skip_special_tokens=True) == "<think>"
-    _assert_parity(tok, ref, ["a<think>b", "<think>\n</think>", "<thin k>"])
+    assert_parity(tok, ref, ["a<think>b", "<think>\n</think>", "<thin k>"])
 
 
 def test_raw_text_control_tokens_keep_their_own_id(make_tokenizer_gguf):
