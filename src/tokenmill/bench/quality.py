@@ -55,7 +55,7 @@ def build_parser(prog: str = "tokenmill bench quality") -> argparse.ArgumentPars
     p.add_argument("--raw", action="store_true", help="encode prompts as is, without the chat template")
     p.add_argument("--prompt-len", type=int, default=None, metavar="N",
                    help="instead of the chat prompts, windows of N tokens of the benchmark corpus: long prefills "
-                        "(from 256 tokens a chunk attends in query pieces, see model/attention.py)")
+                        "(from attention.PIECE_FROM tokens, 512, a chunk attends in query pieces)")
     p.add_argument("--compile", action="store_true",
                    help="greedy decoding of the measured formats through the compiled graphs, as `tokenmill serve` "
                         "runs it (the fp32 reference and the teacher-forced logits stay eager)")

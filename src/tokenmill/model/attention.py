@@ -189,7 +189,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # Queries per piece of a long prefill chunk, and the chunk length from which pieces replace SDPA.
-PIECE, PIECE_FROM = 128, 256
+# With float32 scores, pieces run at SDPA's speed from 512 queries (0.99-1.05x, same engine,
+# alternating) but 5-7% slower at 256; their prefill logits are a little closer to fp32's (mean
+# error 0.080 vs 0.092 on 64 corpus prompts of 512 tokens).
+PIECE, PIECE_FROM = 128, 512
 
 
 @functools.lru_cache(maxsize=8)
