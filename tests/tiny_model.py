@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 from gguf import quants
 
+from tiny_spm import add_metadata
 from tokenmill.tokenizer.tokenizer import bytes_to_unicode
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -125,17 +126,6 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     w.write_tensors_to_file()
     w.close()
     return path
-
-
-def add_metadata(writer: gguf.GGUFWriter, metadata: dict) -> None:
-    """Write plain Python metadata values (e.g. a tokenizer's `tokenizer.ggml.*`) with inferred GGUF types."""
-    V = gguf.GGUFValueType
-    scalar = {bool: V.BOOL, int: V.INT32, float: V.FLOAT32, str: V.STRING}
-    for key, value in metadata.items():
-        if isinstance(value, (list, tuple)):
-            writer.add_key_value(key, list(value), V.ARRAY, scalar[type(value[0])])
-        else:
-            writer.add_key_value(key, value, scalar[type(value)])
 
 
 @dataclass

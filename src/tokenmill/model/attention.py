@@ -54,8 +54,7 @@ class AttentionMetadata:
     block_size: int
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
-    chunks: Sequence[ChunkSpec] = ()
-    window: int | None = None   # keys older than this many positions before a query are hidden
+    chunks: Sequence[ChunkSpec] = ()  # what it was built from, for with_window
     _windowed: dict = field(default_factory=dict, repr=False)
 
     def with_window(self, window: int) -> "AttentionMetadata":
@@ -70,6 +69,7 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, chunks: Sequence[ChunkSpec], block_size: int, window: int | None = None) -> "AttentionMetadata":
+        """window: also hide keys more than `window` positions before their query (see with_window)."""
         slot_mapping: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
@@ -116,7 +116,7 @@ class AttentionMetadata:
             contiguous = decode_rows == list(range(decode_rows[0], decode_rows[0] + n))
             rows = slice(decode_rows[0], decode_rows[0] + n) if contiguous else torch.as_tensor(decode_rows)
             decode = DecodeGroup(rows, torch.as_tensor(padded).view(-1), n, max_blocks, mask)
-        return cls(torch.as_tensor(slot_mapping, dtype=torch.long), block_size, decode, prefills, chunks, window)
+        return cls(torch.as_tensor(slot_mapping, dtype=torch.long), block_size, decode, prefills, chunks)
 
 
 @dataclass

@@ -38,6 +38,8 @@ class DecoderLM(nn.Module):
         dtype (the head has already rounded them to it); the sampler widens them to float32."""
         return dense_linear(self.final_hidden(hidden, indices), self.lm_head, self.lm_head_packed)
 
+    BLOCK_TENSORS: tuple[str, ...] = ()  # each block's GGUF tensor names, without "blk.N." and ".weight"
+
     def gguf_tensor_names(self) -> list[str]:
         names = ["token_embd.weight", "output_norm.weight"]
         if not self.config.tied_embeddings:
@@ -45,8 +47,6 @@ class DecoderLM(nn.Module):
         for i in range(self.config.n_layers):
             names += [f"blk.{i}.{n}.weight" for n in self.BLOCK_TENSORS]
         return names
-
-    BLOCK_TENSORS: tuple[str, ...] = ()
 
     def load_tensor(self, name: str, tensor: torch.Tensor, int4: Int4Weight | None,
                     pending: dict[str, tuple[torch.Tensor, Int4Weight | None]]) -> None:

@@ -3,9 +3,9 @@ the MLP), RMSNorms over each q and k head, GeGLU, embeddings scaled by sqrt(dim)
 attention layer: most attend within a sliding window of recent keys with a local rotary base, every
 SLIDING_WINDOW_PATTERN-th attends to everything with the GGUF's rotary base.
 
-The GGUF leaves out what llama.cpp and transformers hard-code for Gemma 3 (the pattern, the local
-base); both are taken from there. All layers keep every key in the paged cache; a local layer only
-masks the old ones (AttentionMetadata.with_window)."""
+The GGUF leaves out what llama.cpp and transformers hard-code for Gemma 3 (the layer pattern, the
+local base, the attention scale); we hard-code the same values. All layers keep every key in the paged
+cache; a local layer only masks the old ones (AttentionMetadata.with_window)."""
 from __future__ import annotations
 
 import torch
@@ -34,7 +34,11 @@ class Gemma3Block(nn.Module):
         eps = cfg.norm_eps
         self.attn_norm, self.post_attn_norm = _norm(cfg.dim, eps), _norm(cfg.dim, eps)
         self.ffn_norm, self.post_ffn_norm = _norm(cfg.dim, eps), _norm(cfg.dim, eps)
-        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, qk_norm_eps=eps, window=window)
+        # Scores scale by 1/sqrt(head_dim), except in the 27B (62 layers), whose query_pre_attn_scalar
+        # is dim / n_heads: llama.cpp tells it apart by its layer count too.
+        scale = (cfg.dim / cfg.n_heads) ** -0.5 if cfg.n_layers == 62 else None
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, scale=scale, qk_norm_eps=eps,
+                              window=window)
         self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, activation="gelu_tanh")
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
