@@ -95,6 +95,7 @@ class Gemma3Model(DecoderLM):
                 "ffn_norm": block.ffn_norm.weight, "post_ffw_norm": block.post_ffn_norm.weight,
                 "attn_q_norm": block.attn.q_norm.weight, "attn_k_norm": block.attn.k_norm.weight}
 
+
 def _linear_rope_factor(cfg: ModelConfig) -> float:
     """Gemma 3's larger models stretch the global layers' positions linearly (rope.scaling.*)."""
     kind = cfg.extra.get("rope.scaling.type")
