@@ -1,0 +1,122 @@
+// Shared by every kernel family: bf16/fp16 conversions, the parallel loop, and the ISA this
+// translation unit was compiled for. Each .cpp is compiled once per variant (setup.py); code picks
+// its path with the compiler's own macros (__AVX512VNNI__, __AVX2__), so the scalar build is the
+// portable reference and the others only ever run on CPUs that kernels/native.py checked.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace tmk {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define TM_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TM_AVX2 1
+#endif
+
+// Threads the kernels use; set from Python (kernels.set_num_threads) so --threads is honoured.
+int num_threads();
+void set_num_threads(int n);
+
+// fn(begin, end) over [0, n) split into contiguous ranges, one per thread. A range's work never
+// depends on how many threads there are, so results are the same for any thread count.
+template <typename Fn>
+inline void parallel_for(int64_t n, int64_t grain, Fn&& fn) {
+    if (n <= 0) return;
+    int threads = num_threads();
+    if (threads <= 1 || n <= grain) {
+        fn(int64_t(0), n);
+        return;
+    }
+#ifdef _OPENMP
+    int64_t chunks = (n + grain - 1) / grain;
+    if (chunks < threads) threads = int(chunks);
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t per = (n + nt - 1) / nt;
+        int64_t b = t * per, e = b + per < n ? b + per : n;
+        if (b < e) fn(b, e);
+    }
+#else
+    fn(int64_t(0), n);
+#endif
+}
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// Round to nearest even, as PyTorch's .to(torch.bfloat16) does (NaN stays NaN).
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {  // subnormal: normalise
+            int e = -1;
+            do { ++e; man <<= 1; } while (!(man & 0x400u));
+            u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | man << 13;
+    } else {
+        u = sign | (exp + 127 - 15) << 23 | man << 13;
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(TM_AVX512)
+// 16 bf16 -> 16 fp32, and back with round-to-nearest-even (integer ops: no AVX512_BF16 needed).
+inline __m512 load_bf16x16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline void store_bf16x16(uint16_t* p, __m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+}
+#endif
+#if defined(TM_AVX512) || defined(TM_AVX2)
+inline __m256 load_bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline void store_bf16x8(uint16_t* p, __m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    // pack 8 x u32 (each < 65536) to 8 x u16 without saturation surprises
+    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(lo, hi));
+}
+#endif
+
+// A raw buffer address handed over from Python (tensor.data_ptr()).
+template <typename T>
+inline T* ptr(uintptr_t address) { return reinterpret_cast<T*>(address); }
+
+}  // namespace tmk

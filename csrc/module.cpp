@@ -1,0 +1,24 @@
+// The extension module of one ISA variant (setup.py builds this file set three times). Each kernel
+// family registers its own functions; they take raw addresses, shapes and strides of tensors that
+// Python owns, and release the GIL while they run.
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "common.h"
+
+namespace py = pybind11;
+
+void register_cpu(py::module_& m);
+void register_qmatmul(py::module_& m);
+void register_paged_attention(py::module_& m);
+void register_fused_ops(py::module_& m);
+
+PYBIND11_MODULE(TOKENMILL_MODULE, m) {
+    m.doc() = "tokenmill's compiled CPU kernels (one ISA variant)";
+    m.attr("variant") = std::string(TOKENMILL_VARIANT);
+    register_cpu(m);
+    register_qmatmul(m);
+    register_paged_attention(m);
+    register_fused_ops(m);
+}

@@ -1,0 +1,36 @@
+"""Builds tokenmill's compiled CPU core: the same C++ sources (csrc/) compiled three times, once per
+instruction-set variant, into three extension modules. kernels/native.py imports the best one this
+CPU can run, as ggml's GGML_CPU_ALL_VARIANTS does. Every module is optional: without a compiler the
+package still installs and runs on its PyTorch reference path."""
+import glob
+import os
+import sys
+
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+from setuptools import setup
+
+ParallelCompile("TOKENMILL_BUILD_JOBS", default=os.cpu_count() or 1).install()
+
+# name -> compiler flags. The avx512 variant needs F/BW/VL/DQ and VNNI (Cascade Lake, Ice Lake,
+# Sapphire Rapids, Zen 4); bf16 is converted with integer ops, so AVX512_BF16 is not required.
+VARIANTS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c",
+               "-mbmi2"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mbmi2"],
+    "scalar": [],
+}
+SOURCES = sorted(glob.glob("csrc/*.cpp"))
+COMMON = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+
+
+def extension(variant: str, flags: list[str]) -> Pybind11Extension:
+    return Pybind11Extension(
+        f"tokenmill._native_{variant}", SOURCES, cxx_std=17, include_dirs=["csrc"],
+        define_macros=[("TOKENMILL_MODULE", f"_native_{variant}"), ("TOKENMILL_VARIANT", f'"{variant}"')],
+        extra_compile_args=COMMON + flags, extra_link_args=["-fopenmp"], optional=True)
+
+
+ext_modules = [] if os.environ.get("TOKENMILL_NATIVE") == "0" else \
+    [extension(v, f) for v, f in VARIANTS.items()] if sys.platform.startswith("linux") else []
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext})
