@@ -1,6 +1,95 @@
-// Placeholder until this kernel family lands.
+// Quantized matmul y = x @ W^T from repacked GGUF blocks (kernels/qmatmul.py holds the Python side):
+// activations are quantized to int8 per block of 32 once per call, then every output goes through
+// integer dot products and the same fp32 sequence whatever M, the other rows or the thread count
+// (work is split over output tiles only, never over K), so results are batch invariant.
 #include <pybind11/pybind11.h>
+
+#include <cmath>
+
+#include "common.h"
+#include "qmatmul_avx2.h"
+#include "qmatmul_avx512.h"
+#include "qmatmul_layout.h"
 
 namespace py = pybind11;
 
-void register_qmatmul(py::module_&) {}
+namespace tmk::qmm {
+
+// x [M, K] fp32 (row stride ldx) -> q int8 [M, K], d = absmax/127 and ds = d * sum(q) per 32, sum(q) per 16.
+// Rounds half to even (nearbyint in the default mode), as torch.round does in the reference.
+static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* d, float* ds,
+                          int32_t* s16) {
+    parallel_for(M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) {
+            const float* xr = x + m * ldx;
+            for (int64_t b = 0; b < K / kBlock; ++b) {
+                const float* xb = xr + b * kBlock;
+                float amax = 0.f;
+                for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+                const float inv = amax > 0.f ? 127.f / amax : 0.f;
+                int8_t* qb = q + m * K + b * kBlock;
+                int32_t sums[2] = {0, 0};
+                for (int i = 0; i < kBlock; ++i) {
+                    qb[i] = int8_t(std::nearbyint(xb[i] * inv));
+                    sums[i >> 4] += qb[i];
+                }
+                const float scale = amax / 127.f;
+                d[m * (K / kBlock) + b] = scale;
+                ds[m * (K / kBlock) + b] = scale * float(sums[0] + sums[1]);
+                s16[m * (K / 16) + 2 * b] = sums[0];
+                s16[m * (K / 16) + 2 * b + 1] = sums[1];
+            }
+        }
+    });
+}
+
+template <int T>
+static void rows(const Weight& w, int64_t tile, const Acts& a, int64_t M, float* out, int64_t ldo) {
+#if defined(TM_AVX512)
+    rows_avx512<T>(w, tile, a, 0, M, out, ldo);
+#elif defined(TM_AVX2)
+    rows_avx2<T>(w, tile, a, 0, M, out, ldo);
+#else
+    tile_scalar(w, tile, a, 0, M, out, ldo);
+#endif
+}
+
+template <int T>
+static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t ldo) {
+    // Enough tiles per thread that a small GEMV is not all fork/join; the split never changes results.
+    const int64_t work_per_tile = M * w.K * kTile;
+    const int64_t grain = work_per_tile >= (1 << 20) ? 1 : (1 << 20) / work_per_tile;
+    parallel_for(w.tiles(), grain, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) rows<T>(w, t, a, M, out, ldo);
+    });
+}
+
+static void qmatmul(int type, uintptr_t q, uintptr_t d, uintptr_t ds, uintptr_t s16, int64_t M, int64_t K,
+                    uintptr_t qs, uintptr_t sc, uintptr_t sup, int64_t N, uintptr_t out, int64_t ldo) {
+    const Acts a{ptr<const int8_t>(q), ptr<const float>(d), ptr<const float>(ds), ptr<const int32_t>(s16), K};
+    const Weight w{type, ptr<const uint8_t>(qs), ptr<const uint8_t>(sc), ptr<const uint8_t>(sup), N, K};
+    float* y = ptr<float>(out);
+    switch (type) {
+        case Q4_0: run<Q4_0>(w, a, M, y, ldo); break;
+        case Q4_1: run<Q4_1>(w, a, M, y, ldo); break;
+        case Q5_0: run<Q5_0>(w, a, M, y, ldo); break;
+        case Q8_0: run<Q8_0>(w, a, M, y, ldo); break;
+        case Q4_K: run<Q4_K>(w, a, M, y, ldo); break;
+        case Q6_K: run<Q6_K>(w, a, M, y, ldo); break;
+        default: break;  // Python only passes SUPPORTED_TYPES
+    }
+}
+
+}  // namespace tmk::qmm
+
+void register_qmatmul(py::module_& m) {
+    m.def(
+        "quantize_activations",
+        [](uintptr_t x, int64_t M, int64_t K, int64_t ldx, uintptr_t q, uintptr_t d, uintptr_t ds, uintptr_t s16) {
+            tmk::qmm::quantize_rows(tmk::ptr<const float>(x), M, K, ldx, tmk::ptr<int8_t>(q), tmk::ptr<float>(d),
+                                    tmk::ptr<float>(ds), tmk::ptr<int32_t>(s16));
+        },
+        py::call_guard<py::gil_scoped_release>(), "x fp32 [M, K] -> int8 per 32 with scales and sums");
+    m.def("qmatmul", &tmk::qmm::qmatmul, py::call_guard<py::gil_scoped_release>(),
+          "y [M, N] (row stride ldo) = activations [M, K] @ repacked GGUF weight [N, K]^T");
+}

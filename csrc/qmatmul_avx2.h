@@ -1,0 +1,135 @@
+// AVX2 qmatmul: a 16-row tile is run as two halves of 8 output columns (one ymm lane each). The
+// integer dot product of a step is maddubs (u8 x s8 pairs -> s16) then madd with ones (-> s32).
+// maddubs saturates above 32767: 4/5/6-bit values (<= 63) x |x| <= 127 stay far below it, but Q8_0's
+// u8 values (q + 128) would not, so Q8_0 goes through the signed values with the abs/sign trick
+// (|q| <= 128), whose dot product equals the others' sum(u*x) - 128*sum(x) exactly.
+#pragma once
+
+#include "qmatmul_layout.h"
+
+#if defined(TM_AVX2)
+namespace tmk::qmm {
+
+// Step j's 8-bit values for the 8 rows of half h (for Q8_0: the signed q).
+template <int T>
+inline __m256i step_values2(const uint8_t* qs, int j, int h) {
+    if constexpr (T == Q8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(qs + 64 * j + 32 * h)), _mm256_set1_epi8(char(0x80)));
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i packed = _mm256_loadu_si256((const __m256i*)(qs + 64 * (j & 3) + 32 * h));
+    __m256i v = _mm256_and_si256(j < 4 ? packed : _mm256_srli_epi16(packed, 4), low4);
+    if constexpr (T == Q5_0) {
+        const __m256i plane = _mm256_loadu_si256((const __m256i*)(qs + 256 + 32 * h));
+        // bit j -> bit 4; bits shifted in from the neighbouring byte land outside bit 4
+        __m256i hi = j < 4 ? _mm256_slli_epi16(plane, 4 - j) : _mm256_srli_epi16(plane, j - 4);
+        v = _mm256_or_si256(v, _mm256_and_si256(hi, _mm256_set1_epi8(0x10)));
+    }
+    if constexpr (T == Q6_K) {
+        const __m256i plane = _mm256_loadu_si256((const __m256i*)(qs + 256 + 64 * (j >> 2) + 32 * h));
+        const int t = j & 3;
+        __m256i hi = t < 2 ? _mm256_slli_epi16(plane, 4 - 2 * t) : t == 2 ? plane : _mm256_srli_epi16(plane, 2);
+        v = _mm256_or_si256(v, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+    }
+    return v;
+}
+
+template <int T, int MR>
+inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int j0, int j1, __m256i* isum) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = j0; j < j1; ++j) {
+        const __m256i v = step_values2<T>(qs, j, h);
+        const __m256i u = T == Q8_0 ? _mm256_abs_epi8(v) : v;
+        for (int r = 0; r < MR; ++r) {
+            __m256i xb = _mm256_set1_epi32(int(load_u32(x[r] + 4 * j)));
+            if constexpr (T == Q8_0) xb = _mm256_sign_epi8(xb, v);
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xb), ones));
+        }
+    }
+}
+
+inline __m256 load_halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256 load_u8_as_f32x8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+template <int T, int MR>
+void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+    const int64_t nb = w.blocks();
+    constexpr int c = T == Q4_0 ? 8 : T == Q5_0 ? 16 : 32;  // Q8_0's signed dot needs no offset
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    const int8_t* x[MR];
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* qs = w.qs_at(tile, b);
+        const uint8_t* sc = w.sc_at(tile, b);
+        for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
+        __m256i isum[MR];
+        __m256 scale;
+        if constexpr (T == Q6_K) {
+            const __m256i sc_a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * h)));
+            const __m256i sc_b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 16 + 8 * h)));
+            __m256i half[MR];
+            for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b));
+            dot_steps2<T, MR>(qs, h, x, 0, 4, half);
+            for (int r = 0; r < MR; ++r) isum[r] = _mm256_mullo_epi32(half[r], sc_a);
+            for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b + 1));
+            dot_steps2<T, MR>(qs, h, x, 4, 8, half);
+            for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(half[r], sc_b));
+            scale = load_halves8(w.sup_at(tile, b) + 16 * h);
+        } else {
+            for (int r = 0; r < MR; ++r) {
+                if constexpr (T == Q4_1 || T == Q4_K || T == Q8_0)
+                    isum[r] = _mm256_setzero_si256();
+                else
+                    isum[r] = _mm256_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
+            }
+            dot_steps2<T, MR>(qs, h, x, 0, 8, isum);
+            if constexpr (T == Q4_K)
+                scale = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 16 * h), load_u8_as_f32x8(sc + 8 * h));
+            else
+                scale = load_halves8(sc + 16 * h);
+        }
+        for (int r = 0; r < MR; ++r) {
+            const __m256 dx = _mm256_set1_ps(a.dx(m0 + r, b));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+        }
+        if constexpr (T == Q4_1) {
+            const __m256 offset = load_halves8(sc + 32 + 16 * h);
+            for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+        }
+        if constexpr (T == Q4_K) {
+            const __m256 offset = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 32 + 16 * h), load_u8_as_f32x8(sc + 16 + 8 * h));
+            for (int r = 0; r < MR; ++r) acc[r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+        }
+    }
+    const int64_t first = tile * kTile + 8 * h, cols = w.N - first;
+    for (int r = 0; r < MR; ++r) {
+        float* o = out + (m0 + r) * ldo + first;
+        if (cols >= 8) {
+            _mm256_storeu_ps(o, acc[r]);
+        } else {
+            alignas(32) float tmp[8];
+            _mm256_store_ps(tmp, acc[r]);
+            for (int64_t i = 0; i < cols; ++i) o[i] = tmp[i];
+        }
+    }
+}
+
+template <int T>
+void rows_avx2(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
+    constexpr int MR = 4;
+    for (int h = 0; h < 2; ++h) {
+        if (w.N - tile * kTile <= 8 * h) break;  // the tail tile's second half is padding only
+        int64_t m = m0;
+        for (; m + MR <= m1; m += MR) half_tile_avx2<T, MR>(w, tile, h, a, m, out, ldo);
+        switch (m1 - m) {
+            case 3: half_tile_avx2<T, 3>(w, tile, h, a, m, out, ldo); break;
+            case 2: half_tile_avx2<T, 2>(w, tile, h, a, m, out, ldo); break;
+            case 1: half_tile_avx2<T, 1>(w, tile, h, a, m, out, ldo); break;
+            default: break;
+        }
+    }
+}
+
+}  // namespace tmk::qmm
+#endif

@@ -1,0 +1,126 @@
+// AVX-512 VNNI qmatmul tile: one zmm lane per output column of the 16-row tile. Each step of 4 inputs
+// is one vpdpbusd (u8 weights x s8 activations broadcast to all lanes), so the integer dot products
+// are exact; the symmetric types' offsets start the integer sum at -offset * sum(x).
+#pragma once
+
+#include "qmatmul_layout.h"
+
+#if defined(TM_AVX512)
+namespace tmk::qmm {
+
+// Unsigned 8-bit values of step j (inputs 4j..4j+3 of the block, 16 rows).
+template <int T>
+inline __m512i step_values(const uint8_t* qs, int j) {
+    if constexpr (T == Q8_0) return _mm512_loadu_si512(qs + 64 * j);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i packed = _mm512_loadu_si512(qs + 64 * (j & 3));
+    __m512i v = _mm512_and_si512(j < 4 ? packed : _mm512_srli_epi16(packed, 4), low4);
+    if constexpr (T == Q5_0) {
+        const __m512i plane = _mm512_loadu_si512(qs + 256);
+        __mmask64 high = _mm512_test_epi8_mask(plane, _mm512_set1_epi8(char(1 << j)));
+        v = _mm512_mask_add_epi8(v, high, v, _mm512_set1_epi8(0x10));
+    }
+    if constexpr (T == Q6_K) {
+        const __m512i plane = _mm512_loadu_si512(qs + 256 + 64 * (j >> 2));
+        __m512i hi;
+        switch (j & 3) {  // bits 2t..2t+1 -> bits 4..5; bits leaking across bytes are masked off
+            case 0: hi = _mm512_slli_epi16(plane, 4); break;
+            case 1: hi = _mm512_slli_epi16(plane, 2); break;
+            case 2: hi = plane; break;
+            default: hi = _mm512_srli_epi16(plane, 2); break;
+        }
+        v = _mm512_or_si512(v, _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+    }
+    return v;
+}
+
+inline __m512i bcast4(const int8_t* x) { return _mm512_set1_epi32(int(load_u32(x))); }
+inline __m512 load_halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline __m512 load_u8_as_f32(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+// Integer dots of steps [j0, j1) for MR rows, added to isum.
+template <int T, int MR>
+inline void dot_steps(const uint8_t* qs, const int8_t* const* x, int j0, int j1, __m512i* isum) {
+    for (int j = j0; j < j1; ++j) {
+        const __m512i v = step_values<T>(qs, j);
+        for (int r = 0; r < MR; ++r) isum[r] = _mm512_dpbusd_epi32(isum[r], v, bcast4(x[r] + 4 * j));
+    }
+}
+
+template <int T, int MR>
+void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+    const int64_t nb = w.blocks();
+    const int64_t left = w.N - tile * kTile;
+    const __mmask16 cols = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    constexpr int c = T == Q4_0 ? 8 : T == Q5_0 ? 16 : T == Q8_0 ? 128 : 32;
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    const int8_t* x[MR];
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* qs = w.qs_at(tile, b);
+        const uint8_t* sc = w.sc_at(tile, b);
+        for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
+        __m512i isum[MR];
+        __m512 scale;
+        if constexpr (T == Q6_K) {
+            const __m512i sc_a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sc));
+            const __m512i sc_b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + 16)));
+            __m512i half[MR];
+            for (int r = 0; r < MR; ++r) half[r] = _mm512_set1_epi32(-c * a.sum16(m0 + r, 2 * b));
+            dot_steps<T, MR>(qs, x, 0, 4, half);
+            for (int r = 0; r < MR; ++r) isum[r] = _mm512_mullo_epi32(half[r], sc_a);
+            for (int r = 0; r < MR; ++r) half[r] = _mm512_set1_epi32(-c * a.sum16(m0 + r, 2 * b + 1));
+            dot_steps<T, MR>(qs, x, 4, 8, half);
+            for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(half[r], sc_b));
+            scale = load_halves(w.sup_at(tile, b));
+        } else {
+            for (int r = 0; r < MR; ++r) {
+                if constexpr (T == Q4_1 || T == Q4_K)
+                    isum[r] = _mm512_setzero_si512();
+                else
+                    isum[r] = _mm512_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
+            }
+            dot_steps<T, MR>(qs, x, 0, 8, isum);
+            if constexpr (T == Q4_K)
+                scale = _mm512_mul_ps(load_halves(w.sup_at(tile, b)), load_u8_as_f32(sc));
+            else
+                scale = load_halves(sc);
+        }
+        for (int r = 0; r < MR; ++r) {
+            const __m512 dx = _mm512_set1_ps(a.dx(m0 + r, b));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+        }
+        if constexpr (T == Q4_1) {
+            const __m512 offset = load_halves(sc + 32);
+            for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+        }
+        if constexpr (T == Q4_K) {
+            const __m512 offset = _mm512_mul_ps(load_halves(w.sup_at(tile, b) + 32), load_u8_as_f32(sc + 16));
+            for (int r = 0; r < MR; ++r) acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + tile * kTile, cols, acc[r]);
+}
+
+// Rows [m0, m1) of one tile, MR at a time; the tail takes a smaller MR with the same per-row math.
+template <int T>
+void rows_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
+    constexpr int MR = 8;
+    int64_t m = m0;
+    for (; m + MR <= m1; m += MR) tile_avx512<T, MR>(w, tile, a, m, out, ldo);
+    switch (m1 - m) {
+        case 7: tile_avx512<T, 7>(w, tile, a, m, out, ldo); break;
+        case 6: tile_avx512<T, 6>(w, tile, a, m, out, ldo); break;
+        case 5: tile_avx512<T, 5>(w, tile, a, m, out, ldo); break;
+        case 4: tile_avx512<T, 4>(w, tile, a, m, out, ldo); break;
+        case 3: tile_avx512<T, 3>(w, tile, a, m, out, ldo); break;
+        case 2: tile_avx512<T, 2>(w, tile, a, m, out, ldo); break;
+        case 1: tile_avx512<T, 1>(w, tile, a, m, out, ldo); break;
+        default: break;
+    }
+}
+
+}  // namespace tmk::qmm
+#endif

@@ -1,0 +1,127 @@
+// The repacked GGUF weight and quantized activations the qmatmul kernels read (written by
+// src/tokenmill/kernels/qmatmul.py, whose docstring draws the layout), and the portable scalar kernel
+// that is the reading of that layout every SIMD path must agree with.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+
+namespace tmk::qmm {
+
+// ggml's type numbers, so Python passes GGMLQuantizationType values straight through.
+enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+constexpr int kTile = 16;    // output rows interleaved in one tile
+constexpr int kBlock = 32;   // inputs per block
+constexpr int kSuper = 256;  // K-quant super block
+
+inline int qs_bytes(int t) { return t == Q8_0 ? 512 : t == Q5_0 ? 320 : t == Q6_K ? 384 : 256; }
+inline int sc_bytes(int t) { return t == Q4_1 ? 64 : 32; }
+inline int sup_bytes(int t) { return t == Q4_K ? 64 : t == Q6_K ? 32 : 0; }
+// Symmetric types: w = d * (u - offset), so the offset folds into the integer dot product.
+inline int int_offset(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q8_0 ? 128 : t == Q6_K ? 32 : 0; }
+
+struct Acts {
+    const int8_t* q;      // [M, K]
+    const float* d;       // [M, K/32]
+    const float* ds;      // [M, K/32]: d * sum(q)
+    const int32_t* s16;   // [M, K/16]: sum(q)
+    int64_t K;
+    const int8_t* row(int64_t m) const { return q + m * K; }
+    float dx(int64_t m, int64_t b) const { return d[m * (K / kBlock) + b]; }
+    float dsum(int64_t m, int64_t b) const { return ds[m * (K / kBlock) + b]; }
+    int32_t sum16(int64_t m, int64_t half) const { return s16[m * (K / 16) + half]; }
+};
+
+struct Weight {
+    int type;
+    const uint8_t* qs;
+    const uint8_t* sc;
+    const uint8_t* sup;
+    int64_t N, K;
+    int64_t blocks() const { return K / kBlock; }
+    int64_t tiles() const { return (N + kTile - 1) / kTile; }
+    const uint8_t* qs_at(int64_t tile, int64_t b) const { return qs + (tile * blocks() + b) * qs_bytes(type); }
+    const uint8_t* sc_at(int64_t tile, int64_t b) const { return sc + (tile * blocks() + b) * sc_bytes(type); }
+    const uint8_t* sup_at(int64_t tile, int64_t b) const {
+        return sup + (tile * (K / kSuper) + b / (kSuper / kBlock)) * sup_bytes(type);
+    }
+};
+
+inline uint32_t load_u32(const void* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+inline float half_at(const uint8_t* p, int i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return f16_to_f32(h);
+}
+
+// The 32 unsigned values of 16 rows of one block: u[row][k].
+inline void decode_block(int t, const uint8_t* qs, uint8_t u[kTile][kBlock]) {
+    for (int j = 0; j < 8; ++j)
+        for (int r = 0; r < kTile; ++r)
+            for (int i = 0; i < 4; ++i) {
+                int at = 4 * r + i;
+                uint8_t v;
+                if (t == Q8_0) {
+                    v = qs[64 * j + at];
+                } else {
+                    v = qs[64 * (j & 3) + at];
+                    v = j < 4 ? v & 0xF : v >> 4;
+                    if (t == Q5_0) v |= ((qs[256 + at] >> j) & 1) << 4;
+                    if (t == Q6_K) v |= ((qs[256 + 64 * (j >> 2) + at] >> (2 * (j & 3))) & 3) << 4;
+                }
+                u[r][4 * j + i] = v;
+            }
+}
+
+// Scalar kernel: rows [m0, m1) x tile. Per block and output: the integer dot product (offsets
+// folded in), then acc += (w_scale * dx) * isum [+ w_offset * ds], in K order.
+inline void tile_scalar(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out,
+                        int64_t ldo) {
+    const int t = w.type, c = int_offset(t);
+    const int64_t nb = w.blocks();
+    const int cols = int(w.N - tile * kTile < kTile ? w.N - tile * kTile : kTile);
+    uint8_t u[kTile][kBlock];
+    for (int64_t m = m0; m < m1; ++m) {
+        float acc[kTile] = {};
+        const int8_t* x = a.row(m);
+        for (int64_t b = 0; b < nb; ++b) {
+            decode_block(t, w.qs_at(tile, b), u);
+            const uint8_t* sc = w.sc_at(tile, b);
+            const int8_t* xb = x + b * kBlock;
+            const float dx = a.dx(m, b), ds = a.dsum(m, b);
+            const int32_t sa = a.sum16(m, 2 * b), sb = a.sum16(m, 2 * b + 1);
+            for (int r = 0; r < kTile; ++r) {
+                int32_t dot_a = 0, dot_b = 0;
+                for (int k = 0; k < 16; ++k) dot_a += int32_t(u[r][k]) * xb[k];
+                for (int k = 16; k < 32; ++k) dot_b += int32_t(u[r][k]) * xb[k];
+                if (t == Q6_K) {
+                    const int32_t isum = int32_t(int8_t(sc[r])) * (dot_a - c * sa) +
+                                         int32_t(int8_t(sc[16 + r])) * (dot_b - c * sb);
+                    acc[r] = acc[r] + (half_at(w.sup_at(tile, b), r) * dx) * float(isum);
+                } else if (t == Q4_K) {
+                    const uint8_t* sup = w.sup_at(tile, b);
+                    const float scale = half_at(sup, r) * float(sc[r]), offset = half_at(sup, 16 + r) * float(sc[16 + r]);
+                    acc[r] = acc[r] + (scale * dx) * float(dot_a + dot_b);
+                    acc[r] = acc[r] - offset * ds;
+                } else if (t == Q4_1) {
+                    acc[r] = acc[r] + (half_at(sc, r) * dx) * float(dot_a + dot_b);
+                    acc[r] = acc[r] + half_at(sc, 16 + r) * ds;
+                } else {
+                    acc[r] = acc[r] + (half_at(sc, r) * dx) * float(dot_a + dot_b - c * (sa + sb));
+                }
+            }
+        }
+        for (int r = 0; r < cols; ++r) out[m * ldo + tile * kTile + r] = acc[r];
+    }
+}
+
+}  // namespace tmk::qmm

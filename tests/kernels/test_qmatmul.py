@@ -1,0 +1,148 @@
+"""qmatmul: the repack reproduces gguf's dequantization exactly, every native variant matches the
+PyTorch reference (fp32 summation order apart), results are batch and thread invariant bitwise, and the
+int8 activation approximation stays close to fp32 x @ W^T."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import gguf
+from tokenmill.kernels import native
+from tokenmill.kernels.qmatmul import (SUPPORTED_TYPES, QuantizedWeight, qmatmul, qmatmul_reference,
+                                       quantize_activations)
+
+Q = gguf.GGMLQuantizationType
+TYPES = sorted(SUPPORTED_TYPES, key=lambda t: t.name)
+VARIANTS = ["torch"] + native.runnable_variants()
+# Native vs reference: both are fp32 sums of the same exact products in different orders, so the
+# difference is bounded by a few ulps of sum |terms|.
+REL_TO_ABS_SUM = 2e-6
+
+
+def random_gguf(t: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF bytes [n, row_bytes] of random weights: real quantization where gguf implements it,
+    else random blocks with sane fp16 scales."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    try:
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t)
+    except NotImplementedError:
+        raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+        halves = lambda lo, hi: rng.uniform(lo, hi, (n, k // block, 1)).astype(np.float16).view(np.uint8)  # noqa: E731
+        if t == Q.Q4_K:
+            raw[..., 0:2], raw[..., 2:4] = halves(1e-3, 2e-2), halves(1e-3, 2e-2)
+        else:  # Q6_K: d is last
+            raw[..., 208:210] = halves(1e-3, 2e-2)
+        return raw.reshape(n, -1)
+
+
+def k_for(t: Q, blocks: int) -> int:
+    return gguf.GGML_QUANT_SIZES[t][0] * blocks
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 16, 37])
+def test_repack_reproduces_gguf_exactly(t, n):
+    k = k_for(t, 2)
+    raw = random_gguf(t, n, k)
+    w = QuantizedWeight.from_gguf(raw, t, (n, k))
+    assert (w.out_features, w.in_features, w.ggml_type) == (n, k, t)
+    np.testing.assert_array_equal(w.dequantize().numpy(), gguf.quants.dequantize(raw, t))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_repacked_size_close_to_gguf(t):
+    n, k = 64, k_for(t, 4)
+    raw = random_gguf(t, n, k)
+    assert QuantizedWeight.from_gguf(raw, t, (n, k)).nbytes <= 1.05 * raw.nbytes
+
+
+def test_rejects_unsupported():
+    with pytest.raises(ValueError):
+        QuantizedWeight.from_gguf(np.zeros((4, 64), np.uint8), Q.Q5_1, (4, 32))
+    with pytest.raises(ValueError):
+        QuantizedWeight.from_gguf(np.zeros((4, 18), np.uint8), Q.Q4_0, (4, 48))
+
+
+def test_activation_quantization_matches_reference():
+    x = torch.randn(7, 96) * torch.rand(7, 96) * 5
+    x[2, :32] = 0
+    with native.use_variant("torch"):
+        ref = quantize_activations(x)
+    for v in VARIANTS[1:]:
+        with native.use_variant(v):
+            got = quantize_activations(x)
+        for a, b in zip((ref.q, ref.d, ref.ds, ref.s16), (got.q, got.d, got.ds, got.s16)):
+            assert torch.equal(a, b), v
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_native_matches_reference(variant, t, blocks):
+    n, k = 37, k_for(t, blocks)
+    w = QuantizedWeight.from_gguf(random_gguf(t, n, k, seed=blocks), t, (n, k))
+    wd = w.dequantize()
+    for m in (1, 3, 8, 37):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        with native.use_variant(variant):
+            got = qmatmul(x, w)
+        ref = qmatmul_reference(x, w)
+        a = quantize_activations(x)
+        xq = (a.q.float().view(m, -1, 32) * a.d[..., None]).view(m, k)
+        bound = REL_TO_ABS_SUM * (xq.abs() @ wd.abs().T) + 1e-30
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert ((got - ref).abs() <= bound).all(), f"{variant} {t.name} m={m}: {(got - ref).abs().max()}"
+        # the activation rounding is the only approximation: close to the fp32 product
+        exact = x @ wd.T
+        assert (got - exact).norm() <= 0.02 * exact.norm()
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_batch_and_thread_invariance(variant, t):
+    n, k = 53, k_for(t, 2)
+    w = QuantizedWeight.from_gguf(random_gguf(t, n, k), t, (n, k))
+    x = torch.randn(37, k)
+    with native.use_variant(variant):
+        full = qmatmul(x, w)
+        for i in (0, 5, 36):
+            assert torch.equal(qmatmul(x[i:i + 1], w), full[i:i + 1])
+        assert torch.equal(qmatmul(x[3:11], w), full[3:11])
+        other = torch.cat([x[20:21], torch.randn(4, k) * 100])
+        assert torch.equal(qmatmul(other, w)[0], full[20])
+        try:
+            native.set_num_threads(1)
+            one = qmatmul(x, w)
+            native.set_num_threads(2)
+            two = qmatmul(x, w)
+        finally:
+            native.set_num_threads(torch.get_num_threads())
+        assert torch.equal(one, full) and torch.equal(two, full)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_out_column_slice_and_shared_activations(variant):
+    k = 256
+    parts = [(Q.Q5_0, 24), (Q.Q8_0, 8), (Q.Q4_K, 19)]
+    ws = [QuantizedWeight.from_gguf(random_gguf(t, n, k), t, (n, k)) for t, n in parts]
+    x = torch.randn(5, k)
+    with native.use_variant(variant):
+        a = quantize_activations(x)
+        fused = torch.full((5, 60), float("nan"))
+        col = 0
+        for w in ws:
+            qmatmul(a, w, out=fused[:, col:col + w.out_features])
+            col += w.out_features
+        separate = torch.cat([qmatmul(x, w) for w in ws], 1)
+    assert torch.equal(fused[:, :51], separate)
+    assert fused[:, 51:].isnan().all()
+
+
+def test_compiles_without_graph_break():
+    k = 64
+    w = QuantizedWeight.from_gguf(random_gguf(Q.Q4_1, 20, k), Q.Q4_1, (20, k))
+    x = torch.randn(3, k)
+    compiled = torch.compile(lambda x: qmatmul(x, w) * 2, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), qmatmul(x, w) * 2)
