@@ -1,6 +1,484 @@
-// Placeholder until this kernel family lands.
+// Paged attention for a flat batch of query rows (prefill chunks and decode rows alike) over a
+// head-major KV cache [kv_heads, slots, head_dim] of fp32, bf16 or int8 (+ per-slot scales).
+//
+// Batch invariance is the design constraint: a row's result must not depend on which other rows
+// share its step or its work item. So keys are consumed in fixed tiles of at most 16 positions,
+// aligned to their block (a tile never depends on where the work item's key range starts), tiles
+// in position order, and every row runs the same fp32 operations on a tile: 16 scores at once,
+// masked to the row's own keys, one online-softmax update, then V accumulated key by key. Rows of
+// a work item only share the tile's loads (K converted and transposed once, V converted once).
+// Work items are (sequence, kv head, run of query rows); one row's keys never span threads.
 #include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+// gcc 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_ps) as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace py = pybind11;
 
-void register_paged_attention(py::module_&) {}
+namespace tmk {
+namespace {
+
+constexpr int TILE = 16;  // key positions per tile; the score vector's width
+enum CacheType { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_I8 = 2 };
+
+// ---- 16 floats, one implementation per ISA. Every op is lane-wise except the two reductions,
+// which use a fixed order, so a lane's value never depends on its neighbours.
+#if defined(TM_AVX512)
+struct V16 { __m512 v; };
+inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline V16 vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline V16 vzero() { return {_mm512_setzero_ps()}; }
+inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float vmax_all(V16 a) { return _mm512_reduce_max_ps(a.v); }
+inline float vsum_all(V16 a) { return _mm512_reduce_add_ps(a.v); }
+// Lanes first..last keep a, the rest become b.
+inline V16 vselect(int first, int last, V16 a, V16 b) {
+    __mmask16 m = __mmask16(((1u << (last + 1)) - 1u) & ~((1u << first) - 1u));
+    return {_mm512_mask_blend_ps(m, b.v, a.v)};
+}
+inline V16 vexp(V16 x) {  // Cephes-style expf, ~1 ulp; x < -87.3 gives 0 (and -inf gives 0)
+    __m512 small = _mm512_set1_ps(-87.3f);
+    __mmask16 zero = _mm512_cmp_ps_mask(x.v, small, _CMP_LT_OQ) | _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
+    __m512 c = _mm512_min_ps(_mm512_max_ps(x.v, small), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return {_mm512_maskz_mov_ps(__mmask16(~zero), _mm512_mul_ps(p, _mm512_castsi512_ps(e)))};
+}
+#elif defined(TM_AVX2)
+struct V16 { __m256 lo, hi; };
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+inline V16 vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline float hreduce8(__m256 v, bool is_max) {
+    __m128 a = _mm256_castps256_ps128(v), b = _mm256_extractf128_ps(v, 1);
+    __m128 s = is_max ? _mm_max_ps(a, b) : _mm_add_ps(a, b);
+    __m128 t = _mm_movehl_ps(s, s);
+    s = is_max ? _mm_max_ps(s, t) : _mm_add_ps(s, t);
+    t = _mm_shuffle_ps(s, s, 1);
+    s = is_max ? _mm_max_ss(s, t) : _mm_add_ss(s, t);
+    return _mm_cvtss_f32(s);
+}
+inline float vmax_all(V16 a) { return hreduce8(_mm256_max_ps(a.lo, a.hi), true); }
+inline float vsum_all(V16 a) { return hreduce8(_mm256_add_ps(a.lo, a.hi), false); }
+inline V16 vselect(int first, int last, V16 a, V16 b) {
+    __m256i lane_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane_hi = _mm256_add_epi32(lane_lo, _mm256_set1_epi32(8));
+    __m256i f = _mm256_set1_epi32(first - 1), l = _mm256_set1_epi32(last + 1);
+    __m256 m_lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(lane_lo, f), _mm256_cmpgt_epi32(l, lane_lo)));
+    __m256 m_hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(lane_hi, f), _mm256_cmpgt_epi32(l, lane_hi)));
+    return {_mm256_blendv_ps(b.lo, a.lo, m_lo), _mm256_blendv_ps(b.hi, a.hi, m_hi)};
+}
+inline __m256 exp8(__m256 x) {  // the AVX-512 vexp, 8 lanes wide
+    __m256 small = _mm256_set1_ps(-87.3f);
+    __m256 zero = _mm256_or_ps(_mm256_cmp_ps(x, small, _CMP_LT_OQ), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    __m256 c = _mm256_min_ps(_mm256_max_ps(x, small), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(zero, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+inline V16 vexp(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
+#else
+struct V16 { float x[16]; };
+inline V16 vload(const float* p) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = p[i]; return r; }
+inline void vstore(float* p, V16 a) { for (int i = 0; i < 16; ++i) p[i] = a.x[i]; }
+inline V16 vset1(float s) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = s; return r; }
+inline V16 vzero() { return vset1(0.0f); }
+inline V16 vadd(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] += b.x[i]; return a; }
+inline V16 vmul(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] *= b.x[i]; return a; }
+// Not fused (-ffp-contract=off): two roundings, the same wherever the scalar build runs.
+inline V16 vfma(V16 a, V16 b, V16 c) { for (int i = 0; i < 16; ++i) c.x[i] += a.x[i] * b.x[i]; return c; }
+inline float vmax_all(V16 a) { float m = a.x[0]; for (int i = 1; i < 16; ++i) m = a.x[i] > m ? a.x[i] : m; return m; }
+inline float vsum_all(V16 a) { float s = a.x[0]; for (int i = 1; i < 16; ++i) s += a.x[i]; return s; }
+inline V16 vselect(int first, int last, V16 a, V16 b) {
+    for (int i = 0; i < 16; ++i) if (i < first || i > last) a.x[i] = b.x[i];
+    return a;
+}
+inline V16 vexp(V16 a) { for (int i = 0; i < 16; ++i) a.x[i] = std::exp(a.x[i]); return a; }
+#endif
+
+// ---- Loading one tile of K (transposed: kt[d * 16 + key]) or V (vt[key * D + d]) as fp32.
+// Only keys first..last are read; K's other lanes are zero (they are masked out of every row).
+struct CacheView {
+    const void* data;
+    const float* scale;  // int8 only: [kv_heads, slots]
+    int64_t num_slots;
+    int D;
+};
+
+template <int TYPE>
+inline float load_one(const CacheView& c, int64_t row, int d) {  // row = head * num_slots + slot
+    if constexpr (TYPE == CACHE_F32) return static_cast<const float*>(c.data)[row * c.D + d];
+    else if constexpr (TYPE == CACHE_BF16) return bf16_to_f32(static_cast<const uint16_t*>(c.data)[row * c.D + d]);
+    else return float(static_cast<const int8_t*>(c.data)[row * c.D + d]) * c.scale[row];
+}
+
+#if defined(TM_AVX512)
+template <int TYPE>
+inline __m512 load_row16(const CacheView& c, int64_t row, int d) {
+    if constexpr (TYPE == CACHE_F32) return _mm512_loadu_ps(static_cast<const float*>(c.data) + row * c.D + d);
+    else if constexpr (TYPE == CACHE_BF16) return load_bf16x16(static_cast<const uint16_t*>(c.data) + row * c.D + d);
+    else {
+        __m128i b = _mm_loadu_si128((const __m128i*)(static_cast<const int8_t*>(c.data) + row * c.D + d));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(c.scale[row]));
+    }
+}
+
+// 16x16 in registers: r[key] (lanes = 16 dims) -> r[dim] (lanes = 16 keys).
+inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    // r[4i+k], 128-bit lane L, holds keys 4i..4i+3 of dim 4L+k.
+    for (int k = 0; k < 4; ++k) {
+        __m512 u0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), u1 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        __m512 u2 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD), u3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+        t[k] = _mm512_shuffle_f32x4(u0, u1, 0x88);
+        t[8 + k] = _mm512_shuffle_f32x4(u0, u1, 0xDD);
+        t[4 + k] = _mm512_shuffle_f32x4(u2, u3, 0x88);
+        t[12 + k] = _mm512_shuffle_f32x4(u2, u3, 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+template <int TYPE>
+void load_k_tile(const CacheView& c, int64_t row0, int first, int last, float* kt) {
+    for (int d = 0; d < c.D; d += 16) {
+        __m512 r[16];
+        for (int j = 0; j < 16; ++j) r[j] = j >= first && j <= last ? load_row16<TYPE>(c, row0 + j, d) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d + i) * TILE, r[i]);
+    }
+}
+
+template <int TYPE>
+void load_v_tile(const CacheView& c, int64_t row0, int first, int last, float* vt) {
+    for (int j = first; j <= last; ++j)
+        for (int d = 0; d < c.D; d += 16) _mm512_storeu_ps(vt + j * c.D + d, load_row16<TYPE>(c, row0 + j, d));
+}
+#elif defined(TM_AVX2)
+template <int TYPE>
+inline __m256 load_row8(const CacheView& c, int64_t row, int d) {
+    if constexpr (TYPE == CACHE_F32) return _mm256_loadu_ps(static_cast<const float*>(c.data) + row * c.D + d);
+    else if constexpr (TYPE == CACHE_BF16) return load_bf16x8(static_cast<const uint16_t*>(c.data) + row * c.D + d);
+    else {
+        __m128i b = _mm_loadl_epi64((const __m128i*)(static_cast<const int8_t*>(c.data) + row * c.D + d));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(c.scale[row]));
+    }
+}
+
+inline void transpose8(__m256 r[8]) {
+    __m256 t[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        r[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+        t[k] = _mm256_permute2f128_ps(r[k], r[4 + k], 0x20);
+        t[4 + k] = _mm256_permute2f128_ps(r[k], r[4 + k], 0x31);
+    }
+    for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+
+template <int TYPE>
+void load_k_tile(const CacheView& c, int64_t row0, int first, int last, float* kt) {
+    for (int half = 0; half < 2; ++half)
+        for (int d = 0; d < c.D; d += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i) {
+                int j = half * 8 + i;
+                r[i] = j >= first && j <= last ? load_row8<TYPE>(c, row0 + j, d) : _mm256_setzero_ps();
+            }
+            transpose8(r);
+            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d + i) * TILE + half * 8, r[i]);
+        }
+}
+
+template <int TYPE>
+void load_v_tile(const CacheView& c, int64_t row0, int first, int last, float* vt) {
+    for (int j = first; j <= last; ++j)
+        for (int d = 0; d < c.D; d += 8) _mm256_storeu_ps(vt + j * c.D + d, load_row8<TYPE>(c, row0 + j, d));
+}
+#else
+template <int TYPE>
+void load_k_tile(const CacheView& c, int64_t row0, int first, int last, float* kt) {
+    for (int j = 0; j < TILE; ++j)
+        for (int d = 0; d < c.D; ++d) kt[d * TILE + j] = j >= first && j <= last ? load_one<TYPE>(c, row0 + j, d) : 0.0f;
+}
+
+template <int TYPE>
+void load_v_tile(const CacheView& c, int64_t row0, int first, int last, float* vt) {
+    for (int j = first; j <= last; ++j)
+        for (int d = 0; d < c.D; ++d) vt[j * c.D + d] = load_one<TYPE>(c, row0 + j, d);
+}
+#endif
+
+// ---- One query vector against one tile.
+
+// 16 scores q . k_j; four interleaved partial sums over d (d mod 4), added pairwise at the end.
+inline V16 tile_scores(const float* q, const float* kt, int D) {
+    V16 a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    for (int d = 0; d < D; d += 4) {
+        a0 = vfma(vset1(q[d]), vload(kt + d * TILE), a0);
+        a1 = vfma(vset1(q[d + 1]), vload(kt + (d + 1) * TILE), a1);
+        a2 = vfma(vset1(q[d + 2]), vload(kt + (d + 2) * TILE), a2);
+        a3 = vfma(vset1(q[d + 3]), vload(kt + (d + 3) * TILE), a3);
+    }
+    return vadd(vadd(a0, a1), vadd(a2, a3));
+}
+
+// acc[d] += p[j] * v[j][d] for j = first..last in order (each element's chain is the same however
+// the d loop is blocked).
+inline void accumulate_v(float* acc, const float* p, int first, int last, const float* vt, int D) {
+    int d = 0;
+    for (; d + 64 <= D; d += 64) {
+        V16 a0 = vload(acc + d), a1 = vload(acc + d + 16), a2 = vload(acc + d + 32), a3 = vload(acc + d + 48);
+        for (int j = first; j <= last; ++j) {
+            V16 pj = vset1(p[j]);
+            const float* v = vt + j * D + d;
+            a0 = vfma(pj, vload(v), a0);
+            a1 = vfma(pj, vload(v + 16), a1);
+            a2 = vfma(pj, vload(v + 32), a2);
+            a3 = vfma(pj, vload(v + 48), a3);
+        }
+        vstore(acc + d, a0); vstore(acc + d + 16, a1); vstore(acc + d + 32, a2); vstore(acc + d + 48, a3);
+    }
+    for (; d < D; d += 16) {
+        V16 a = vload(acc + d);
+        for (int j = first; j <= last; ++j) a = vfma(vset1(p[j]), vload(vt + j * D + d), a);
+        vstore(acc + d, a);
+    }
+}
+
+// Running softmax state of one (row, head): max, per-lane sums, and the unnormalised output.
+struct RowState {
+    float max;
+    float* lane_sums;  // 16
+    float* acc;        // D
+};
+
+inline void attend_tile(const float* q, const float* kt, const float* vt, int first, int last, int D, RowState& st) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    V16 s = vselect(first, last, tile_scores(q, kt, D), vset1(neg_inf));
+    float tile_max = vmax_all(s);
+    V16 sums = vload(st.lane_sums);
+    if (tile_max > st.max) {
+        if (st.max != neg_inf) {  // rescale what earlier tiles accumulated
+            V16 alpha = vexp(vset1(st.max - tile_max));
+            sums = vmul(sums, alpha);
+            for (int d = 0; d < D; d += 16) vstore(st.acc + d, vmul(vload(st.acc + d), alpha));
+        }
+        st.max = tile_max;
+    }
+    V16 p = vselect(first, last, vexp(vadd(s, vset1(-st.max))), vzero());
+    vstore(st.lane_sums, vadd(sums, p));
+    alignas(64) float pj[TILE];
+    vstore(pj, p);
+    accumulate_v(st.acc, pj, first, last, vt, D);
+}
+
+// ---- The batch.
+struct Problem {
+    const float* q; int64_t q_row_stride, q_head_stride;
+    float* out;  // [T, H, D] contiguous
+    int H, Hkv, G, D;
+    CacheView k, v;
+    const int32_t* cu_rows; const int32_t* start_pos; const int32_t* tables; int64_t table_width;
+    int block_size, window;
+    float scale;
+};
+
+struct WorkItem {
+    int seq, kv_head, first_row, num_rows;  // rows relative to the sequence's chunk
+    int64_t cost;
+};
+
+struct Scratch {
+    std::vector<float> kt, vt, q, acc, lane_sums, max;
+};
+
+template <int TYPE>
+void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
+    const int D = P.D, G = P.G, bs = P.block_size, n = it.num_rows * G;
+    const int64_t row0 = P.cu_rows[it.seq] + it.first_row;
+    const int64_t pos0 = int64_t(P.start_pos[it.seq]) + it.first_row, pos_last = pos0 + it.num_rows - 1;
+    auto first_key = [&](int64_t pos) { return P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : int64_t(0); };
+    const int64_t lo = first_key(pos0);
+
+    sc.q.resize(size_t(n) * D);
+    sc.acc.assign(size_t(n) * D, 0.0f);
+    sc.lane_sums.assign(size_t(n) * TILE, 0.0f);
+    sc.max.assign(n, -std::numeric_limits<float>::infinity());
+    for (int r = 0; r < it.num_rows; ++r)
+        for (int g = 0; g < G; ++g) {
+            const float* src = P.q + (row0 + r) * P.q_row_stride + int64_t(it.kv_head * G + g) * P.q_head_stride;
+            float* dst = sc.q.data() + size_t(r * G + g) * D;
+            for (int d = 0; d < D; ++d) dst[d] = src[d] * P.scale;
+        }
+
+    const int32_t* table = P.tables + it.seq * P.table_width;
+    const int64_t head_row = int64_t(it.kv_head) * P.k.num_slots;
+    for (int64_t b = lo / bs; b <= pos_last / bs; ++b) {
+        const int64_t slot_base = head_row + int64_t(table[b]) * bs;
+        for (int off = 0; off < bs; off += TILE) {
+            const int64_t ts = b * bs + off, te = std::min<int64_t>(ts + TILE, (b + 1) * bs) - 1;  // inclusive
+            if (te < lo) continue;
+            if (ts > pos_last) break;
+            const int first = int(std::max(ts, lo) - ts), last = int(std::min(te, pos_last) - ts);
+            load_k_tile<TYPE>(P.k, slot_base + off, first, last, sc.kt.data());
+            load_v_tile<TYPE>(P.v, slot_base + off, first, last, sc.vt.data());
+            for (int r = 0; r < it.num_rows; ++r) {
+                const int64_t pos = pos0 + r, a = std::max(ts, first_key(pos)), e = std::min(te, pos);
+                if (a > e) continue;
+                for (int g = 0; g < G; ++g) {
+                    const int i = r * G + g;
+                    RowState st{sc.max[i], sc.lane_sums.data() + size_t(i) * TILE, sc.acc.data() + size_t(i) * D};
+                    attend_tile(sc.q.data() + size_t(i) * D, sc.kt.data(), sc.vt.data(), int(a - ts), int(e - ts), D, st);
+                    sc.max[i] = st.max;
+                }
+            }
+        }
+    }
+
+    for (int r = 0; r < it.num_rows; ++r)
+        for (int g = 0; g < G; ++g) {
+            const int i = r * G + g;
+            const float total = vsum_all(vload(sc.lane_sums.data() + size_t(i) * TILE));
+            const float* acc = sc.acc.data() + size_t(i) * D;
+            float* dst = P.out + ((row0 + r) * P.H + it.kv_head * G + g) * int64_t(D);
+            for (int d = 0; d < D; ++d) dst[d] = acc[d] / total;
+        }
+}
+
+// Query rows per work item: enough to amortise each tile's conversion, few enough that the rows'
+// accumulators (rows * G * D floats) stay in L1/L2.
+int rows_per_item(int G, int D) { return std::max(1, std::min(32, 3072 / (G * D))); }
+
+void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, uintptr_t out, int64_t T, int H, int D,
+                     uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scale, uintptr_t v_scale, int cache_type,
+                     int Hkv, int64_t num_slots, uintptr_t cu_rows, uintptr_t start_pos, int S, uintptr_t block_tables,
+                     int64_t table_width, int block_size, double scale, int window) {
+    if (D % 16 != 0 || D <= 0) throw std::invalid_argument("head_dim must be a positive multiple of 16");
+    if (Hkv <= 0 || H % Hkv != 0) throw std::invalid_argument("query heads must be a multiple of kv heads");
+    if (block_size <= 0 || num_slots % block_size != 0) throw std::invalid_argument("bad block_size");
+    if (cache_type < CACHE_F32 || cache_type > CACHE_I8) throw std::invalid_argument("bad cache type");
+    Problem P{ptr<const float>(q), q_row_stride, q_head_stride, ptr<float>(out), H, Hkv, H / Hkv, D,
+              CacheView{ptr<const void>(k_cache), ptr<const float>(k_scale), num_slots, D},
+              CacheView{ptr<const void>(v_cache), ptr<const float>(v_scale), num_slots, D},
+              ptr<const int32_t>(cu_rows), ptr<const int32_t>(start_pos), ptr<const int32_t>(block_tables), table_width,
+              block_size, window, float(scale)};
+
+    // Check every block the kernel will read before any thread starts (no throwing inside OpenMP).
+    const int64_t num_blocks = num_slots / block_size;
+    const int step = rows_per_item(P.G, D);
+    std::vector<WorkItem> items;
+    if (P.cu_rows[0] != 0 || P.cu_rows[S] != T) throw std::invalid_argument("cu_rows must run from 0 to T");
+    for (int s = 0; s < S; ++s) {
+        const int rows = P.cu_rows[s + 1] - P.cu_rows[s];
+        if (rows < 0) throw std::invalid_argument("cu_rows must be non-decreasing");
+        if (rows == 0) continue;
+        const int64_t first = P.start_pos[s], last = first + rows - 1;
+        if (first < 0) throw std::invalid_argument("negative start_pos");
+        if (last / block_size >= table_width) throw std::invalid_argument("block table too narrow for sequence " + std::to_string(s));
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+        for (int64_t b = lo / block_size; b <= last / block_size; ++b) {
+            const int32_t id = P.tables[s * table_width + b];
+            if (id < 0 || id >= num_blocks) throw std::out_of_range("block id out of range in sequence " + std::to_string(s));
+        }
+        for (int r = 0; r < rows; r += step) {
+            const int n = std::min(step, rows - r);
+            const int64_t p_last = first + r + n - 1;
+            const int64_t keys = p_last + 1 - (window > 0 ? std::max<int64_t>(0, first + r - window + 1) : 0);
+            for (int h = 0; h < Hkv; ++h) items.push_back({s, h, r, n, keys * (n + 4)});
+        }
+    }
+    // Longest first, handed out one at a time: balances a long prefill against many decodes.
+    std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+    auto run = [&](const WorkItem& it, Scratch& sc) {
+        if (cache_type == CACHE_F32) run_item<CACHE_F32>(P, it, sc);
+        else if (cache_type == CACHE_BF16) run_item<CACHE_BF16>(P, it, sc);
+        else run_item<CACHE_I8>(P, it, sc);
+    };
+    const int64_t count = int64_t(items.size());
+    int threads = int(std::min<int64_t>(num_threads(), count));
+    auto scratch = [&](Scratch& sc) { sc.kt.resize(size_t(D) * TILE); sc.vt.resize(size_t(D) * TILE); };
+    if (threads <= 1) {
+        Scratch sc; scratch(sc);
+        for (const WorkItem& it : items) run(it, sc);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    {
+        Scratch sc; scratch(sc);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < count; ++i) run(items[i], sc);
+    }
+#else
+    Scratch sc; scratch(sc);
+    for (const WorkItem& it : items) run(it, sc);
+#endif
+}
+
+}  // namespace
+}  // namespace tmk
+
+void register_kv_write(py::module_& m);
+
+void register_paged_attention(py::module_& m) {
+    m.def("paged_attention", &tmk::paged_attention, py::call_guard<py::gil_scoped_release>(),
+          "Attention of T query rows over a paged [Hkv, slots, D] cache (raw addresses; see kernels/attention.py)",
+          py::arg("q"), py::arg("q_row_stride"), py::arg("q_head_stride"), py::arg("out"), py::arg("T"), py::arg("H"),
+          py::arg("D"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
+          py::arg("cache_type"), py::arg("Hkv"), py::arg("num_slots"), py::arg("cu_rows"), py::arg("start_pos"),
+          py::arg("S"), py::arg("block_tables"), py::arg("table_width"), py::arg("block_size"), py::arg("scale"),
+          py::arg("window"));
+    register_kv_write(m);
+}

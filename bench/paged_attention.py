@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""The compiled paged-attention kernel (kernels.attention.paged_attention) on decode and prefill.
+
+Decode: --seqs sequences, one query row each, at each --contexts length, blocks scattered over the
+cache; reports the K/V bytes read per second against this machine's read speed (a big torch sum
+measured in the same run), alternating with today's eager decode (model.attention.decode_attention).
+Prefill: one --prefill-token chunk with no earlier context, against today's paths on the same data
+(scaled_dot_product_attention with enable_gqa, and causal_pieces, which the engine uses from 512
+tokens), alternating. Shapes: SmolLM2 (9 q heads, 3 kv heads, dim 64) and Gemma 3 270M (4, 1, 256);
+caches bf16 and int8. Timings are medians; ratios compare runs interleaved in this process.
+
+    PYTHONPATH=src .venv/bin/python bench/paged_attention.py --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels import native
+from tokenmill.kernels.attention import paged_attention, write_kv
+from tokenmill.model.attention import DecodeGroup, causal_pieces, decode_attention
+
+BS = 16
+SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}
+
+
+def cpu_flags() -> str:
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(w for w in wanted if w in have)
+    return "?"
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def timed(fn, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def alternate(fns: dict, rounds: int, reps: int) -> dict[str, float]:
+    """Median seconds per call of each fn, measured round-robin so load noise hits all alike."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timed(fn, reps))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def read_speed(rounds: int) -> float:
+    """GB/s of a sum over 512 MB (well out of cache)."""
+    x = torch.ones(128 << 20)
+    t = alternate({"sum": lambda: x.sum()}, rounds, 3)["sum"]
+    return x.numel() * 4 / t / 1e9
+
+
+def make_cache(h_kv: int, d: int, num_blocks: int, dtype: torch.dtype):
+    slots = num_blocks * BS
+    k_cache = torch.empty(h_kv, slots, d, dtype=dtype)
+    v_cache = torch.empty(h_kv, slots, d, dtype=dtype)
+    scales = (torch.empty(h_kv, slots), torch.empty(h_kv, slots)) if dtype == torch.int8 else (torch.empty(0),) * 2
+    # Fill through write_kv so int8 values and scales are realistic; 64k slots at a time.
+    for s0 in range(0, slots, 65536):
+        n = min(65536, slots - s0)
+        write_kv(torch.randn(n, h_kv, d), torch.randn(n, h_kv, d), k_cache, v_cache, *scales,
+                 torch.arange(s0, s0 + n))
+    return k_cache, v_cache, scales
+
+
+def bench_decode(name, dtype, seqs, context, rounds, mem_gbs):
+    h, h_kv, d = SHAPES[name]
+    blocks_per_seq = -(-context // BS)
+    num_blocks = seqs * blocks_per_seq + 1
+    k_cache, v_cache, (k_scale, v_scale) = make_cache(h_kv, d, num_blocks, dtype)
+    tables = (torch.randperm(num_blocks - 1)[:seqs * blocks_per_seq] + 1).view(seqs, blocks_per_seq).to(torch.int32)
+    q = torch.randn(seqs, h, d)
+    cu = torch.arange(seqs + 1, dtype=torch.int32)
+    start = torch.full((seqs,), context - 1, dtype=torch.int32)
+    scale = d ** -0.5
+    fns = {"kernel": lambda: paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, start, tables, BS, scale)}
+    if dtype != torch.int8:
+        group = DecodeGroup(slice(0, seqs), tables.view(-1).long(), seqs, blocks_per_seq, None)
+        qd = q.to(dtype)
+        fns["torch"] = lambda: decode_attention(qd, k_cache, v_cache, group, BS, scale)
+    t = alternate(fns, rounds, 3)
+    elem = k_cache.element_size()
+    bytes_read = 2 * seqs * context * h_kv * (d * elem + (4 if dtype == torch.int8 else 0))
+    gbs = bytes_read / t["kernel"] / 1e9
+    line = (f"decode  {name:8s} {str(dtype).split('.')[-1]:9s} {seqs:3d} seqs x {context:5d}: kernel {t['kernel'] * 1e3:7.2f} ms "
+            f"{gbs:5.1f} GB/s = {gbs / mem_gbs:4.0%} of read speed")
+    if "torch" in t:
+        line += f" | torch decode {t['torch'] * 1e3:7.2f} ms ({t['torch'] / t['kernel']:.2f}x kernel)"
+    print(line, flush=True)
+
+
+def bench_prefill(name, dtype, tokens, rounds):
+    h, h_kv, d = SHAPES[name]
+    blocks = -(-tokens // BS)
+    k_cache, v_cache, (k_scale, v_scale) = make_cache(h_kv, d, blocks + 8, dtype)
+    tables = (torch.randperm(blocks + 7)[:blocks] + 1).view(1, blocks).to(torch.int32)
+    q = torch.randn(tokens, h, d)
+    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    start = torch.zeros(1, dtype=torch.int32)
+    scale = d ** -0.5
+    # Today's path attends the chunk's fresh K/V (no earlier context): same values, token-major.
+    pos = torch.arange(tokens)
+    slots = tables[0].long()[pos // BS] * BS + pos % BS
+    deq = (lambda c, s: c[:, slots].float() * s[:, slots, None]) if dtype == torch.int8 else (lambda c, s: c[:, slots])
+    act = torch.bfloat16
+    k_fresh, v_fresh = deq(k_cache, k_scale).to(act), deq(v_cache, v_scale).to(act)   # [Hkv, T, D]
+    q_act = q.to(act)
+    out = torch.empty(tokens, h, d, dtype=act)
+
+    def sdpa():
+        F.scaled_dot_product_attention(q_act.transpose(0, 1)[None], k_fresh[None], v_fresh[None], is_causal=True,
+                                       scale=scale, enable_gqa=True)
+
+    fns = {"kernel": lambda: paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, start, tables, BS, scale),
+           "sdpa": sdpa,
+           "pieces": lambda: causal_pieces(q_act, k_fresh, v_fresh, scale, out)}
+    t = alternate(fns, rounds, 2)
+    flops = 4 * h * d * tokens * (tokens + 1) / 2
+    print(f"prefill {name:8s} {str(dtype).split('.')[-1]:9s} {tokens:5d} tokens: kernel {t['kernel'] * 1e3:7.2f} ms "
+          f"({flops / t['kernel'] / 1e9:5.1f} GF/s) | sdpa bf16 {t['sdpa'] * 1e3:7.2f} ms ({t['sdpa'] / t['kernel']:.2f}x kernel)"
+          f" | causal_pieces bf16 {t['pieces'] * 1e3:7.2f} ms ({t['pieces'] / t['kernel']:.2f}x kernel)", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seqs", type=int, default=64)
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8", "fp32"])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-prefill", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    native.set_num_threads(args.threads)
+    dtypes = {"bf16": torch.bfloat16, "int8": torch.int8, "fp32": torch.float32}
+    print(f"cpu: {cpu_model()}; flags: {cpu_flags()}")
+    print(f"kernel variant: {native.describe()}; torch threads {torch.get_num_threads()}")
+    mem = read_speed(args.rounds)
+    print(f"read speed (torch sum over 512 MB): {mem:.1f} GB/s")
+    for name in args.shapes:
+        for dt in args.dtypes:
+            if not args.skip_decode:
+                for ctx in args.contexts:
+                    bench_decode(name, dtypes[dt], args.seqs, ctx, args.rounds, mem)
+            if not args.skip_prefill:
+                bench_prefill(name, dtypes[dt], args.prefill_tokens, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
