@@ -64,31 +64,34 @@ def gelu_tanh_mul_reference(gate_up: Tensor) -> Tensor:
 
 def _rows(t: Tensor) -> Tensor | None:
     """t as fp32 rows [n, t.shape[-1]] with unit inner stride and disjoint rows, sharing t's memory;
-    None when the kernels cannot address it that way."""
-    if t.dtype is not torch.float32 or t.device.type != "cpu" or t.dim() == 0 or t.stride(-1) != 1:
+    None when the kernels cannot address it that way. (Cheap attribute reads only: this runs on every
+    eager call, where a microsecond is a sizeable share of the op.)"""
+    if t.dtype is not torch.float32 or not t.is_cpu:
         return None
-    if t.dim() == 2:
-        return t if t.stride(0) >= t.shape[1] or t.shape[0] <= 1 else None
-    return t.view(-1, t.shape[-1]) if t.is_contiguous() else None
+    shape = t.shape
+    if len(shape) == 2:
+        stride = t.stride()
+        return t if stride[1] == 1 and (stride[0] >= shape[1] or shape[0] <= 1) else None
+    return t.view(-1, shape[-1]) if len(shape) and t.is_contiguous() else None
 
 
 def _vector(w: Tensor, n: int) -> bool:
-    return w.dtype is torch.float32 and w.device.type == "cpu" and w.dim() == 1 and w.shape[0] == n \
-        and w.stride(0) == 1
+    return w.dtype is torch.float32 and w.is_cpu and w.shape == (n,) and w.is_contiguous()
 
 
 def _heads(qk: Tensor) -> bool:
     """qk [T, heads, head_dim] fp32 with unit inner stride and heads that do not overlap."""
-    return qk.dtype is torch.float32 and qk.device.type == "cpu" and qk.dim() == 3 and qk.stride(2) == 1 \
-        and qk.stride(1) >= qk.shape[2] and (qk.shape[0] <= 1 or qk.stride(0) >= qk.shape[1] * qk.stride(1))
+    if qk.dtype is not torch.float32 or not qk.is_cpu or qk.dim() != 3:
+        return False
+    (tokens, heads, head_dim), (st, sh, sd) = qk.shape, qk.stride()
+    return sd == 1 and sh >= head_dim and (tokens <= 1 or st >= heads * sh)
 
 
 def _tables(qk: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> bool:
     rope_dim = cos.shape[-1]
-    return positions.dtype is torch.int64 and positions.dim() == 1 and positions.shape[0] == qk.shape[0] \
-        and positions.stride(0) == 1 and cos.dtype is torch.float32 and cos.dim() == 2 and cos.stride(1) == 1 \
-        and sin.dtype is torch.float32 and sin.shape == cos.shape and sin.stride() == cos.stride() \
-        and rope_dim % 2 == 0 and rope_dim <= qk.shape[2]
+    return positions.dtype is torch.int64 and positions.shape == qk.shape[:1] and positions.is_contiguous() \
+        and cos.dtype is torch.float32 and sin.dtype is torch.float32 and cos.dim() == 2 and cos.stride()[1] == 1 \
+        and sin.shape == cos.shape and sin.stride() == cos.stride() and rope_dim % 2 == 0 and rope_dim <= qk.shape[2]
 
 
 # ---- eager implementations: the kernel when it applies, else the reference -----------------------
@@ -98,13 +101,17 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None) -> Tens
     xr = _rows(x) if m is not None else None
     if xr is None or not _vector(weight, x.shape[-1]):
         return rms_norm_reference(x, weight, eps, out)
-    result = torch.empty(x.shape, dtype=torch.float32) if out is None else out
-    yr = _rows(result) if out is None or out.shape == x.shape else None
-    if yr is None:
-        return rms_norm_reference(x, weight, eps, out)
-    m.rms_norm_f32(xr.data_ptr(), xr.stride(0), weight.data_ptr(), yr.data_ptr(), yr.stride(0), xr.shape[0],
-                   xr.shape[1], eps)
-    return result
+    rows, dim = xr.shape
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float32)
+        y_stride = dim
+    else:
+        yr = _rows(out) if out.shape == x.shape else None
+        if yr is None:
+            return rms_norm_reference(x, weight, eps, out)
+        y_stride = yr.stride()[0]
+    m.rms_norm_f32(xr.data_ptr(), xr.stride()[0], weight.data_ptr(), out.data_ptr(), y_stride, rows, dim, eps)
+    return out
 
 
 def _add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -113,9 +120,10 @@ def _add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Te
     rr = _rows(residual) if xr is not None else None
     if rr is None or not _vector(weight, x.shape[-1]):
         return add_rms_norm_reference(x, residual, weight, eps)
+    rows, dim = rr.shape
     out = torch.empty(x.shape, dtype=torch.float32)
-    m.add_rms_norm_f32(xr.data_ptr(), xr.stride(0), rr.data_ptr(), rr.stride(0), weight.data_ptr(), out.data_ptr(),
-                       x.shape[-1], rr.shape[0], rr.shape[1], eps)
+    m.add_rms_norm_f32(xr.data_ptr(), xr.stride()[0], rr.data_ptr(), rr.stride()[0], weight.data_ptr(),
+                       out.data_ptr(), dim, rows, dim, eps)
     return out
 
 
@@ -123,8 +131,9 @@ def _rope_qk(qk: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> None:
     m = native.module()
     if m is None or not _heads(qk) or not _tables(qk, positions, cos, sin):
         return rope_qk_reference(qk, positions, cos, sin)
-    m.rope_qk_f32(qk.data_ptr(), qk.stride(0), qk.stride(1), qk.shape[0], qk.shape[1], qk.shape[2],
-                  positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[0], cos.shape[1])
+    (tokens, heads, head_dim), (st, sh, _), (table_rows, rope_dim) = qk.shape, qk.stride(), cos.shape
+    m.rope_qk_f32(qk.data_ptr(), st, sh, tokens, heads, head_dim, positions.data_ptr(), cos.data_ptr(),
+                  sin.data_ptr(), cos.stride()[0], table_rows, rope_dim)
 
 
 def _head_rms_norm_rope(qk: Tensor, n_q_heads: int, q_weight: Tensor, k_weight: Tensor, eps: float,
@@ -133,9 +142,10 @@ def _head_rms_norm_rope(qk: Tensor, n_q_heads: int, q_weight: Tensor, k_weight: 
     if m is None or not _heads(qk) or not _tables(qk, positions, cos, sin) or not _vector(q_weight, qk.shape[2]) \
             or not _vector(k_weight, qk.shape[2]) or not 0 <= n_q_heads <= qk.shape[1]:
         return head_rms_norm_rope_reference(qk, n_q_heads, q_weight, k_weight, eps, positions, cos, sin)
-    m.head_rms_norm_rope_f32(qk.data_ptr(), qk.stride(0), qk.stride(1), qk.shape[0], qk.shape[1], qk.shape[2],
-                             n_q_heads, q_weight.data_ptr(), k_weight.data_ptr(), eps, positions.data_ptr(),
-                             cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[0], cos.shape[1])
+    (tokens, heads, head_dim), (st, sh, _), (table_rows, rope_dim) = qk.shape, qk.stride(), cos.shape
+    m.head_rms_norm_rope_f32(qk.data_ptr(), st, sh, tokens, heads, head_dim, n_q_heads, q_weight.data_ptr(),
+                             k_weight.data_ptr(), eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                             cos.stride()[0], table_rows, rope_dim)
 
 
 def _gated(gate_up: Tensor, kernel: str, reference) -> Tensor:
@@ -143,9 +153,10 @@ def _gated(gate_up: Tensor, kernel: str, reference) -> Tensor:
     gu = _rows(gate_up) if m is not None and gate_up.shape[-1] % 2 == 0 else None
     if gu is None:
         return reference(gate_up)
-    features = gu.shape[1] // 2
+    rows, width = gu.shape
+    features = width // 2
     out = torch.empty((*gate_up.shape[:-1], features), dtype=torch.float32)
-    getattr(m, kernel)(gu.data_ptr(), gu.stride(0), out.data_ptr(), features, gu.shape[0], features)
+    getattr(m, kernel)(gu.data_ptr(), gu.stride()[0], out.data_ptr(), features, rows, features)
     return out
 
 
