@@ -4,6 +4,7 @@
 // (work is split over output tiles only, never over K), so results are batch invariant.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "common.h"
@@ -44,15 +45,18 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int
 }
 
 template <int T>
-static void rows(const Weight& w, int64_t tile, const Acts& a, int64_t M, float* out, int64_t ldo) {
+static void rows(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
 #if defined(TM_AVX512)
-    rows_avx512<T>(w, tile, a, 0, M, out, ldo);
+    rows_avx512<T>(w, tile, a, m0, m1, out, ldo);
 #elif defined(TM_AVX2)
-    rows_avx2<T>(w, tile, a, 0, M, out, ldo);
+    rows_avx2<T>(w, tile, a, m0, m1, out, ldo);
 #else
-    tile_scalar(w, tile, a, 0, M, out, ldo);
+    tile_scalar(w, tile, a, m0, m1, out, ldo);
 #endif
 }
+
+// Rows per pass over a thread's tiles: their activations stay in L1/L2 while the weight tiles stream.
+constexpr int64_t kRowChunk = 64;
 
 template <int T>
 static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t ldo) {
@@ -60,7 +64,8 @@ static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t l
     const int64_t work_per_tile = M * w.K * kTile;
     const int64_t grain = work_per_tile >= (1 << 20) ? 1 : (1 << 20) / work_per_tile;
     parallel_for(w.tiles(), grain, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) rows<T>(w, t, a, M, out, ldo);
+        for (int64_t m0 = 0; m0 < M; m0 += kRowChunk)
+            for (int64_t t = t0; t < t1; ++t) rows<T>(w, t, a, m0, std::min(M, m0 + kRowChunk), out, ldo);
     });
 }
 

@@ -8,6 +8,8 @@
 #if defined(TM_AVX512)
 namespace tmk::qmm {
 
+constexpr int kPrefetch = 2048;  // bytes ahead in the weight stream
+
 // Unsigned 8-bit values of step j (inputs 4j..4j+3 of the block, 16 rows).
 template <int T>
 inline __m512i step_values(const uint8_t* qs, int j) {
@@ -41,11 +43,26 @@ inline __m512 load_u8_as_f32(const uint8_t* p) {
 }
 
 // Integer dots of steps [j0, j1) for MR rows, added to isum.
+// With few rows a single chain of vpdpbusd would be latency bound, so odd steps go to a second sum
+// (integer sums are exact: the split does not change any result).
 template <int T, int MR>
 inline void dot_steps(const uint8_t* qs, const int8_t* const* x, int j0, int j1, __m512i* isum) {
-    for (int j = j0; j < j1; ++j) {
-        const __m512i v = step_values<T>(qs, j);
-        for (int r = 0; r < MR; ++r) isum[r] = _mm512_dpbusd_epi32(isum[r], v, bcast4(x[r] + 4 * j));
+    if constexpr (MR <= 2) {
+        __m512i odd[MR];
+        for (int r = 0; r < MR; ++r) odd[r] = _mm512_setzero_si512();
+        for (int j = j0; j < j1; j += 2) {
+            const __m512i v0 = step_values<T>(qs, j), v1 = step_values<T>(qs, j + 1);
+            for (int r = 0; r < MR; ++r) {
+                isum[r] = _mm512_dpbusd_epi32(isum[r], v0, bcast4(x[r] + 4 * j));
+                odd[r] = _mm512_dpbusd_epi32(odd[r], v1, bcast4(x[r] + 4 * j + 4));
+            }
+        }
+        for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], odd[r]);
+    } else {
+        for (int j = j0; j < j1; ++j) {
+            const __m512i v = step_values<T>(qs, j);
+            for (int r = 0; r < MR; ++r) isum[r] = _mm512_dpbusd_epi32(isum[r], v, bcast4(x[r] + 4 * j));
+        }
     }
 }
 
@@ -61,6 +78,10 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* qs = w.qs_at(tile, b);
         const uint8_t* sc = w.sc_at(tile, b);
+        if constexpr (MR <= 2) {  // few rows: the weight streams from memory, so ask for it early
+            for (int i = 0; i < qs_bytes(T); i += 64) _mm_prefetch((const char*)qs + kPrefetch + i, _MM_HINT_T0);
+            _mm_prefetch((const char*)sc + kPrefetch / 8, _MM_HINT_T0);
+        }
         for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
         __m512i isum[MR];
         __m512 scale;
