@@ -30,7 +30,25 @@ def extension(variant: str, flags: list[str]) -> Pybind11Extension:
         extra_compile_args=COMMON + flags, extra_link_args=["-fopenmp"], optional=True)
 
 
+class BuildVariants(build_ext):
+    """The variants compile the same sources with other flags, so each gets its own object directory,
+    and they build one after another (setuptools' parallel build would race on the shared build_temp;
+    files within a variant still compile in parallel, through ParallelCompile)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.parallel = None
+
+    def build_extension(self, ext):
+        base = self.build_temp
+        self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = base
+
+
 ext_modules = [] if os.environ.get("TOKENMILL_NATIVE") == "0" else \
     [extension(v, f) for v, f in VARIANTS.items()] if sys.platform.startswith("linux") else []
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext})
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildVariants})
