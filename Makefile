@@ -7,7 +7,8 @@ MODEL  ?= smollm2
 
 .PHONY: install test test-fast serve bench clean
 
-$(STAMP): pyproject.toml
+# The editable install also compiles the native kernels (csrc/, three CPU variants): rebuild on change.
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: an unpinned resolve would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
@@ -31,4 +32,4 @@ bench: install
 	$(BIN)/python bench/single_stream.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache src/tokenmill/_native_*.so

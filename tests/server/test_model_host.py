@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from server_helpers import start_server, wait_idle
+from tokenmill import kernels
 from tokenmill.server.model_host import default_loader
 
 
@@ -48,7 +49,7 @@ def test_health_while_loading_then_ok(gated_server):
         assert c.post("/load", json={"model": str(host.loading.model)}).status_code == 409
         gate.set()
         r = poll_health(c, "ok")
-        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert r.status_code == 200 and r.json() == {"status": "ok", "kernels": kernels.variant()}
 
 
 def test_failed_load_sets_error_and_the_server_stays_up(tmp_path, tiny_gguf):

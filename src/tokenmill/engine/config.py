@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("fifo", "priority", "sjf")
+KV_DTYPES = ("auto", "bf16", "int8")
 
 
 class ConfigError(ValueError):
@@ -12,7 +13,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class EngineConfig:
-    dtype: str = "bf16"
+    dtype: str = "auto"                # model/registry.py MODES: auto, gguf, bf16, fp32
+    kv_dtype: str = "auto"             # auto, bf16, int8 (int8 needs the native attention path)
     block_size: int = 16
     max_total_tokens: int = 65536      # KV budget in tokens, across all sequences
     max_model_len: int | None = None   # per-sequence context (num_ctx); None = the model's own
@@ -47,6 +49,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be at least 2, got {value}")
         if self.max_total_tokens < self.block_size:
             raise ConfigError(f"max_total_tokens ({self.max_total_tokens}) is below one block ({self.block_size})")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.aging_ms <= 0:

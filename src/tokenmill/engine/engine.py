@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import ConfigError, EngineConfig
 from tokenmill.engine.context import generation_reserve, truncate_prompt
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
@@ -19,8 +19,9 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill.engine.stats import HISTOGRAM_NAMES, EngineStats, HistogramSnapshot, StatsSnapshot, StepRecord
 from tokenmill.kvcache import BlockManager
+from tokenmill.kernels import native
 from tokenmill.kvcache.storage import KVStorage
-from tokenmill.model import AttentionMetadata, ChunkSpec, LoadedModel, load_model
+from tokenmill.model import ChunkSpec, LoadedModel, load_model
 from tokenmill.model.decode_graph import DecodeGraph
 from tokenmill.model.step_graph import MIN_TOKENS, StepGraph
 from tokenmill.tokenizer import Tokenizer
@@ -69,16 +70,22 @@ class LLMEngine:
         cfg.validate()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        native.set_num_threads(torch.get_num_threads())
         self.cfg = cfg
         self.loaded = loaded
         self.tokenizer = tokenizer
         mc = loaded.config
         self.max_model_len = cfg.context_limit(mc.context_length)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
-        self.kv = KVStorage(mc.n_layers, cfg.num_blocks, cfg.block_size, mc.n_kv_heads, mc.head_dim, loaded.dtype)
+        # Every row through the native paged attention: float32 activations with the compiled core.
+        self.native_attention = native.module() is not None and loaded.dtype == torch.float32
+        self.kv = KVStorage(mc.n_layers, cfg.num_blocks, cfg.block_size, mc.n_kv_heads, mc.head_dim,
+                            self._kv_dtype(cfg, loaded), lazy=self.native_attention)
         self.scheduler = Scheduler(cfg, self.blocks, tokenizer.stop_ids)
         decode_graph = step_graph = None
-        if cfg.compile:
+        if cfg.compile and self.native_attention:
+            log.info("native kernels (%s): model steps run eagerly, nothing to compile", native.variant())
+        elif cfg.compile:
             # Before any request: the warm-up batches write into the first blocks.
             try:
                 decode_graph = DecodeGraph(loaded.model, self.kv.k, self.kv.v, cfg.block_size)
@@ -89,11 +96,23 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly rather than not at all
                 log.warning("compiling the model failed, running it eagerly: %s: %s", type(exc).__name__, exc)
                 decode_graph = step_graph = None
-        self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, decode_graph, step_graph)
+        self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, decode_graph, step_graph,
+                                  native_attention=self.native_attention)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+
+    def _kv_dtype(self, cfg: EngineConfig, loaded: LoadedModel) -> torch.dtype:
+        """auto: bf16 for GGUF weights on the native path (half the bytes of float32, and attention
+        reads every key each step), else the activations' dtype. Other caches need native attention."""
+        if cfg.kv_dtype == "auto":
+            return torch.bfloat16 if self.native_attention and loaded.weights == "gguf" else loaded.dtype
+        wanted = {"bf16": torch.bfloat16, "int8": torch.int8}[cfg.kv_dtype]
+        if wanted != loaded.dtype and not self.native_attention:
+            raise ConfigError(f"kv_dtype {cfg.kv_dtype} needs the native kernels with float32 activations "
+                              f"(dtype gguf or fp32); this engine runs {loaded.dtype} on {native.variant()}")
+        return wanted
 
     @classmethod
     def from_path(cls, path: str | Path, cfg: EngineConfig | None = None, *, progress: bool = False) -> "LLMEngine":
@@ -276,7 +295,7 @@ class LLMEngine:
                 # In micro-batches like the runner, so a long input never builds one huge attention.
                 for start in range(0, n, self.cfg.n_ubatch):
                     end = min(n, start + self.cfg.n_ubatch)
-                    meta = AttentionMetadata.build([ChunkSpec(table, start, end - start)], self.cfg.block_size)
+                    meta = self.runner.attention_meta([ChunkSpec(table, start, end - start)])
                     hidden = model(torch.tensor(prompt_ids[start:end]), torch.arange(start, end), meta, self.kv)
                     part = model.final_hidden(hidden).float().sum(dim=0)
                     total = part if total is None else total + part

@@ -9,6 +9,7 @@ from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import AttentionMetadata, ChunkSpec
 from tokenmill.model.decode_graph import DecodeGraph
+from tokenmill.model.paged_batch import PagedBatch
 from tokenmill.model.step_graph import StepGraph
 
 
@@ -31,20 +32,21 @@ def split_ubatches(chunks: list[ScheduledChunk], n_ubatch: int) -> list[list[tup
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVStorage, blocks: BlockManager, n_ubatch: int,
-                 decode_graph: DecodeGraph | None = None, step_graph: StepGraph | None = None):
+                 decode_graph: DecodeGraph | None = None, step_graph: StepGraph | None = None, *,
+                 native_attention: bool = False):
         self.model = model
         self.kv = kv
         self.blocks = blocks
         self.n_ubatch = n_ubatch
         self.decode_graph = decode_graph
         self.step_graph = step_graph
+        self.native_attention = native_attention  # every row through kernels/attention.py (PagedBatch)
         self.graph_steps = 0  # micro-batches that ran through the compiled decode graph
         self.step_graph_steps = 0  # ... and through the compiled prefill/mixed graph
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Logits [num sampling chunks, vocab] (the model's dtype) in batch order, or None if nobody samples."""
-        bs = self.kv.block_size
         logits: list[torch.Tensor] = []
         for ubatch in split_ubatches(batch.chunks, self.n_ubatch):
             ids: list[int] = []
@@ -62,7 +64,7 @@ class ModelRunner:
             if graph_logits is not None:
                 logits.append(graph_logits)
                 continue
-            meta = AttentionMetadata.build(specs, bs)
+            meta = self.attention_meta(specs)
             if self.step_graph is not None and self.step_graph.accepts(len(ids)):
                 self.step_graph_steps += 1
                 hidden = self.step_graph(torch.tensor(ids), torch.tensor(positions), meta)
@@ -73,6 +75,11 @@ class ModelRunner:
         if not logits:
             return None
         return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def attention_meta(self, specs: list[ChunkSpec]) -> AttentionMetadata | PagedBatch:
+        if self.native_attention:
+            return PagedBatch.build(specs, self.kv.block_size)
+        return AttentionMetadata.build(specs, self.kv.block_size)
 
     def _run_graph(self, ids: list[int], positions: list[int], specs: list[ChunkSpec],
                    sample_rows: list[int]) -> torch.Tensor | None:

@@ -1,13 +1,10 @@
 """Dequantize GGUF tensors into torch tensors of the engine dtype."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import gguf
 import numpy as np
 import torch
 from gguf import quants
-from tqdm import tqdm
 
 from tokenmill.gguf.reader import GGUFError, GGUFFile, TensorInfo
 
@@ -36,14 +33,3 @@ def dequantize(t: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
     except (ValueError, IndexError, NotImplementedError) as exc:
         raise GGUFError(f"tensor {t.name} ({t.ggml_type.name}, shape {t.shape}) cannot be read: {exc}") from exc
     return out.to(dtype)
-
-
-def iter_dequantized(g: GGUFFile, names: Iterable[str], dtype: torch.dtype, *,
-                     progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    names = list(names)
-    missing = [n for n in names if n not in g.tensors]
-    if missing:
-        raise GGUFError(f"{g.path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    bar = tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False)
-    for name in bar:
-        yield name, dequantize(g.tensors[name], dtype)

@@ -5,13 +5,21 @@ and the row order its rotary embedding wants for Q and K."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.gguf.config import ModelConfig
+from tokenmill.kvcache.storage import KVStorage, LayerKV
+from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
 from tokenmill.model.layers import RMSNorm, _param
-from tokenmill.model.linear import Int4Weight, Linear, PackedWeight, dense_linear, pack_bf16
+from tokenmill.model.linear import GGUFWeight, Linear, PackedWeight, dense_linear, pack_bf16
+from tokenmill.model.paged_batch import PagedBatch
+from tokenmill.model.quantized import EmbeddingRows, QuantizedParts
 
-Parts = list[tuple[torch.Tensor, Int4Weight | None]]
+Parts = list[GGUFWeight]
+# What a step's attention reads: eager PyTorch metadata, the compiled graphs' tensors, or the native
+# kernel's paged batch.
+StepMeta = AttentionMetadata | GraphDecodeMeta | GraphStepMeta | PagedBatch
 
 
 class DecoderLM(nn.Module):
@@ -22,13 +30,33 @@ class DecoderLM(nn.Module):
         self.norm = norm
         self.lm_head = self.embed if cfg.tied_embeddings else _param(cfg.vocab_size, cfg.dim)
         self.lm_head_packed: PackedWeight | None = None
+        # The gguf weight mode: embeddings read from the file's rows, the head from its blocks.
+        self.embed_rows: EmbeddingRows | None = None
+        self.head_quantized: QuantizedParts | None = None
 
     def pack_weights(self) -> None:
         """After loading: give every dense bf16 weight its oneDNN-packed form (see model/linear.py)."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack_dense()
-        self.lm_head_packed = pack_bf16(self.lm_head.data, self)
+        if self.head_quantized is None:
+            self.lm_head_packed = pack_bf16(self.lm_head.data, self)
+
+    def layer_caches(self, kv: KVStorage | None, k_caches: list[torch.Tensor] | None,
+                     v_caches: list[torch.Tensor] | None) -> list[LayerKV]:
+        if kv is not None:
+            return [kv.layer(i) for i in range(self.config.n_layers)]
+        return [LayerKV(k, v) for k, v in zip(k_caches, v_caches)]
+
+    @staticmethod
+    def rope_options(meta: StepMeta) -> dict:
+        # A compiled graph cannot branch on data; its caller keeps positions within the context.
+        return {"check": isinstance(meta, (AttentionMetadata, PagedBatch)), "fused": isinstance(meta, PagedBatch)}
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_rows is not None:
+            return self.embed_rows(ids)
+        return F.embedding(ids, self.embed)
 
     def final_hidden(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         return self.norm(hidden if indices is None else hidden[indices])
@@ -36,7 +64,10 @@ class DecoderLM(nn.Module):
     def logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """Logits only for the rows that sample, as llama.cpp's output flags do, in the model's
         dtype (the head has already rounded them to it); the sampler widens them to float32."""
-        return dense_linear(self.final_hidden(hidden, indices), self.lm_head, self.lm_head_packed)
+        h = self.final_hidden(hidden, indices)
+        if self.head_quantized is not None:
+            return self.head_quantized.matmul(h)
+        return dense_linear(h, self.lm_head, self.lm_head_packed)
 
     BLOCK_TENSORS: tuple[str, ...] = ()  # each block's GGUF tensor names, without "blk.N." and ".weight"
 
@@ -48,18 +79,28 @@ class DecoderLM(nn.Module):
             names += [f"blk.{i}.{n}.weight" for n in self.BLOCK_TENSORS]
         return names
 
-    def load_tensor(self, name: str, tensor: torch.Tensor, int4: Int4Weight | None,
-                    pending: dict[str, tuple[torch.Tensor, Int4Weight | None]]) -> None:
-        """Place one dequantized GGUF tensor (and its int4 form, if it has one); parts of fused
-        weights wait in `pending` for their siblings."""
+    def load_tensor(self, name: str, w: GGUFWeight, pending: dict[str, GGUFWeight]) -> None:
+        """Place one GGUF tensor (norms always come dense); parts of fused weights wait in `pending`
+        for their siblings."""
         if name == "token_embd.weight":
-            self.embed.data = tensor
+            if w.raw is not None:
+                self.embed_rows = EmbeddingRows(w.raw)
+                self.embed.data = torch.empty(0)
+                if self.config.tied_embeddings:
+                    self.head_quantized = QuantizedParts([w.raw])
+            else:
+                self.embed.data = w.dense
             if self.config.tied_embeddings:
                 self.lm_head = self.embed
             return
         if name == "output.weight":
-            self.lm_head.data = tensor
+            if w.raw is not None:
+                self.head_quantized = QuantizedParts([w.raw])
+                self.lm_head.data = torch.empty(0)
+            else:
+                self.lm_head.data = w.dense
             return
+        tensor = w.dense
         if name == "output_norm.weight":
             self.norm.weight.data = tensor
             return
@@ -71,10 +112,9 @@ class DecoderLM(nn.Module):
             return
         linears = {"attn_output": block.attn.o_proj, "ffn_down": block.mlp.down_proj}
         if part in linears:
-            linears[part].weight.data = tensor
-            linears[part].set_int4(int4)
+            linears[part].load(w)
             return
-        pending[name] = (tensor, int4)
+        pending[name] = w
         qkv = take_parts(pending, [f"blk.{idx}.attn_{p}.weight" for p in "qkv"])
         if qkv:
             block.attn.qkv_proj.load_parts(self.qkv_in_model_order(qkv))
@@ -91,7 +131,7 @@ class DecoderLM(nn.Module):
         return parts
 
 
-def take_parts(pending: dict[str, tuple[torch.Tensor, Int4Weight | None]], names: list[str]) -> Parts | None:
+def take_parts(pending: dict[str, GGUFWeight], names: list[str]) -> Parts | None:
     """The parts of a fused weight, removed from `pending`, once all of them have arrived."""
     if not all(n in pending for n in names):
         return None

@@ -9,16 +9,14 @@ cache; a local layer only masks the old ones (AttentionMetadata.with_window)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import GGUFError
 from tokenmill.kvcache.storage import KVStorage
-from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
-from tokenmill.model.decoder import DecoderLM
+from tokenmill.model.decoder import DecoderLM, StepMeta
 from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
-from tokenmill.model.linear import Int4Weight
+from tokenmill.model.linear import GGUFWeight
 
 SLIDING_WINDOW_PATTERN = 6  # layers 6, 12, ... (1-based) are global
 LOCAL_ROPE_THETA = 10_000.0
@@ -41,9 +39,9 @@ class Gemma3Block(nn.Module):
                               window=window)
         self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, activation="gelu_tanh")
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache):
-        q, k, v = self.attn.project_qkv(self.attn_norm(x), cos, sin)
-        x = x + self.post_attn_norm(self.attn.attend(q, k, v, meta, k_cache, v_cache))
+    def forward(self, x, rope, meta, cache):
+        q, k, v = self.attn.project_qkv(self.attn_norm(x), rope)
+        x = x + self.post_attn_norm(self.attn.attend(q, k, v, meta, cache))
         return x + self.post_ffn_norm(self.mlp(self.ffn_norm(x)))
 
 
@@ -65,29 +63,25 @@ class Gemma3Model(DecoderLM):
     def is_global(self, layer: int) -> bool:
         return self.window is None or (layer + 1) % SLIDING_WINDOW_PATTERN == 0
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
                 kv: KVStorage | None = None, *, k_caches: list[torch.Tensor] | None = None,
                 v_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         """As LlamaModel.forward: flat batch in, hidden states [T, dim] out, caches written in place."""
-        k_caches = kv.k if kv is not None else k_caches
-        v_caches = kv.v if kv is not None else v_caches
-        x = F.embedding(input_ids, self.embed) * self.embed_scale
-        check = isinstance(meta, AttentionMetadata)
-        tables = {True: self.rope.tables(positions, x.dtype, check=check),
-                  False: self.local_rope.tables(positions, x.dtype, check=check)}
-        for i, block in enumerate(self.blocks):
-            cos, sin = tables[self.is_global(i)]
-            x = block(x, cos, sin, meta, k_caches[i], v_caches[i])
+        caches = self.layer_caches(kv, k_caches, v_caches)
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        options = self.rope_options(meta)
+        ropes = {True: self.rope.at(positions, x.dtype, **options), False: self.local_rope.at(positions, x.dtype, **options)}
+        for i, (block, cache) in enumerate(zip(self.blocks, caches)):
+            x = block(x, ropes[self.is_global(i)], meta, cache)
         return x
 
     # --- loading -------------------------------------------------------------------------------
-    def load_tensor(self, name: str, tensor: torch.Tensor, int4: Int4Weight | None,
-                    pending: dict[str, tuple[torch.Tensor, Int4Weight | None]]) -> None:
+    def load_tensor(self, name: str, w: GGUFWeight, pending: dict[str, GGUFWeight]) -> None:
         if name == "token_embd.weight":
-            # transformers multiplies by sqrt(dim) rounded to the weights' dtype (25.25 in bf16).
-            self.embed_scale = float(torch.tensor(self.config.dim ** 0.5, dtype=tensor.dtype))
-        super().load_tensor(name, tensor, int4, pending)
+            # transformers multiplies by sqrt(dim) rounded to the activations' dtype (25.25 in bf16).
+            dtype = torch.float32 if w.dense is None else w.dense.dtype
+            self.embed_scale = float(torch.tensor(self.config.dim ** 0.5, dtype=dtype))
+        super().load_tensor(name, w, pending)
 
     # qkv_in_model_order stays as is: Gemma's GGUF keeps Q/K rows in the half-split rotary order.
     def block_norms(self, block: Gemma3Block) -> dict[str, nn.Parameter]:

@@ -3,13 +3,23 @@ cache, gated MLPs. Projections that read the same input are fused (QKV, gate+up)
 fewer, larger matmuls."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import fused, native
+from tokenmill.kvcache.storage import LayerKV
 from tokenmill.model.attention import (AttentionMetadata, GraphDecodeMeta, GraphStepMeta, fused_decode_attention,
                                        paged_attention_op, write_and_attend)
 from tokenmill.model.linear import Linear
+from tokenmill.model.paged_batch import PagedBatch, write_and_attend_native
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """The native fused ops take float32 activations (the gguf weight mode, and fp32)."""
+    return x.dtype == torch.float32 and native.module() is not None
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -29,6 +39,8 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused(x):  # in float32 both flavours are the same product
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -51,17 +63,30 @@ class RotaryEmbedding(nn.Module):
         # rotate_half(x) = cat(-x2, x1); the sign lives in the table so a swap of halves suffices.
         self.register_buffer("sin", torch.cat([-sin, sin], -1).float(), persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype, *, check: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def at(self, positions: torch.Tensor, dtype: torch.dtype, *, check: bool = True, fused: bool = False) -> "Rope":
+        """The rotation for these positions: gathered cos/sin rows, or (fused) the positions and the
+        whole tables, which the native kernel indexes itself."""
         if check and positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} beyond the rotary table ({self.cos.shape[0]})")
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        if fused:
+            return Rope(positions, self.cos, self.sin, fused=True)
+        return Rope(positions, self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1))
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, rope_dim]; cos/sin: [T, 1, rope_dim]."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
+
+
+@dataclass
+class Rope:
+    """Rotary inputs of one step: cos/sin [T, 1, rope_dim] gathered, or with `fused` the tables
+    [max_positions, rope_dim] plus the positions."""
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    fused: bool = False
 
 
 def interleaved_to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -87,23 +112,34 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=True) if gemma_norm else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=True) if gemma_norm else None
 
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused QKV projection with rotary embedding applied to q and k in one go."""
         qkv = self.qkv_proj(x)
         hd = self.head_dim
+        if rope.fused:  # in place on the projection's output: no copies until attention
+            qkv3 = qkv.view(-1, self.n_heads + 2 * self.n_kv_heads, hd)
+            qk = qkv3[:, :self.n_heads + self.n_kv_heads]
+            if self.q_norm is not None:
+                fused.head_rms_norm_rope(qk, self.n_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                         rope.positions, rope.cos, rope.sin)
+            else:
+                fused.rope_qk(qk, rope.positions, rope.cos, rope.sin)
+            return qk[:, :self.n_heads], qk[:, self.n_heads:], qkv3[:, self.n_heads + self.n_kv_heads:]
         qk, v = qkv.split([(self.n_heads + self.n_kv_heads) * hd, self.n_kv_heads * hd], dim=-1)
         qk = qk.view(-1, self.n_heads + self.n_kv_heads, hd)
+        cos, sin = rope.cos, rope.sin
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :self.n_heads]), self.k_norm(qk[:, self.n_heads:])], dim=1)
         qk = RotaryEmbedding.apply(qk, cos, sin)
         return qk[:, :self.n_heads], qk[:, self.n_heads:], v.view(-1, self.n_kv_heads, hd)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta, k_cache: torch.Tensor,
-               v_cache: torch.Tensor) -> torch.Tensor:
-        if isinstance(meta, GraphStepMeta):
-            scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+               meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta | PagedBatch, cache: LayerKV) -> torch.Tensor:
+        k_cache, v_cache = cache.k, cache.v
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        if isinstance(meta, PagedBatch):
+            out = write_and_attend_native(q, k, v, cache, meta, scale, self.window or 0)
+        elif isinstance(meta, GraphStepMeta):
             out = paged_attention_op(q, k, v, k_cache, v_cache, meta.key, scale, self.window or 0)
         elif isinstance(meta, GraphDecodeMeta):
             # index_put_ rather than index_copy_: inductor lowers it to an in-place scatter.
@@ -126,8 +162,13 @@ class GatedMLP(nn.Module):
         self.hidden = hidden
         self.gate_up_proj = Linear(2 * hidden, dim)
         self.down_proj = Linear(dim, hidden)
+        self.activation = activation
         self.act = F.silu if activation == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.hidden, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_fused(gate_up):
+            act = fused.silu_mul if self.activation == "silu" else fused.gelu_tanh_mul
+            return self.down_proj(act(gate_up))
+        gate, up = gate_up.split(self.hidden, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gguf
+
+from tokenmill.model.quantized import QuantizedParts, RawTensor
 
 Q = gguf.GGMLQuantizationType
 INT4_GROUP = 32
@@ -81,24 +83,48 @@ class Int4Weight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
 
 
+@dataclass
+class GGUFWeight:
+    """One 2-D GGUF tensor as the loader hands it to a layer: dense in the engine dtype (with its
+    int4 form, if it has one), or in the gguf weight mode only its raw rows."""
+    dense: torch.Tensor | None = None
+    int4: Int4Weight | None = None
+    raw: RawTensor | None = None
+
+    def permute_rows(self, order: torch.Tensor) -> "GGUFWeight":
+        return replace(self, dense=None if self.dense is None else self.dense[order],
+                       int4=None if self.int4 is None else self.int4.permute_rows(order),
+                       raw=None if self.raw is None else self.raw.permute_rows(order))
+
+
 class Linear(nn.Module):
-    """y = x @ W^T with W dense (engine dtype) and, when the GGUF held it as 4-bit blocks and the
-    engine runs in bf16, also int4-packed for few-row calls."""
+    """y = x @ W^T with W in one of two kinds of form. Dense (engine dtype) and, when the GGUF held
+    it as 4-bit blocks and the engine runs in bf16, also int4-packed for few-row calls; or, in the
+    gguf weight mode, the GGUF blocks themselves through the native kernels (model/quantized.py)."""
 
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.int4: Int4Weight | None = None
         self.packed: PackedWeight | None = None  # oneDNN-blocked copy of a bf16 weight
+        self.quantized: QuantizedParts | None = None
 
     def pack_dense(self) -> None:
-        self.packed = pack_bf16(self.weight.data, self)
+        if self.quantized is None:
+            self.packed = pack_bf16(self.weight.data, self)
 
-    def load_parts(self, parts: list[tuple[torch.Tensor, Int4Weight | None]]) -> None:
+    def load(self, w: GGUFWeight) -> None:
+        self.load_parts([w])
+
+    def load_parts(self, parts: list[GGUFWeight]) -> None:
         """A fused projection's weight from its GGUF parts (e.g. Q, K, V), stacked by rows; int4 only
         if every part has an int4 form."""
-        self.weight.data = torch.cat([w for w, _ in parts])
-        int4 = [i for _, i in parts]
+        if parts[0].raw is not None:
+            self.quantized = QuantizedParts([p.raw for p in parts])
+            self.weight.data = torch.empty(0)
+            return
+        self.weight.data = torch.cat([p.dense for p in parts])
+        int4 = [p.int4 for p in parts]
         self.set_int4(None if None in int4 else Int4Weight.concat(int4))
 
     def set_int4(self, w: Int4Weight | None) -> None:
@@ -109,6 +135,8 @@ class Linear(nn.Module):
             self.int4 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.matmul(x)
         if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
             return self.int4.matmul(x)
         return dense_linear(x, self.weight, self.packed)

@@ -6,17 +6,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import GGUFError, GGUFFile, open_gguf
-from tokenmill.gguf.weights import check_supported, iter_dequantized
-from tokenmill.model.linear import Int4Weight
+from tokenmill.gguf.weights import check_supported, dequantize
+from tokenmill.kernels import native
+from tokenmill.model.linear import GGUFWeight, Int4Weight, onednn_bf16_available
+from tokenmill.model.quantized import RawTensor
 from tokenmill.model.gemma3 import Gemma3Model
 from tokenmill.model.llama import LlamaModel
 
 ARCHITECTURES: dict[str, type] = {"llama": LlamaModel, "gemma3": Gemma3Model}
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+# Weight modes beyond a dense dtype: "gguf" keeps every weight in its GGUF blocks and runs them through
+# the native quantized matmuls with float32 activations; "auto" is gguf where the compiled core runs,
+# else bf16 where oneDNN has a bf16 path, else fp32.
+MODES = ("auto", "gguf", *DTYPES)
 
 
 class ModelLoadError(Exception):
@@ -30,23 +37,36 @@ class LoadedModel:
     gguf: GGUFFile
     dtype: torch.dtype
     load_seconds: float
+    weights: str = "dense"  # "gguf": the weights stayed in their GGUF blocks
+
+
+def resolve_mode(dtype: str | torch.dtype) -> str:
+    """'gguf', 'bf16' or 'fp32' for what the user asked (see MODES)."""
+    if isinstance(dtype, torch.dtype):
+        return "bf16" if dtype == torch.bfloat16 else "fp32"
+    if dtype == "auto":
+        if native.module() is not None:
+            return "gguf"
+        return "bf16" if onednn_bf16_available() else "fp32"
+    if dtype == "gguf":
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r} (choose from {', '.join(MODES)})")
+    return "bf16" if DTYPES[dtype] == torch.bfloat16 else "fp32"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ModelLoadError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})") from None
+    """The activations' dtype of a mode."""
+    return torch.bfloat16 if resolve_mode(dtype) == "bf16" else torch.float32
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = torch.bfloat16, *, progress: bool = False,
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress: bool = False,
                int4: bool = True) -> LoadedModel:
-    """Load a GGUF model. With `int4` (and bf16), 4-bit GGUF weights are also kept int4-packed for
-    few-row steps (see model/linear.py)."""
+    """Load a GGUF model in a weight mode (MODES). With `int4` (and bf16), 4-bit GGUF weights are
+    also kept int4-packed for few-row steps (see model/linear.py)."""
     start = time.perf_counter()
-    dtype = resolve_dtype(dtype)
+    mode = resolve_mode(dtype)
+    dtype = resolve_dtype(mode)
     try:
         g = open_gguf(path)
         arch = g.architecture
@@ -57,10 +77,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.bfloat16, *, p
         with torch.device("cpu"):
             model = ARCHITECTURES[arch](cfg)
         pending: dict = {}
-        for name, tensor in iter_dequantized(g, model.gguf_tensor_names(), dtype, progress=progress):
-            info = g.tensors[name]
-            packed = Int4Weight.from_gguf(info.data, info.ggml_type, info.shape) if int4 and len(info.shape) == 2 else None
-            model.load_tensor(name, tensor, packed, pending)
+        names = model.gguf_tensor_names()
+        missing = [n for n in names if n not in g.tensors]
+        if missing:
+            raise GGUFError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+            model.load_tensor(name, _weight(g.tensors[name], mode, dtype, int4), pending)
         if pending:
             raise ModelLoadError(f"{path}: tensors without their fused siblings: {sorted(pending)[:4]}")
         model.rope.to(torch.float32)
@@ -68,4 +90,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.bfloat16, *, p
         model.eval()
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from exc
-    return LoadedModel(model, cfg, g, dtype, time.perf_counter() - start)
+    return LoadedModel(model, cfg, g, dtype, time.perf_counter() - start, "gguf" if mode == "gguf" else "dense")
+
+
+def _weight(info, mode: str, dtype: torch.dtype, int4: bool) -> GGUFWeight:
+    if len(info.shape) == 2 and mode == "gguf":
+        return GGUFWeight(raw=RawTensor(info.data, info.ggml_type, info.shape))
+    packed = Int4Weight.from_gguf(info.data, info.ggml_type, info.shape) if int4 and len(info.shape) == 2 else None
+    return GGUFWeight(dense=dequantize(info, dtype), int4=packed)

@@ -12,6 +12,7 @@ from starlette.routing import Route
 from tokenmill.server import model_info
 from tokenmill.server.errors import APIError
 from tokenmill.server.pulling import pull_events
+from tokenmill import kernels
 from tokenmill.server.streaming import ndjson_response
 from tokenmill.server.validation import get_bool, get_str, read_json, warn_unknown
 from tokenmill.store import StoreError
@@ -34,7 +35,8 @@ async def root(request: Request) -> Response:
 
 
 async def version(request: Request) -> Response:
-    return JSONResponse({"version": OLLAMA_API_VERSION, "tokenmill": tokenmill_version()})
+    return JSONResponse({"version": OLLAMA_API_VERSION, "tokenmill": tokenmill_version(),
+                         "kernels": kernels.describe()})
 
 
 async def tags(request: Request) -> Response:

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tokenmill import kernels
 from tokenmill.config import Config
 from tokenmill.engine import ConfigError, SamplingParams
 from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat
@@ -40,6 +41,9 @@ def _host(request: Request) -> ModelHost:
     return request.app.state.host
 
 
+DTYPE_CHOICES = ("auto", "gguf", "bf16", "fp32")
+
+
 # --- /load and /health ----------------------------------------------------------------------------
 async def load(request: Request) -> Response:
     body = await read_json(request)
@@ -51,8 +55,8 @@ async def load(request: Request) -> Response:
     if not model:
         raise bad_request("model is required", "model")
     dtype = get_str(body, "dtype", settings.dtype)
-    if dtype not in ("bf16", "fp32"):
-        raise bad_request(f"dtype must be bf16 or fp32, got {dtype!r}", "dtype")
+    if dtype not in DTYPE_CHOICES:
+        raise bad_request(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}", "dtype")
     # The server's configuration, with what the body overrides.
     engine = replace(
         settings.engine_config(),
@@ -89,7 +93,7 @@ async def health(request: Request) -> Response:
     host = _host(request)
     status = host.status
     if status == "ok":
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "kernels": kernels.variant()})
     if status == "loading":
         return JSONResponse({"status": "loading", "progress": round(host.progress, 3)}, status_code=503)
     if status == "error":
