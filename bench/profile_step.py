@@ -25,7 +25,7 @@ def main() -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=100)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "gguf", "bf16", "fp32"], default="auto")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warm-steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=25)

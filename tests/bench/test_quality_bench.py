@@ -9,6 +9,7 @@ import pytest
 
 from tiny_model import TinyLlamaSpec, write_tiny_llama
 from tokenmill.cli import main
+from tokenmill.kernels import variant
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def tiny_q4(tmp_path_factory):
 def test_quality_bench_tiny(tiny_q4, tmp_path, capsys):
     out = tmp_path / "quality.json"
     rc = main(["bench", "quality", "--model", str(tiny_q4), "--max-tokens", "6", "--num-prompts", "3",
-               "--json", str(out)])
+               "--formats", "bf16,bf16-int4", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "identical %" in printed and "bf16-int4" in printed
@@ -85,3 +86,18 @@ def test_quality_bench_bad_args(capsys):
     assert main(["bench", "quality", "--num-prompts", "0"]) == 2
     assert main(["bench", "quality", "--prompt-len", "1"]) == 2
     assert main(["bench", "quality", "--num-prompts", "9"]) == 2  # 8 chat prompts; more needs --prompt-len
+
+
+@pytest.mark.skipif(variant() == "torch", reason="native kernels not built")
+def test_quality_bench_measures_the_native_formats(tiny_q4, tmp_path):
+    out = tmp_path / "quality.json"
+    rc = main(["bench", "quality", "--model", str(tiny_q4), "--max-tokens", "6", "--num-prompts", "2",
+               "--formats", "gguf,gguf-kv8", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert set(r["formats"]) == {"fp32", "gguf", "gguf-kv8"}
+    assert r["formats"]["fp32"]["direct_argmax_matches_engine_pct"] == 100.0
+    for name in ("gguf", "gguf-kv8"):
+        f = r["formats"][name]
+        assert 0 <= f["identical_pct"] <= 100 and len(f["per_prompt"]) == 2
+        assert 0 < f["decode_logit_mean_abs"] <= f["decode_logit_max_abs"]  # int8 activations move something

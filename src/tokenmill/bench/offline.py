@@ -27,7 +27,7 @@ def build_parser(prog: str = "tokenmill bench offline") -> argparse.ArgumentPars
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=100, help="tokens per prompt")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (EOS ignored)")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "gguf", "bf16", "fp32"], default="auto")
     p.add_argument("--n-batch", type=int, default=512, help="engine token budget per step")
     p.add_argument("--n-ubatch", type=int, default=None, help="engine micro-batch (default: = --n-batch)")
     p.add_argument("--parallel", type=int, default=64, help="engine: most sequences running at once")
@@ -38,7 +38,8 @@ def build_parser(prog: str = "tokenmill bench offline") -> argparse.ArgumentPars
     p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
     p.add_argument("--skip-hf", action="store_true", help="only run tokenmill")
     p.add_argument("--hf-batch", type=int, default=0, help="transformers batch size (0 = all prompts at once)")
-    p.add_argument("--hf-dtype", choices=["bf16", "fp32"], default=None, help="default: same as --dtype")
+    p.add_argument("--hf-dtype", choices=["bf16", "fp32"], default=None,
+                   help="default: --dtype if it is bf16 or fp32, else fp32 (transformers has no GGUF-block mode)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p
 
@@ -201,8 +202,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         progress("transformers")
         # A fresh process, so its peak RSS is its own and the engine's memory does not linger.
+        hf_dtype = args.hf_dtype or (args.dtype if args.dtype in ("bf16", "fp32") else "fp32")
         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-            result["hf"] = pool.submit(run_hf, gguf_path, prompts, args.max_tokens, args.hf_dtype or args.dtype,
+            result["hf"] = pool.submit(run_hf, gguf_path, prompts, args.max_tokens, hf_dtype,
                                        args.hf_batch, args.threads).result()
     result["loadavg_end"] = loadavg()
     tm, hf = result["tokenmill"], result["hf"] or {}

@@ -2,10 +2,14 @@
 how often greedy decoding picks the same tokens as fp32, and how far the logits move.
 
 Formats
-  fp32       load_model(path, torch.float32, int4=False): the reference.
-  bf16       load_model(path, torch.bfloat16, int4=False): dense bf16 everywhere.
-  bf16-int4  load_model(path, torch.bfloat16, int4=True): what `--dtype bf16` serves; steps of at
+  fp32       load_model(path, "fp32", int4=False) on the pure PyTorch path (native kernels off): the
+             reference.
+  bf16       load_model(path, "bf16", int4=False): dense bf16 everywhere.
+  bf16-int4  load_model(path, "bf16", int4=True): what `--dtype bf16` serves; steps of at
              most INT4_MAX_ROWS rows (single-sequence decode) use the 4-bit GGUF weights int4-packed.
+  gguf       load_model(path, "gguf"): what the server serves by default with the native kernels:
+             GGUF blocks, int8-quantized activations in the matmuls, float32 elsewhere, bf16 KV cache.
+  gguf-kv8   gguf with the int8 KV cache (--kv-dtype int8).
 
 Per format and prompt
   greedy      the engine's greedy output (one request at a time, so decode steps are single-row and
@@ -29,7 +33,9 @@ from typing import Any
 from tokenmill.bench.common import corpus_prompts, environment, fmt, loadavg, progress, set_threads, write_json
 
 MAX_CORPUS_PROMPTS = 64
-FORMATS = {"fp32": ("float32", False), "bf16": ("bfloat16", False), "bf16-int4": ("bfloat16", True)}
+# name -> (load_model mode, int4, kv_dtype)
+FORMATS = {"fp32": ("fp32", False, "auto"), "bf16": ("bf16", False, "auto"), "bf16-int4": ("bf16", True, "auto"),
+           "gguf": ("gguf", False, "auto"), "gguf-kv8": ("gguf", False, "int8")}
 BLOCK = 16
 
 PROMPTS = [
@@ -47,7 +53,8 @@ PROMPTS = [
 def build_parser(prog: str = "tokenmill bench quality") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="model name or .gguf path (default: smollm2)")
-    p.add_argument("--formats", default="bf16,bf16-int4", help="formats compared with fp32 (default: bf16,bf16-int4)")
+    p.add_argument("--formats", default="gguf,gguf-kv8,bf16-int4",
+                   help=f"formats compared with fp32, from {', '.join(FORMATS)} (default: gguf,gguf-kv8,bf16-int4)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS),
                    help=f"first N of the {len(PROMPTS)} prompts (with --prompt-len: N corpus windows, up to "
@@ -68,21 +75,23 @@ def build_parser(prog: str = "tokenmill bench quality") -> argparse.ArgumentPars
 class DirectRunner:
     """Prefill then single-row steps over a private paged KV cache; returns float32 logits."""
 
-    def __init__(self, model, max_tokens: int):
+    def __init__(self, engine, max_tokens: int):
+        """Model, cache dtype and attention path as `engine` has them; a private cache."""
         from tokenmill.kvcache.storage import KVStorage
 
-        cfg = model.config
-        self.model = model
+        cfg = engine.loaded.config
+        self.model = engine.loaded.model
+        self.runner = engine.runner
         num_blocks = -(-max_tokens // BLOCK)
-        self.kv = KVStorage(cfg.n_layers, num_blocks, BLOCK, cfg.n_kv_heads, cfg.head_dim, model.embed.dtype)
+        self.kv = KVStorage(cfg.n_layers, num_blocks, BLOCK, cfg.n_kv_heads, cfg.head_dim, engine.kv.dtype)
         self.table = list(reversed(range(num_blocks)))
 
     def forward(self, ids: list[int], start: int):
         import torch
 
-        from tokenmill.model import AttentionMetadata, ChunkSpec
+        from tokenmill.model import ChunkSpec
 
-        meta = AttentionMetadata.build([ChunkSpec(self.table, start, len(ids))], BLOCK)
+        meta = self.runner.attention_meta([ChunkSpec(self.table, start, len(ids))])
         h = self.model(torch.tensor(ids), torch.arange(start, start + len(ids)), meta, self.kv)
         return self.model.logits(h, torch.tensor([h.shape[0] - 1]))[0].float()
 
@@ -99,13 +108,14 @@ class DirectRunner:
         return out
 
 
-def greedy_engine(loaded, tokenizer, prompts: list[list[int]], n: int, dtype_name: str, compile: bool = False):
+def greedy_engine(loaded, tokenizer, prompts: list[list[int]], n: int, fmt_name: str, compile: bool = False):
     """An engine that serves one request at a time (single-row decode steps), room for the longest."""
     from tokenmill.engine import EngineConfig, LLMEngine
 
+    mode, _, kv_dtype = FORMATS[fmt_name]
     room = -(-(max(len(p) for p in prompts) + n + 1) // BLOCK) * BLOCK
-    return LLMEngine(loaded, tokenizer, EngineConfig(dtype=dtype_name, max_total_tokens=max(room, 256), parallel=1,
-                                                     enable_prefix_caching=False, compile=compile))
+    return LLMEngine(loaded, tokenizer, EngineConfig(dtype=mode, kv_dtype=kv_dtype, max_total_tokens=max(room, 256),
+                                                     parallel=1, enable_prefix_caching=False, compile=compile))
 
 
 def engine_greedy(eng, prompt: list[int], n: int) -> list[int]:
@@ -136,12 +146,10 @@ def encode_prompts(tokenizer, texts: list[str], raw: bool, limit: int) -> list[l
 
 
 def _load(path, fmt_name: str):
-    import torch
-
     from tokenmill.model import load_model
 
-    dtype, int4 = FORMATS[fmt_name]
-    return load_model(path, getattr(torch, dtype), int4=int4)
+    mode, int4, _ = FORMATS[fmt_name]
+    return load_model(path, mode, int4=int4)
 
 
 def _count_int4(model) -> int:
@@ -152,10 +160,12 @@ def _count_int4(model) -> int:
 
 def run(path, formats: list[str], n: int, num_prompts: int, raw: bool, compile: bool = False,
         prompt_len: int | None = None) -> dict[str, Any]:
+    from tokenmill.kernels import use_variant
     from tokenmill.tokenizer import Tokenizer
 
-    progress("loading fp32 reference")
-    ref = _load(path, "fp32")
+    progress("loading fp32 reference (PyTorch path, native kernels off)")
+    with use_variant("torch"):
+        ref = _load(path, "fp32")
     tok = Tokenizer.from_gguf_metadata(ref.gguf.metadata)
     ctx = ref.config.context_length
     if prompt_len is None:
@@ -166,11 +176,12 @@ def run(path, formats: list[str], n: int, num_prompts: int, raw: bool, compile: 
         labels = [f"corpus window {i} ({len(p)} tokens)" for i, p in enumerate(prompts)]
     ref_tokens, ref_logits = [], []
     t0 = time.perf_counter()
-    ref_engine = greedy_engine(ref, tok, prompts, n, "fp32")  # the reference stays eager
-    for ids in prompts:
-        toks = engine_greedy(ref_engine, ids, n)
-        ref_tokens.append(toks)
-        ref_logits.append(DirectRunner(ref.model, len(ids) + n).teacher_forced(ids, toks))
+    with use_variant("torch"):
+        ref_engine = greedy_engine(ref, tok, prompts, n, "fp32")  # the reference stays eager
+        for ids in prompts:
+            toks = engine_greedy(ref_engine, ids, n)
+            ref_tokens.append(toks)
+            ref_logits.append(DirectRunner(ref_engine, len(ids) + n).teacher_forced(ids, toks))
     stop = sorted(t for t in tok.stop_ids if 0 <= t < ref.config.vocab_size)
 
     def argmax(lg) -> int:
@@ -191,12 +202,12 @@ def run(path, formats: list[str], n: int, num_prompts: int, raw: bool, compile: 
     for name in formats:
         progress(f"{name}: loading and decoding")
         loaded = _load(path, name)
-        eng = greedy_engine(loaded, tok, prompts, n, "bf16" if "bf16" in name else "fp32", compile)
+        eng = greedy_engine(loaded, tok, prompts, n, name, compile)
         t0 = time.perf_counter()
         rows = []
         for i, ids in enumerate(prompts):
             toks = engine_greedy(eng, ids, n)
-            lgs = DirectRunner(loaded.model, len(ids) + n).teacher_forced(ids, ref_tokens[i])
+            lgs = DirectRunner(eng, len(ids) + n).teacher_forced(ids, ref_tokens[i])
             ref_t = ref_tokens[i]
             same = [a == b for a, b in zip(toks, ref_t)]
             first = next((j for j, s in enumerate(same) if not s), len(ref_t))
