@@ -7,13 +7,16 @@ measured in the same run), alternating with today's eager decode (model.attentio
 Prefill: one --prefill-token chunk with no earlier context, against today's paths on the same data
 (scaled_dot_product_attention with enable_gqa, and causal_pieces, which the engine uses from 512
 tokens), alternating. Shapes: SmolLM2 (9 q heads, 3 kv heads, dim 64) and Gemma 3 270M (4, 1, 256);
-caches bf16 and int8. Timings are medians; ratios compare runs interleaved in this process.
+caches bf16 and int8. Timings are medians; ratios compare runs interleaved in this process. On a
+shared machine the wall-clock fraction of read speed mostly measures time slicing, so decode also
+reports bytes per CPU-second (all threads) against the sum's.
 
     PYTHONPATH=src .venv/bin/python bench/paged_attention.py --threads 2
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -46,29 +49,30 @@ def cpu_model() -> str:
     return "?"
 
 
-def timed(fn, reps: int) -> float:
-    t0 = time.perf_counter()
+def timed(fn, reps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per call; CPU time sums all threads of this process."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(reps):
         fn()
-    return (time.perf_counter() - t0) / reps
+    return (time.perf_counter() - t0) / reps, (time.process_time() - c0) / reps
 
 
-def alternate(fns: dict, rounds: int, reps: int) -> dict[str, float]:
-    """Median seconds per call of each fn, measured round-robin so load noise hits all alike."""
+def alternate(fns: dict, rounds: int, reps: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds per call of each fn, measured round-robin so load noise hits all alike."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             times[name].append(timed(fn, reps))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for name, t in times.items()}
 
 
-def read_speed(rounds: int) -> float:
-    """GB/s of a sum over 512 MB (well out of cache)."""
+def read_speed(rounds: int) -> tuple[float, float]:
+    """GB/s of a sum over 512 MB (well out of cache): per wall second, and per CPU second."""
     x = torch.ones(128 << 20)
-    t = alternate({"sum": lambda: x.sum()}, rounds, 3)["sum"]
-    return x.numel() * 4 / t / 1e9
+    wall, cpu = alternate({"sum": lambda: x.sum()}, rounds, 3)["sum"]
+    return x.numel() * 4 / wall / 1e9, x.numel() * 4 / cpu / 1e9
 
 
 def make_cache(h_kv: int, d: int, num_blocks: int, dtype: torch.dtype):
@@ -99,12 +103,14 @@ def bench_decode(name, dtype, seqs, context, rounds, mem_gbs):
         group = DecodeGroup(slice(0, seqs), tables.view(-1).long(), seqs, blocks_per_seq, None)
         qd = q.to(dtype)
         fns["torch"] = lambda: decode_attention(qd, k_cache, v_cache, group, BS, scale)
-    t = alternate(fns, rounds, 3)
+    both = alternate(fns, rounds, 3)
+    t = {name: wall for name, (wall, _) in both.items()}
     elem = k_cache.element_size()
     bytes_read = 2 * seqs * context * h_kv * (d * elem + (4 if dtype == torch.int8 else 0))
-    gbs = bytes_read / t["kernel"] / 1e9
+    gbs, gbs_cpu = bytes_read / t["kernel"] / 1e9, bytes_read / both["kernel"][1] / 1e9
     line = (f"decode  {name:8s} {str(dtype).split('.')[-1]:9s} {seqs:3d} seqs x {context:5d}: kernel {t['kernel'] * 1e3:7.2f} ms "
-            f"{gbs:5.1f} GB/s = {gbs / mem_gbs:4.0%} of read speed")
+            f"{gbs:5.1f} GB/s = {gbs / mem_gbs[0]:4.0%} of read speed; per CPU-second {gbs_cpu:5.1f} GB/s = "
+            f"{gbs_cpu / mem_gbs[1]:4.0%} of the sum's")
     if "torch" in t:
         line += f" | torch decode {t['torch'] * 1e3:7.2f} ms ({t['torch'] / t['kernel']:.2f}x kernel)"
     print(line, flush=True)
@@ -135,7 +141,7 @@ def bench_prefill(name, dtype, tokens, rounds):
     fns = {"kernel": lambda: paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, start, tables, BS, scale),
            "sdpa": sdpa,
            "pieces": lambda: causal_pieces(q_act, k_fresh, v_fresh, scale, out)}
-    t = alternate(fns, rounds, 2)
+    t = {name: wall for name, (wall, _) in alternate(fns, rounds, 2).items()}
     flops = 4 * h * d * tokens * (tokens + 1) / 2
     print(f"prefill {name:8s} {str(dtype).split('.')[-1]:9s} {tokens:5d} tokens: kernel {t['kernel'] * 1e3:7.2f} ms "
           f"({flops / t['kernel'] / 1e9:5.1f} GF/s) | sdpa bf16 {t['sdpa'] * 1e3:7.2f} ms ({t['sdpa'] / t['kernel']:.2f}x kernel)"
@@ -160,7 +166,8 @@ def main() -> int:
     print(f"cpu: {cpu_model()}; flags: {cpu_flags()}")
     print(f"kernel variant: {native.describe()}; torch threads {torch.get_num_threads()}")
     mem = read_speed(args.rounds)
-    print(f"read speed (torch sum over 512 MB): {mem:.1f} GB/s")
+    print(f"read speed (torch sum over 512 MB): {mem[0]:.1f} GB/s; {mem[1]:.1f} GB/s per CPU-second "
+          f"(on a shared machine the CPU-time ratios are the steadier ones); load average {os.getloadavg()[0]:.1f}")
     for name in args.shapes:
         for dt in args.dtypes:
             if not args.skip_decode:
