@@ -60,23 +60,21 @@ static inline float quantize_block(const float* x, int8_t* q, int32_t sums[2]) {
 #endif
 }
 
-// x [M, K] fp32 (row stride ldx) -> q int8 [M, K], d = absmax/127 and ds = d * sum(q) per 32, sum(q) per 16.
-// Rounds half to even (nearbyint in the default mode), as torch.round does in the reference.
-static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* d, float* ds,
-                          int32_t* s16) {
+// x [M, K] fp32 (row stride ldx) -> Acts rows: q = int8 per 32 with d = absmax/127, ds = d * sum(q)
+// per 32 and sum(q) per 16.
+static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out) {
+    const int64_t nb = K / kBlock, row_bytes = Acts::row_bytes(K);
     parallel_for(M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) {
             const float* xr = x + m * ldx;
-            for (int64_t b = 0; b < K / kBlock; ++b) {
-                const float* xb = xr + b * kBlock;
-                int8_t* qb = q + m * K + b * kBlock;
+            uint8_t* o = out + m * row_bytes;
+            for (int64_t b = 0; b < nb; ++b) {
                 int32_t sums[2] = {0, 0};
-                const float amax = quantize_block(xb, qb, sums);
-                const float scale = amax / 127.f;
-                d[m * (K / kBlock) + b] = scale;
-                ds[m * (K / kBlock) + b] = scale * float(sums[0] + sums[1]);
-                s16[m * (K / 16) + 2 * b] = sums[0];
-                s16[m * (K / 16) + 2 * b + 1] = sums[1];
+                const float amax = quantize_block(xr + b * kBlock, reinterpret_cast<int8_t*>(o) + b * kBlock, sums);
+                const float scale = amax / 127.f, dsum = scale * float(sums[0] + sums[1]);
+                std::memcpy(o + K + 4 * b, &scale, 4);
+                std::memcpy(o + K + 4 * (nb + b), &dsum, 4);
+                std::memcpy(o + K + 8 * nb + 8 * b, sums, 8);
             }
         }
     });
@@ -107,9 +105,9 @@ static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t l
     });
 }
 
-static void qmatmul(int type, uintptr_t q, uintptr_t d, uintptr_t ds, uintptr_t s16, int64_t M, int64_t K,
-                    uintptr_t qs, uintptr_t sc, uintptr_t sup, int64_t N, uintptr_t out, int64_t ldo) {
-    const Acts a{ptr<const int8_t>(q), ptr<const float>(d), ptr<const float>(ds), ptr<const int32_t>(s16), K};
+static void qmatmul(int type, uintptr_t acts, int64_t M, int64_t K, uintptr_t qs, uintptr_t sc, uintptr_t sup,
+                    int64_t N, uintptr_t out, int64_t ldo) {
+    const Acts a{ptr<const uint8_t>(acts), K};
     const Weight w{type, ptr<const uint8_t>(qs), ptr<const uint8_t>(sc), ptr<const uint8_t>(sup), N, K};
     float* y = ptr<float>(out);
     switch (type) {
@@ -128,11 +126,10 @@ static void qmatmul(int type, uintptr_t q, uintptr_t d, uintptr_t ds, uintptr_t 
 void register_qmatmul(py::module_& m) {
     m.def(
         "quantize_activations",
-        [](uintptr_t x, int64_t M, int64_t K, int64_t ldx, uintptr_t q, uintptr_t d, uintptr_t ds, uintptr_t s16) {
-            tmk::qmm::quantize_rows(tmk::ptr<const float>(x), M, K, ldx, tmk::ptr<int8_t>(q), tmk::ptr<float>(d),
-                                    tmk::ptr<float>(ds), tmk::ptr<int32_t>(s16));
+        [](uintptr_t x, int64_t M, int64_t K, int64_t ldx, uintptr_t out) {
+            tmk::qmm::quantize_rows(tmk::ptr<const float>(x), M, K, ldx, tmk::ptr<uint8_t>(out));
         },
-        py::call_guard<py::gil_scoped_release>(), "x fp32 [M, K] -> int8 per 32 with scales and sums");
+        py::call_guard<py::gil_scoped_release>(), "x fp32 [M, K] -> rows of int8 per 32 with scales and sums");
     m.def("qmatmul", &tmk::qmm::qmatmul, py::call_guard<py::gil_scoped_release>(),
           "y [M, N] (row stride ldo) = activations [M, K] @ repacked GGUF weight [N, K]^T");
 }
