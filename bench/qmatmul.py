@@ -4,7 +4,8 @@ read the ratios, not the absolute times).
 
     PYTHONPATH=src python bench/qmatmul.py [--threads 2] [--rows 1,8,64,512] [--only smol|gemma] [--variant avx2]
 
-qmatmul's time includes quantizing the activations. GB/s counts the repacked weight's bytes per call.
+qmatmul's time includes quantizing the activations. GB/s counts the repacked weight's bytes per call;
+at M=1 the last column is a peer for it: torch's max() reading as many bytes, timed in the same rounds.
 """
 from __future__ import annotations
 
@@ -51,8 +52,6 @@ def cpu_flags() -> str:
             if line.startswith("flags"):
                 have = set(line.split(":", 1)[1].split())
                 return " ".join(w for w in wanted if any(h.startswith(w) for h in have))
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
     return "?"
 
 
@@ -88,7 +87,7 @@ def main() -> None:
         print(f"qmatmul variant: {native.variant()}, threads {args.threads}; onednn bf16: "
               f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
         print(f"{'model':6} {'weight':9} {'type':5} {'N x K':>13} {'M':>4} | {'qmatmul':>10} {'GB/s':>6} | "
-              f"{'bf16 dnn':>10} {'fp32':>10} | {'vs bf16':>7} {'vs fp32':>7}")
+              f"{'bf16 dnn':>10} {'fp32':>10} | {'vs bf16':>7} {'vs fp32':>7} | {'read GB/s':>9}")
         for model, shapes in SHAPES.items():
             if args.only and model != args.only:
                 continue
@@ -97,6 +96,7 @@ def main() -> None:
                 w = QuantizedWeight.from_gguf(raw, t, (n, k))
                 dense = w.dequantize()
                 packed = torch.ops.mkldnn._reorder_linear_weight(dense.to(torch.bfloat16), 64)
+                peer = torch.randn(w.nbytes // 4)
                 for m in (int(r) for r in args.rows.split(",")):
                     x = torch.randn(m, k)
                     xb = x.to(torch.bfloat16)
@@ -105,14 +105,17 @@ def main() -> None:
                     fns = {"q": lambda: qmatmul(x, w),
                            "bf16": lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], ""),
                            "fp32": lambda: F.linear(x, dense)}
+                    if m == 1:
+                        fns["read"] = lambda: peer.max()
                     times = {key: [] for key in fns}
                     for _ in range(args.rounds):
                         for key, fn in fns.items():
                             times[key].append(timed(fn, reps))
                     tq, tb, tf = (min(times[key]) for key in ("q", "bf16", "fp32"))
                     print(f"{model:6} {name:9} {t.name:5} {f'{n}x{k}':>13} {m:4} | {tq * 1e6:8.0f}us {w.nbytes / tq / 1e9:6.1f} | "
-                          f"{tb * 1e6:8.0f}us {tf * 1e6:8.0f}us | {tb / tq:6.2f}x {tf / tq:6.2f}x", flush=True)
-                del dense, packed
+                          f"{tb * 1e6:8.0f}us {tf * 1e6:8.0f}us | {tb / tq:6.2f}x {tf / tq:6.2f}x | "
+                          + (f"{w.nbytes / min(times['read']) / 1e9:9.1f}" if "read" in times else ""), flush=True)
+                del dense, packed, peer
 
 
 if __name__ == "__main__":

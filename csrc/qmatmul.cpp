@@ -16,29 +16,65 @@ namespace py = pybind11;
 
 namespace tmk::qmm {
 
-// x [M, K] fp32 (row stride ldx) -> q int8 [M, K], d = absmax/127 and ds = d * sum(q) per 32, sum(q) per 16.
-// Rounds half to even (nearbyint in the default mode), as torch.round does in the reference.
-static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* d, float* ds,
-                          int32_t* s16) {
+// One block of 32: q = round_half_even(x * (127 / absmax)); returns absmax. Every path rounds the same
+// way (cvtps2dq and nearbyint in the default mode), so all variants give identical bytes.
+static inline float quantize_block(const float* x, int8_t* q, int32_t sums[2]) {
+#if defined(TM_AVX512)
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(qb));
+    sums[0] = _mm512_reduce_add_epi32(qa);
+    sums[1] = _mm512_reduce_add_epi32(qb);
+    return amax;
+#elif defined(TM_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    alignas(32) int32_t qi[32];
+    for (int i = 0; i < 4; ++i) _mm256_store_si256((__m256i*)(qi + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+    for (int i = 0; i < 32; ++i) {
+        q[i] = int8_t(qi[i]);
+        sums[i >> 4] += qi[i];
+    }
+    return amax;
+#else
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int i = 0; i < kBlock; ++i) {
+        q[i] = int8_t(std::nearbyint(x[i] * inv));
+        sums[i >> 4] += q[i];
+    }
+    return amax;
+#endif
+}
+
+// x [M, K] fp32 (row stride ldx) -> Acts rows: q = int8 per 32 with d = absmax/127, ds = d * sum(q)
+// per 32 and sum(q) per 16.
+static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out) {
+    const int64_t nb = K / kBlock, row_bytes = Acts::row_bytes(K);
     parallel_for(M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) {
             const float* xr = x + m * ldx;
-            for (int64_t b = 0; b < K / kBlock; ++b) {
-                const float* xb = xr + b * kBlock;
-                float amax = 0.f;
-                for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-                const float inv = amax > 0.f ? 127.f / amax : 0.f;
-                int8_t* qb = q + m * K + b * kBlock;
+            uint8_t* o = out + m * row_bytes;
+            for (int64_t b = 0; b < nb; ++b) {
                 int32_t sums[2] = {0, 0};
-                for (int i = 0; i < kBlock; ++i) {
-                    qb[i] = int8_t(std::nearbyint(xb[i] * inv));
-                    sums[i >> 4] += qb[i];
-                }
-                const float scale = amax / 127.f;
-                d[m * (K / kBlock) + b] = scale;
-                ds[m * (K / kBlock) + b] = scale * float(sums[0] + sums[1]);
-                s16[m * (K / 16) + 2 * b] = sums[0];
-                s16[m * (K / 16) + 2 * b + 1] = sums[1];
+                const float amax = quantize_block(xr + b * kBlock, reinterpret_cast<int8_t*>(o) + b * kBlock, sums);
+                const float scale = amax / 127.f, dsum = scale * float(sums[0] + sums[1]);
+                std::memcpy(o + K + 4 * b, &scale, 4);
+                std::memcpy(o + K + 4 * (nb + b), &dsum, 4);
+                std::memcpy(o + K + 8 * nb + 8 * b, sums, 8);
             }
         }
     });
@@ -69,9 +105,9 @@ static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t l
     });
 }
 
-static void qmatmul(int type, uintptr_t q, uintptr_t d, uintptr_t ds, uintptr_t s16, int64_t M, int64_t K,
-                    uintptr_t qs, uintptr_t sc, uintptr_t sup, int64_t N, uintptr_t out, int64_t ldo) {
-    const Acts a{ptr<const int8_t>(q), ptr<const float>(d), ptr<const float>(ds), ptr<const int32_t>(s16), K};
+static void qmatmul(int type, uintptr_t acts, int64_t M, int64_t K, uintptr_t qs, uintptr_t sc, uintptr_t sup,
+                    int64_t N, uintptr_t out, int64_t ldo) {
+    const Acts a{ptr<const uint8_t>(acts), K};
     const Weight w{type, ptr<const uint8_t>(qs), ptr<const uint8_t>(sc), ptr<const uint8_t>(sup), N, K};
     float* y = ptr<float>(out);
     switch (type) {
@@ -90,11 +126,10 @@ static void qmatmul(int type, uintptr_t q, uintptr_t d, uintptr_t ds, uintptr_t 
 void register_qmatmul(py::module_& m) {
     m.def(
         "quantize_activations",
-        [](uintptr_t x, int64_t M, int64_t K, int64_t ldx, uintptr_t q, uintptr_t d, uintptr_t ds, uintptr_t s16) {
-            tmk::qmm::quantize_rows(tmk::ptr<const float>(x), M, K, ldx, tmk::ptr<int8_t>(q), tmk::ptr<float>(d),
-                                    tmk::ptr<float>(ds), tmk::ptr<int32_t>(s16));
+        [](uintptr_t x, int64_t M, int64_t K, int64_t ldx, uintptr_t out) {
+            tmk::qmm::quantize_rows(tmk::ptr<const float>(x), M, K, ldx, tmk::ptr<uint8_t>(out));
         },
-        py::call_guard<py::gil_scoped_release>(), "x fp32 [M, K] -> int8 per 32 with scales and sums");
+        py::call_guard<py::gil_scoped_release>(), "x fp32 [M, K] -> rows of int8 per 32 with scales and sums");
     m.def("qmatmul", &tmk::qmm::qmatmul, py::call_guard<py::gil_scoped_release>(),
           "y [M, N] (row stride ldo) = activations [M, K] @ repacked GGUF weight [N, K]^T");
 }

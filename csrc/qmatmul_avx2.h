@@ -33,9 +33,23 @@ inline __m256i step_values2(const uint8_t* qs, int j, int h) {
     return v;
 }
 
+// Values <= 63 keep two steps' maddubs sums within int16 (2 * 2 * 63 * 127 = 32004), so those types
+// add pairs of steps before widening; Q8_0's |q| * |x| pairs need one widening per step.
 template <int T, int MR>
 inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int j0, int j1, __m256i* isum) {
     const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (T != Q8_0) {
+        for (int j = j0; j < j1; j += 2) {
+            const __m256i v0 = step_values2<T>(qs, j, h), v1 = step_values2<T>(qs, j + 1, h);
+            for (int r = 0; r < MR; ++r) {
+                const __m256i x0 = _mm256_set1_epi32(int(load_u32(x[r] + 4 * j)));
+                const __m256i x1 = _mm256_set1_epi32(int(load_u32(x[r] + 4 * j + 4)));
+                const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, x0), _mm256_maddubs_epi16(v1, x1));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, ones));
+            }
+        }
+        return;
+    }
     for (int j = j0; j < j1; ++j) {
         const __m256i v = step_values2<T>(qs, j, h);
         const __m256i u = T == Q8_0 ? _mm256_abs_epi8(v) : v;

@@ -24,16 +24,23 @@ inline int sup_bytes(int t) { return t == Q4_K ? 64 : t == Q6_K ? 32 : 0; }
 // Symmetric types: w = d * (u - offset), so the offset folds into the integer dot product.
 inline int int_offset(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q8_0 ? 128 : t == Q6_K ? 32 : 0; }
 
+// Quantized activations, one byte row per input row (kernels/qmatmul.py QuantizedActivations):
+// q int8 [K] | d fp32 [K/32] | ds = d * sum(q) fp32 [K/32] | sum(q) per 16 int32 [K/16].
 struct Acts {
-    const int8_t* q;      // [M, K]
-    const float* d;       // [M, K/32]
-    const float* ds;      // [M, K/32]: d * sum(q)
-    const int32_t* s16;   // [M, K/16]: sum(q)
+    const uint8_t* data;
     int64_t K;
-    const int8_t* row(int64_t m) const { return q + m * K; }
-    float dx(int64_t m, int64_t b) const { return d[m * (K / kBlock) + b]; }
-    float dsum(int64_t m, int64_t b) const { return ds[m * (K / kBlock) + b]; }
-    int32_t sum16(int64_t m, int64_t half) const { return s16[m * (K / 16) + half]; }
+    static int64_t row_bytes(int64_t K) { return K + 8 * (K / kBlock) + 4 * (K / 16); }
+    const uint8_t* at(int64_t m) const { return data + m * row_bytes(K); }
+    const int8_t* row(int64_t m) const { return reinterpret_cast<const int8_t*>(at(m)); }
+    float dx(int64_t m, int64_t b) const { return load<float>(at(m) + K + 4 * b); }
+    float dsum(int64_t m, int64_t b) const { return load<float>(at(m) + K + 4 * (K / kBlock) + 4 * b); }
+    int32_t sum16(int64_t m, int64_t half) const { return load<int32_t>(at(m) + K + 8 * (K / kBlock) + 4 * half); }
+    template <typename V>
+    static V load(const uint8_t* p) {
+        V v;
+        std::memcpy(&v, p, sizeof(V));
+        return v;
+    }
 };
 
 struct Weight {

@@ -79,8 +79,9 @@ def test_activation_quantization_matches_reference():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("blocks", [1, 3])
-def test_native_matches_reference(variant, t, blocks):
+@pytest.mark.parametrize("several", [False, True])
+def test_native_matches_reference(variant, t, several):
+    blocks = (2 if t in (Q.Q4_K, Q.Q6_K) else 5) if several else 1
     n, k = 37, k_for(t, blocks)
     w = QuantizedWeight.from_gguf(random_gguf(t, n, k, seed=blocks), t, (n, k))
     wd = w.dequantize()
@@ -146,3 +147,25 @@ def test_compiles_without_graph_break():
     x = torch.randn(3, k)
     compiled = torch.compile(lambda x: qmatmul(x, w) * 2, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x), qmatmul(x, w) * 2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("fill", [0xFF, 0x80])
+def test_extreme_values_do_not_saturate(variant, t, fill):
+    """Largest weights (every value bit set; Q8_0 also -128) times activations of +-127 everywhere:
+    the worst case for AVX2's int16 maddubs sums."""
+    n, k = 16, k_for(t, 1)
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    raw = np.full((n, k // block, size), fill, np.uint8)
+    one = np.array([1.0], np.float16).view(np.uint8)
+    scale_at = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}.get(t, (0, 2) if t == Q.Q4_1 else (0,))
+    for at in scale_at:
+        raw[..., at:at + 2] = one
+    w = QuantizedWeight.from_gguf(raw.reshape(n, -1), t, (n, k))
+    x = torch.ones(2, k)
+    x[1] = -1
+    with native.use_variant(variant):
+        got = qmatmul(x, w)
+    ref = qmatmul_reference(x, w)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-3)

@@ -203,19 +203,43 @@ def _scale_parts(t: Q, scales: np.ndarray, n: int, nb: int) -> np.ndarray:
 
 @dataclass
 class QuantizedActivations:
-    """x [M, K] as int8 per block of 32: x ~ q * d. `ds` = d * sum(q) per block and `s16` = sum(q)
-    per 16 serve the weight offsets."""
-    q: torch.Tensor     # int8 [M, K]
-    d: torch.Tensor     # fp32 [M, K/32]
-    ds: torch.Tensor    # fp32 [M, K/32]
-    s16: torch.Tensor   # int32 [M, K/16]
+    """x [M, K] as int8 per block of 32 (x ~ q * d), one byte row per input row (a single tensor, so a
+    call allocates once): q int8 [K] | d fp32 [K/32] | ds = d * sum(q) fp32 [K/32] | sum(q) per 16
+    int32 [K/16]. ds and the sums serve the weights' offsets."""
+    data: torch.Tensor  # uint8 [M, 3K/2]
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)  # type: ignore[return-value]
+        return self.data.shape[0], self.data.shape[1] * 2 // 3
+
+    def _part(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.data[:, start:stop].contiguous().view(dtype)
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self._part(0, self.shape[1], torch.int8)
+
+    @property
+    def d(self) -> torch.Tensor:
+        k = self.shape[1]
+        return self._part(k, k + k // 8, torch.float32)
+
+    @property
+    def ds(self) -> torch.Tensor:
+        k = self.shape[1]
+        return self._part(k + k // 8, k + k // 4, torch.float32)
+
+    @property
+    def s16(self) -> torch.Tensor:
+        k = self.shape[1]
+        return self._part(k + k // 4, k + k // 2, torch.int32)
 
 
-def _quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _row_bytes(k: int) -> int:
+    return k + k // 2
+
+
+def _quantize_reference(x: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1)
@@ -224,20 +248,10 @@ def _quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     d = amax / 127.0
     s16 = q.view(m, -1, 16).sum(-1, dtype=torch.int32)
     ds = d * s16.view(m, -1, 2).sum(-1).float()
-    return q.reshape(m, k), d, ds, s16
+    return torch.cat([t.reshape(m, -1).view(torch.uint8) for t in (q, d, ds, s16)], 1)
 
 
-def _quantize_native(mod, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.int8)
-    d = torch.empty((m, k // BLOCK))
-    ds = torch.empty((m, k // BLOCK))
-    s16 = torch.empty((m, k // 16), dtype=torch.int32)
-    mod.quantize_activations(x.data_ptr(), m, k, x.stride(0), q.data_ptr(), d.data_ptr(), ds.data_ptr(), s16.data_ptr())
-    return q, d, ds, s16
-
-
-def _quantize_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_impl(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] % BLOCK:
         raise ValueError(f"activations must be [M, K] with K a multiple of {BLOCK}, got {tuple(x.shape)}")
     mod = native.module()
@@ -245,51 +259,50 @@ def _quantize_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
         return _quantize_reference(x)
     if x.dtype != torch.float32 or x.stride(1) != 1:
         x = x.float().contiguous()
-    return _quantize_native(mod, x)
+    m, k = x.shape
+    out = torch.empty((m, _row_bytes(k)), dtype=torch.uint8)
+    mod.quantize_activations(x.data_ptr(), m, k, x.stride(0), out.data_ptr())
+    return out
 
 
 @torch.library.custom_op("tokenmill::quantize_activations", mutates_args=())
-def _quantize_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_op(x: torch.Tensor) -> torch.Tensor:
     return _quantize_impl(x)
 
 
 @_quantize_op.register_fake
-def _quantize_fake(x: torch.Tensor):
-    m, k = x.shape
-    return (x.new_empty((m, k), dtype=torch.int8), x.new_empty((m, k // BLOCK), dtype=torch.float32),
-            x.new_empty((m, k // BLOCK), dtype=torch.float32), x.new_empty((m, k // 16), dtype=torch.int32))
+def _quantize_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _row_bytes(x.shape[1])), dtype=torch.uint8)
 
 
 def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
     """x fp32 [M, K] -> int8 per block of 32 (the approximation described in this module's docstring)."""
-    parts = _quantize_op(x) if torch.compiler.is_compiling() else _quantize_impl(x)
-    return QuantizedActivations(*parts)
+    return QuantizedActivations(_quantize_op(x) if torch.compiler.is_compiling() else _quantize_impl(x))
 
 
 # --- the matmul ------------------------------------------------------------------------------------
 
-def _qmatmul_impl(q, d, ds, s16, qs, sc, sup, ggml_type: int, n: int, out: torch.Tensor) -> None:
+def _qmatmul_impl(acts, qs, sc, sup, ggml_type: int, n: int, out: torch.Tensor) -> None:
     mod = native.module()
-    m, k = q.shape
+    m, k = acts.shape[0], acts.shape[1] * 2 // 3
     if mod is None:
-        w = QuantizedWeight(qs, sc, sup, n, k, Q(ggml_type))
-        out.copy_(_reference(QuantizedActivations(q, d, ds, s16), w))
+        out.copy_(_reference(QuantizedActivations(acts), QuantizedWeight(qs, sc, sup, n, k, Q(ggml_type))))
         return
-    mod.qmatmul(int(ggml_type), q.data_ptr(), d.data_ptr(), ds.data_ptr(), s16.data_ptr(), m, k,
-                qs.data_ptr(), sc.data_ptr(), sup.data_ptr(), n, out.data_ptr(), out.stride(0))
+    mod.qmatmul(int(ggml_type), acts.data_ptr(), m, k, qs.data_ptr(), sc.data_ptr(), sup.data_ptr(), n,
+                out.data_ptr(), out.stride(0))
 
 
 @torch.library.custom_op("tokenmill::qmatmul", mutates_args=())
-def _qmatmul_op(q: torch.Tensor, d: torch.Tensor, ds: torch.Tensor, s16: torch.Tensor, qs: torch.Tensor,
-                sc: torch.Tensor, sup: torch.Tensor, ggml_type: int, n: int) -> torch.Tensor:
-    out = torch.empty((q.shape[0], n))
-    _qmatmul_impl(q, d, ds, s16, qs, sc, sup, ggml_type, n, out)
+def _qmatmul_op(acts: torch.Tensor, qs: torch.Tensor, sc: torch.Tensor, sup: torch.Tensor, ggml_type: int,
+                n: int) -> torch.Tensor:
+    out = torch.empty((acts.shape[0], n))
+    _qmatmul_impl(acts, qs, sc, sup, ggml_type, n, out)
     return out
 
 
 @_qmatmul_op.register_fake
-def _qmatmul_fake(q, d, ds, s16, qs, sc, sup, ggml_type: int, n: int) -> torch.Tensor:
-    return q.new_empty((q.shape[0], n), dtype=torch.float32)
+def _qmatmul_fake(acts, qs, sc, sup, ggml_type: int, n: int) -> torch.Tensor:
+    return acts.new_empty((acts.shape[0], n), dtype=torch.float32)
 
 
 def qmatmul(x: torch.Tensor | QuantizedActivations, w: QuantizedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -301,14 +314,14 @@ def qmatmul(x: torch.Tensor | QuantizedActivations, w: QuantizedWeight, out: tor
     if k != w.in_features:
         raise ValueError(f"activations have K={k}, the weight {w.in_features}")
     if torch.compiler.is_compiling():
-        y = _qmatmul_op(a.q, a.d, a.ds, a.s16, w.qs, w.sc, w.sup, int(w.ggml_type), w.out_features)
+        y = _qmatmul_op(a.data, w.qs, w.sc, w.sup, int(w.ggml_type), w.out_features)
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty((m, w.out_features))
     elif out.shape != (m, w.out_features) or out.dtype != torch.float32 or (m > 0 and out.stride(1) != 1):
         raise ValueError(f"out must be fp32 [{m}, {w.out_features}] with unit column stride")
     if m > 0:
-        _qmatmul_impl(a.q, a.d, a.ds, a.s16, w.qs, w.sc, w.sup, int(w.ggml_type), w.out_features, out)
+        _qmatmul_impl(a.data, w.qs, w.sc, w.sup, int(w.ggml_type), w.out_features, out)
     return out
 
 
@@ -321,5 +334,5 @@ def _reference(a: QuantizedActivations, w: QuantizedWeight) -> torch.Tensor:
 def qmatmul_reference(x: torch.Tensor | QuantizedActivations, w: QuantizedWeight) -> torch.Tensor:
     """The same math in PyTorch: activations quantized exactly as the kernels do, weights dequantized
     exactly, an fp32 matmul (the kernels differ only in fp32 summation order)."""
-    a = x if isinstance(x, QuantizedActivations) else QuantizedActivations(*_quantize_reference(x))
+    a = x if isinstance(x, QuantizedActivations) else QuantizedActivations(_quantize_reference(x))
     return _reference(a, w)
