@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def cpu_flags(wanted=("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c")) -> str:
+def cpu_flags(wanted=("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c")) -> str:
     """The SIMD flags of this CPU that matter to the kernels (from /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
