@@ -139,8 +139,11 @@ def test_single_stream_with_llama_cpp_peer(fake_llama_cpp, tiny_gguf, tmp_path, 
 def test_llama_cpp_alone(fake_llama_cpp, tiny_gguf, tmp_path):
     out = tmp_path / "alone.json"
     rc = main(["bench", "single-stream", "--model", str(tiny_gguf), "--peer", "llama-cpp", "--skip-tokenmill",
-               "--prompt-len", "6", "--max-tokens", "3", "--repeats", "1", "--json", str(out)])
+               "--prompt-len", "600", "--max-tokens", "3", "--repeats", "1", "--json", str(out)])
     assert rc == 0
+    (llm,) = FakeLlama.instances
+    evals = [n for op, n in llm.calls if op == "eval"]
+    assert evals == [512] + [1] * 7 + [600, 1, 1]  # the warm-up's prompt is capped, the timed one is not
     r = json.loads(out.read_text())
     assert list(r["runs"]) == ["gguf"]  # tokenmill's dtypes do not apply to llama.cpp alone
     assert r["runs"]["gguf"]["tokenmill"] is None and r["runs"]["gguf"]["llama_cpp"]["decode_tok_s"] > 0
