@@ -11,7 +11,7 @@ dtype every side is loaded, each runs an untimed warm-up, then --repeats timed r
 sides (so a change in machine load hits all of them); each figure's median over the runs is
 reported, and each ratio is the median of the per-pair ratios. --skip-tokenmill measures the peers alone.
 
-    tokenmill bench single-stream --peer llama-cpp --dtypes bf16 --threads 2
+    tokenmill bench single-stream --peer llama-cpp --threads 2
     tokenmill bench single-stream --peer llama-cpp --skip-tokenmill --prompt-len 7900 --max-tokens 64"""
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ PEERS = {"transformers": ("hf", "transformers"), "llama-cpp": ("llama_cpp", "lla
 def build_parser(prog: str = "tokenmill bench single-stream") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="model name or .gguf path (default: smollm2)")
-    p.add_argument("--dtypes", default="bf16,fp32", help="comma-separated, from bf16,fp32 (default: both)")
+    p.add_argument("--dtypes", default="auto", help="comma-separated tokenmill --dtype values, from "
+                   "auto,gguf,bf16,fp32 (default: auto, what the server runs); transformers runs gguf/auto as fp32")
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per side; the median is reported")
@@ -147,7 +148,7 @@ def run_dtype(gguf_path: str, prompts: list[list[int]], dtype: str, args: argpar
         sides.append(("tokenmill", tm))
     if "transformers" in args.peers:
         progress(f"loading transformers {dtype}")
-        sides.append(("hf", HFSide(gguf_path, dtype)))
+        sides.append(("hf", HFSide(gguf_path, dtype if dtype in ("bf16", "fp32") else "fp32")))
     sides += list(shared.items())
     for _, side in sides:  # warm-up, untimed; random ids never share a prefix with the measured prompts
         n = min(len(prompts[0]), getattr(side, "warmup_prompt_cap", len(prompts[0])))
@@ -193,8 +194,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gguf_path = str(resolve_model(args.model))
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
-        if d not in ("bf16", "fp32"):
-            raise SystemExit(f"unknown dtype {d!r} (choose from bf16, fp32)")
+        if d not in ("auto", "gguf", "bf16", "fp32"):
+            raise SystemExit(f"unknown dtype {d!r} (choose from auto, gguf, bf16, fp32)")
     if args.repeats < 1 or args.max_tokens < 2 or args.prompt_len < 1:
         raise SystemExit("need --repeats >= 1, --max-tokens >= 2, --prompt-len >= 1")
     args.peers = parse_peers(args.peer, args.skip_hf)
