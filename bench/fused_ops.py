@@ -38,7 +38,8 @@ def cases(model: str, rows: int) -> list[tuple[str, Callable[[], object], Callab
     residual = torch.randn(rows, dim)
     rope = RotaryEmbedding(hd, 10_000.0, MAX_POSITIONS)
     positions = torch.randint(0, MAX_POSITIONS, (rows,))
-    cos, sin = rope.tables(positions, torch.float32)  # once per step in the model, not per layer
+    at = rope.at(positions, torch.float32)  # once per step in the model, not per layer
+    cos, sin = at.cos, at.sin
     qkv = torch.randn(rows, (n_q + 2 * n_kv) * hd)
     qk = qkv[:, :(n_q + n_kv) * hd].view(rows, n_q + n_kv, hd)
     gate_up = torch.randn(rows, 2 * ffn)

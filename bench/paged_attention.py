@@ -23,30 +23,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tokenmill.bench.common import cpu_flags, cpu_model
 from tokenmill.kernels import native
 from tokenmill.kernels.attention import paged_attention, write_kv
 from tokenmill.model.attention import DecodeGroup, causal_pieces, decode_attention
 
 BS = 16
 SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}
-
-
-def cpu_flags() -> str:
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return " ".join(w for w in wanted if w in have)
-    return "?"
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "?"
 
 
 def timed(fn, reps: int) -> tuple[float, float]:

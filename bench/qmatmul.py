@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import gguf
+from tokenmill.bench.common import cpu_flags, cpu_model
 from tokenmill.kernels import native
 from tokenmill.kernels.qmatmul import QuantizedWeight, qmatmul
 
@@ -43,24 +44,6 @@ def random_gguf(t: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
         if t in (Q.Q4_1, Q.Q4_K):
             raw[..., 2:4] = scales[..., :2]
     return raw.reshape(n, -1)
-
-
-def cpu_flags() -> str:
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "amx")
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return " ".join(w for w in wanted if any(h.startswith(w) for h in have))
-    return "?"
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "?"
 
 
 def timed(fn, reps: int) -> float:

@@ -115,6 +115,27 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+SIMD_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c")
+
+
+def _cpuinfo(key: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), "")
+    except OSError:
+        return ""
+
+
+def cpu_flags(wanted: tuple[str, ...] = SIMD_FLAGS) -> str:
+    """The SIMD flags of this CPU that matter to the kernels (from /proc/cpuinfo; empty elsewhere)."""
+    have = _cpuinfo("flags").split()
+    return " ".join(x for x in wanted if x in have)
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or "?"
+
+
 def environment() -> dict[str, Any]:
     import torch
 

@@ -21,8 +21,8 @@ import statistics
 import time
 from typing import Any
 
-from tokenmill.bench.common import (corpus_prompts, environment, fmt, hf_generate, hf_pad_id, load_hf, loadavg,
-                                    progress, random_prompt, ratio, set_threads, write_json)
+from tokenmill.bench.common import (corpus_prompts, cpu_flags, environment, fmt, hf_generate, hf_pad_id, load_hf,
+                                    loadavg, progress, random_prompt, ratio, set_threads, write_json)
 
 # --peer names -> the key of each side's figures in the JSON and its name in the report
 PEERS = {"transformers": ("hf", "transformers"), "llama-cpp": ("llama_cpp", "llama.cpp")}
@@ -235,16 +235,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         side.model.close()
     result["loadavg_end"] = loadavg()
     return result
-
-
-def cpu_flags(wanted=("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c")) -> str:
-    """The SIMD flags of this CPU that matter to the kernels (from /proc/cpuinfo; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            have = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return ""
-    return " ".join(x for x in wanted if x in have)
 
 
 def report(r: dict[str, Any]) -> str:
