@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Prompt processing: one prompt of --prompt-len tokens (corpus text), prefilled in one step and a
 single sampled token, repeated; prints tok/s (median and best after one warm-up run). The analogue
-of llama-bench's pp512. Steps are compiled, as `tokenmill serve` runs them, unless --no-compile.
+of llama-bench's pp512. On the PyTorch path steps are compiled, as `tokenmill serve` runs them, unless --no-compile.
 
     .venv/bin/python bench/prefill.py --prompt-len 512
 """
@@ -21,7 +21,7 @@ def main() -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "gguf", "bf16", "fp32"], default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-compile", action="store_true", help="eager steps (the server compiles by default)")
     args = p.parse_args()
