@@ -37,10 +37,11 @@ def test_offline_bench_tiny(tiny_gguf, tmp_path, capsys):
 def test_single_stream_bench_tiny(tiny_gguf, tmp_path):
     out = tmp_path / "single.json"
     rc = main(["bench", "single-stream", "--model", str(tiny_gguf), "--prompt-len", "10", "--max-tokens", "5",
-               "--repeats", "2", "--max-total-tokens", "512", "--skip-hf", "--no-compile", "--json", str(out)])
+               "--repeats", "2", "--max-total-tokens", "512", "--skip-hf", "--no-compile", "--dtypes", "auto,bf16",
+               "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
-    assert set(r["runs"]) == {"bf16", "fp32"}
+    assert set(r["runs"]) == {"auto", "bf16"}
     for entry in r["runs"].values():
         tm = entry["tokenmill"]
         assert tm["decode_tok_s"] > 0 and tm["prefill_tok_s"] > 0 and tm["load_seconds"] > 0
