@@ -1,6 +1,7 @@
 """Attention over the paged KV cache in PyTorch, and the metadata that describes one step's batch
-to it: the path of the bf16 and fp32 modes when the compiled core is absent (with it, every row goes
-through the native kernel instead: model/paged_batch.py).
+to it: the path of bf16 activations, and of every mode when the compiled core is absent. With the
+core and float32 activations (gguf, fp32), every row goes through the native kernel instead
+(model/paged_batch.py).
 
 A batch is a flat run of tokens from many sequences. Each sequence contributes a contiguous chunk of
 `num_new` query tokens whose keys are its first `num_cached + num_new` positions, stored in the blocks
