@@ -90,28 +90,14 @@ inline float f16_to_f32(uint16_t h) {
 }
 
 #if defined(TM_AVX512)
-// 16 bf16 -> 16 fp32, and back with round-to-nearest-even (integer ops: no AVX512_BF16 needed).
+// 16 bf16 -> 16 fp32 (a shift: no AVX512_BF16 needed).
 inline __m512 load_bf16x16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline void store_bf16x16(uint16_t* p, __m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
 }
 #endif
 #if defined(TM_AVX512) || defined(TM_AVX2)
 inline __m256 load_bf16x8(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline void store_bf16x8(uint16_t* p, __m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    // pack 8 x u32 (each < 65536) to 8 x u16 without saturation surprises
-    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(lo, hi));
 }
 #endif
 
