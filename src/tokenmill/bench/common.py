@@ -136,6 +136,12 @@ def cpu_model() -> str:
     return _cpuinfo("model name") or "?"
 
 
+def _kernels() -> str:
+    from tokenmill.kernels import variant
+
+    return variant()
+
+
 def environment() -> dict[str, Any]:
     import torch
 
@@ -145,6 +151,9 @@ def environment() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "kernels": _kernels(),
     }
     try:
         from importlib.metadata import version

@@ -219,7 +219,8 @@ def report(r: dict[str, Any]) -> str:
     lines = [
         f"offline: {c['num_prompts']} prompts x {c['prompt_len']} tokens, {c['max_tokens']} new tokens each "
         f"(EOS ignored), {c['dtype']}, n_batch={c['n_batch']}, parallel={c['parallel']}",
-        f"model {r['model']}; torch {r['env']['torch']} threads={r['env']['torch_threads']}",
+        f"model {r['model']}; torch {r['env']['torch']} threads={r['env']['torch_threads']}; "
+        f"kernels {r['env']['kernels']}; cpu flags: {r['env']['cpu_flags']}",
         f"loadavg: start {r['loadavg_start']} | after tokenmill {r['loadavg_after_tokenmill']} | end {r['loadavg_end']}",
         "",
         f"{'':24}{'tokenmill':>14}{'transformers':>14}{'ratio':>8}",

@@ -249,6 +249,8 @@ def print_table(r: dict[str, Any]) -> None:
     n = r["max_tokens"]
     print(f"quality vs fp32: {r['model']}, {r['num_prompts']} prompts, {n} greedy tokens each "
           f"(single-sequence decode{', compiled graphs' if r.get('compiled') else ''})")
+    env = r["environment"]
+    print(f"kernels {env['kernels']}; cpu flags: {env['cpu_flags']}")
     print(f"{'format':10} {'int4 lin':>8} {'identical %':>11} {'1st div min/med':>15} {'all-same':>8} "
           f"{'top1 %':>7} {'prefill logit max/mean':>23} {'decode logit max/mean':>22}")
     for name, f in r["formats"].items():
