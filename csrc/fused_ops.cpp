@@ -18,6 +18,7 @@
 // GCC 12 flags the _mm512_undefined_* placeholders inside its own AVX-512 headers (a false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "common.h"
+#include "kernels.h"
 
 namespace py = pybind11;
 
@@ -364,6 +365,32 @@ void exp_f32(uintptr_t x_addr, uintptr_t y_addr, int64_t n) {
 }
 
 }  // namespace
+
+namespace entry {
+void rms_norm(const float* x, int64_t x_stride, const float* w, float* y, int64_t y_stride, int64_t rows,
+              int64_t dim, float eps) {
+    tmk::rms_norm(uintptr_t(x), x_stride, uintptr_t(w), uintptr_t(y), y_stride, rows, dim, eps);
+}
+void add_rms_norm(const float* x, int64_t x_stride, float* residual, int64_t res_stride, const float* w, float* y,
+                  int64_t y_stride, int64_t rows, int64_t dim, float eps) {
+    tmk::add_rms_norm(uintptr_t(x), x_stride, uintptr_t(residual), res_stride, uintptr_t(w), uintptr_t(y), y_stride,
+                      rows, dim, eps);
+}
+static HeadsView heads_view(const Heads& h) {
+    return {h.base, h.token_stride, h.head_stride, h.tokens, h.heads, h.head_dim};
+}
+static RopeTables rope_tables(const RopeTable& r) { return {r.positions, r.cos, r.sin, r.stride, r.rows, r.rope_dim}; }
+void rope_qk(const Heads& qk, const RopeTable& rope) { tmk::rope_qk(heads_view(qk), rope_tables(rope)); }
+void head_rms_norm_rope(const Heads& qk, int64_t n_q_heads, const float* q_weight, const float* k_weight, float eps,
+                        const RopeTable& rope) {
+    tmk::head_rms_norm_rope(heads_view(qk), n_q_heads, q_weight, k_weight, eps, rope_tables(rope));
+}
+void gated(int activation, const float* gate_up, int64_t gu_stride, float* out, int64_t out_stride, int64_t rows,
+           int64_t features) {
+    if (activation == SILU) tmk::gated<Silu>(uintptr_t(gate_up), gu_stride, uintptr_t(out), out_stride, rows, features);
+    else tmk::gated<GeluTanh>(uintptr_t(gate_up), gu_stride, uintptr_t(out), out_stride, rows, features);
+}
+}  // namespace entry
 }  // namespace tmk
 
 void register_fused_ops(py::module_& m) {

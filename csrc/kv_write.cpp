@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace py = pybind11;
 
@@ -63,6 +64,14 @@ void write_kv(uintptr_t k, int64_t k_row_stride, int64_t k_head_stride, uintptr_
 }
 
 }  // namespace
+
+void entry::write_kv(const float* k, int64_t k_row_stride, int64_t k_head_stride, const float* v, int64_t v_row_stride,
+                     int64_t v_head_stride, int64_t T, int Hkv, int D, void* k_cache, void* v_cache, float* k_scale,
+                     float* v_scale, int cache_type, int64_t num_slots, const int64_t* slot_mapping) {
+    tmk::write_kv(uintptr_t(k), k_row_stride, k_head_stride, uintptr_t(v), v_row_stride, v_head_stride, T, Hkv, D,
+                  uintptr_t(k_cache), uintptr_t(v_cache), uintptr_t(k_scale), uintptr_t(v_scale), cache_type, num_slots,
+                  uintptr_t(slot_mapping));
+}
 }  // namespace tmk
 
 void register_kv_write(py::module_& m) {

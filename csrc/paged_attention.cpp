@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kernels.h"
 #include "simd16.h"
 
 // gcc 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_ps) as maybe-uninitialized.
@@ -444,6 +445,17 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
 }
 
 }  // namespace
+
+void entry::paged_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, float* out, int64_t T, int H,
+                            int D, const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
+                            int cache_type, int Hkv, int64_t num_slots, const int32_t* cu_rows,
+                            const int32_t* start_pos, int S, const int32_t* block_tables, int64_t table_width,
+                            int block_size, float scale, int window) {
+    tmk::paged_attention(uintptr_t(q), q_row_stride, q_head_stride, uintptr_t(out), T, H, D, uintptr_t(k_cache),
+                         uintptr_t(v_cache), uintptr_t(k_scale), uintptr_t(v_scale), cache_type, Hkv, num_slots,
+                         uintptr_t(cu_rows), uintptr_t(start_pos), S, uintptr_t(block_tables), table_width, block_size,
+                         scale, window);
+}
 }  // namespace tmk
 
 void register_kv_write(py::module_& m);

@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <cmath>
 
+// GCC 12 flags the _mm512_undefined_* placeholders inside its own AVX-512 headers (a false positive).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "common.h"
+#include "kernels.h"
 #include "qmatmul_avx2.h"
 #include "qmatmul_avx512.h"
 #include "qmatmul_layout.h"
@@ -122,6 +125,17 @@ static void qmatmul(int type, uintptr_t acts, int64_t M, int64_t K, uintptr_t qs
 }
 
 }  // namespace tmk::qmm
+
+namespace tmk::entry {
+int64_t act_row_bytes(int64_t K) { return qmm::Acts::row_bytes(K); }
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out) {
+    qmm::quantize_rows(x, M, K, ldx, out);
+}
+void qmatmul(int type, const uint8_t* acts, int64_t M, int64_t K, const uint8_t* qs, const uint8_t* sc,
+             const uint8_t* sup, int64_t N, float* out, int64_t ldo) {
+    qmm::qmatmul(type, uintptr_t(acts), M, K, uintptr_t(qs), uintptr_t(sc), uintptr_t(sup), N, uintptr_t(out), ldo);
+}
+}  // namespace tmk::entry
 
 void register_qmatmul(py::module_& m) {
     m.def(

@@ -11,8 +11,9 @@ from torch import nn
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kvcache.storage import KVStorage, LayerKV
 from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
-from tokenmill.model.layers import RMSNorm, _param
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding, _param
 from tokenmill.model.linear import GGUFWeight, Linear, PackedWeight, dense_linear, pack_bf16
+from tokenmill.model.native_step import NativeSteps
 from tokenmill.model.paged_batch import PagedBatch
 from tokenmill.model.quantized import EmbeddingRows, QuantizedParts
 
@@ -33,6 +34,7 @@ class DecoderLM(nn.Module):
         # The gguf weight mode: embeddings read from the file's rows, the head from its blocks.
         self.embed_rows: EmbeddingRows | None = None
         self.head_quantized: QuantizedParts | None = None
+        self.native_steps = NativeSteps()  # the whole layer stack in one native call, when it can run so
 
     def pack_weights(self) -> None:
         """After loading: give every dense bf16 weight its oneDNN-packed form (see model/linear.py)."""
@@ -52,6 +54,10 @@ class DecoderLM(nn.Module):
     def rope_options(meta: StepMeta) -> dict:
         # A compiled graph cannot branch on data; its caller keeps positions within the context.
         return {"check": isinstance(meta, (AttentionMetadata, PagedBatch)), "fused": isinstance(meta, PagedBatch)}
+
+    def layer_rope(self, layer: int) -> RotaryEmbedding:
+        """The rotary embedding layer `layer` uses."""
+        raise NotImplementedError
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_rows is not None:

@@ -67,13 +67,19 @@ class Gemma3Model(DecoderLM):
                 kv: KVStorage | None = None, *, k_caches: list[torch.Tensor] | None = None,
                 v_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         """As LlamaModel.forward: flat batch in, hidden states [T, dim] out, caches written in place."""
-        caches = self.layer_caches(kv, k_caches, v_caches)
         x = self.embed_tokens(input_ids) * self.embed_scale
+        native_step = self.native_steps.get(self, meta, kv, x)
+        if native_step is not None:
+            return native_step(x, positions, meta)
+        caches = self.layer_caches(kv, k_caches, v_caches)
         options = self.rope_options(meta)
         ropes = {True: self.rope.at(positions, x.dtype, **options), False: self.local_rope.at(positions, x.dtype, **options)}
         for i, (block, cache) in enumerate(zip(self.blocks, caches)):
             x = block(x, ropes[self.is_global(i)], meta, cache)
         return x
+
+    def layer_rope(self, layer: int) -> RotaryEmbedding:
+        return self.rope if self.is_global(layer) else self.local_rope
 
     # --- loading -------------------------------------------------------------------------------
     def load_tensor(self, name: str, w: GGUFWeight, pending: dict[str, GGUFWeight]) -> None:

@@ -40,12 +40,18 @@ class LlamaModel(DecoderLM):
                 v_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Flat batch in, pre-norm hidden states out ([T, dim]); the caches (kv's, or the lists
         given) are written in place."""
-        caches = self.layer_caches(kv, k_caches, v_caches)
         x = self.embed_tokens(input_ids)
+        native_step = self.native_steps.get(self, meta, kv, x)
+        if native_step is not None:
+            return native_step(x, positions, meta)
+        caches = self.layer_caches(kv, k_caches, v_caches)
         rope = self.rope.at(positions, x.dtype, **self.rope_options(meta))
         for block, cache in zip(self.blocks, caches):
             x = block(x, rope, meta, cache)
         return x
+
+    def layer_rope(self, layer: int) -> RotaryEmbedding:
+        return self.rope
 
     # --- loading -------------------------------------------------------------------------------
     def block_norms(self, block: LlamaBlock) -> dict[str, nn.Parameter]:

@@ -1,0 +1,209 @@
+// A whole decoder step in one call: every layer of a Llama or Gemma 3 model, chained from the same
+// kernels the per-op path calls (kernels.h), over scratch buffers this object keeps between steps.
+// At one sequence a layer's kernels take ~10 us each but each Python-side call costs as much again,
+// which was half of a decode step; here Python makes one call per step.
+//
+// The arithmetic is the per-op path's, kernel for kernel and in the same order, so the hidden states
+// are bitwise the same (tests/kernels/test_decoder_step.py holds it to that), and so is batch
+// invariance: every kernel's per-row result depends only on that row.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace py = pybind11;
+
+namespace tmk {
+namespace {
+
+struct QuantizedPart {  // rows [col, col + N) of a projection's output, one GGUF type
+    int type;
+    const uint8_t *qs, *sc, *sup;
+    int64_t N, col;
+};
+
+struct Projection {
+    std::vector<QuantizedPart> parts;
+    int64_t N = 0, K = 0;
+};
+
+struct Layer {
+    const float *attn_norm, *ffn_norm;
+    const float *post_attn_norm, *post_ffn_norm;  // Gemma 3 only (nullptr otherwise)
+    const float *q_norm, *k_norm;                 // Gemma 3 only
+    Projection qkv, o, gate_up, down;
+    const float *cos, *sin;
+    int64_t rope_rows, rope_stride, rope_dim;
+    int window;
+    void *k_cache = nullptr, *v_cache = nullptr;
+    float *k_scale = nullptr, *v_scale = nullptr;
+};
+
+// Per part: (ggml type, qs address, sc address, sup address, rows, columns).
+using PartSpec = std::tuple<int, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t>;
+
+class DecoderStep {
+public:
+    DecoderStep(int64_t dim, int n_heads, int n_kv_heads, int head_dim, int64_t ffn_dim, double eps, int activation,
+                double scale, int cache_type, int64_t num_slots)
+        : dim_(dim), H_(n_heads), Hkv_(n_kv_heads), D_(head_dim), ffn_(ffn_dim), eps_(float(eps)),
+          activation_(activation), scale_(float(scale)), cache_type_(cache_type), num_slots_(num_slots) {}
+
+    void add_layer(uintptr_t attn_norm, uintptr_t ffn_norm, uintptr_t post_attn_norm, uintptr_t post_ffn_norm,
+                   uintptr_t q_norm, uintptr_t k_norm, const std::vector<PartSpec>& qkv, const std::vector<PartSpec>& o,
+                   const std::vector<PartSpec>& gate_up, const std::vector<PartSpec>& down, uintptr_t cos,
+                   uintptr_t sin, int64_t rope_rows, int64_t rope_stride, int64_t rope_dim, int window) {
+        Layer l{};
+        l.attn_norm = ptr<const float>(attn_norm);
+        l.ffn_norm = ptr<const float>(ffn_norm);
+        l.post_attn_norm = ptr<const float>(post_attn_norm);
+        l.post_ffn_norm = ptr<const float>(post_ffn_norm);
+        l.q_norm = ptr<const float>(q_norm);
+        l.k_norm = ptr<const float>(k_norm);
+        if ((l.post_attn_norm == nullptr) != (l.post_ffn_norm == nullptr) || (l.q_norm == nullptr) != (l.k_norm == nullptr))
+            throw std::invalid_argument("post norms and q/k norms come in pairs");
+        l.qkv = projection(qkv, (H_ + 2 * Hkv_) * int64_t(D_), dim_, "qkv");
+        l.o = projection(o, dim_, int64_t(H_) * D_, "o");
+        l.gate_up = projection(gate_up, 2 * ffn_, dim_, "gate_up");
+        l.down = projection(down, dim_, ffn_, "down");
+        l.cos = ptr<const float>(cos);
+        l.sin = ptr<const float>(sin);
+        l.rope_rows = rope_rows;
+        l.rope_stride = rope_stride;
+        l.rope_dim = rope_dim;
+        l.window = window;
+        layers_.push_back(l);
+    }
+
+    void set_cache(int layer, uintptr_t k, uintptr_t v, uintptr_t k_scale, uintptr_t v_scale) {
+        Layer& l = layers_.at(size_t(layer));
+        l.k_cache = ptr<void>(k);
+        l.v_cache = ptr<void>(v);
+        l.k_scale = ptr<float>(k_scale);
+        l.v_scale = ptr<float>(v_scale);
+    }
+
+    int num_layers() const { return int(layers_.size()); }
+
+    // x [T, dim] fp32 (contiguous) is the residual stream: embeddings in, the last layer's output
+    // (before the final norm) out. The batch arguments are PagedBatch's tensors (model/paged_batch.py).
+    void forward(uintptr_t x_addr, int64_t T, uintptr_t positions, uintptr_t slot_mapping, uintptr_t cu_rows,
+                 uintptr_t start_pos, int S, uintptr_t block_tables, int64_t table_width, int block_size) {
+        if (T <= 0) return;
+        for (const Layer& l : layers_)
+            if (l.k_cache == nullptr || l.v_cache == nullptr) throw std::logic_error("set_cache before forward");
+        reserve(T);
+        float* x = ptr<float>(x_addr);
+        const int64_t n_qkv = (H_ + 2 * Hkv_) * int64_t(D_);
+        float *h = h_.data(), *qkv = qkv_.data(), *att = att_.data(), *o = o_.data(), *gu = gu_.data(),
+              *act = act_.data();
+        entry::rms_norm(x, dim_, layers_[0].attn_norm, h, dim_, T, dim_, eps_);
+        for (size_t i = 0; i < layers_.size(); ++i) {
+            const Layer& l = layers_[i];
+            project(l.qkv, h, T, qkv);
+            const entry::Heads qk{qkv, n_qkv, D_, T, H_ + Hkv_, D_};
+            const entry::RopeTable rope{ptr<const int64_t>(positions), l.cos, l.sin, l.rope_stride, l.rope_rows,
+                                        l.rope_dim};
+            if (l.q_norm != nullptr)
+                entry::head_rms_norm_rope(qk, H_, l.q_norm, l.k_norm, eps_, rope);
+            else
+                entry::rope_qk(qk, rope);
+            const float* k = qkv + int64_t(H_) * D_;
+            const float* v = k + int64_t(Hkv_) * D_;
+            entry::write_kv(k, n_qkv, D_, v, n_qkv, D_, T, Hkv_, D_, l.k_cache, l.v_cache, l.k_scale, l.v_scale,
+                            cache_type_, num_slots_, ptr<const int64_t>(slot_mapping));
+            entry::paged_attention(qkv, n_qkv, D_, att, T, H_, D_, l.k_cache, l.v_cache, l.k_scale, l.v_scale,
+                                   cache_type_, Hkv_, num_slots_, ptr<const int32_t>(cu_rows),
+                                   ptr<const int32_t>(start_pos), S, ptr<const int32_t>(block_tables), table_width,
+                                   block_size, scale_, l.window);
+            project(l.o, att, T, o);
+            if (l.post_attn_norm != nullptr) entry::rms_norm(o, dim_, l.post_attn_norm, o, dim_, T, dim_, eps_);
+            entry::add_rms_norm(o, dim_, x, dim_, l.ffn_norm, h, dim_, T, dim_, eps_);
+            project(l.gate_up, h, T, gu);
+            entry::gated(activation_, gu, 2 * ffn_, act, ffn_, T, ffn_);
+            project(l.down, act, T, o);
+            if (l.post_ffn_norm != nullptr) entry::rms_norm(o, dim_, l.post_ffn_norm, o, dim_, T, dim_, eps_);
+            if (i + 1 < layers_.size()) {
+                entry::add_rms_norm(o, dim_, x, dim_, layers_[i + 1].attn_norm, h, dim_, T, dim_, eps_);
+            } else {
+                parallel_for(T * dim_, 1 << 14, [&](int64_t b, int64_t e) {
+                    for (int64_t j = b; j < e; ++j) x[j] += o[j];
+                });
+            }
+        }
+    }
+
+private:
+    Projection projection(const std::vector<PartSpec>& specs, int64_t N, int64_t K, const char* name) {
+        Projection p;
+        p.K = K;
+        for (const auto& [type, qs, sc, sup, n, k] : specs) {
+            if (k != K) throw std::invalid_argument(std::string(name) + ": a part's K differs from the layer's");
+            p.parts.push_back({type, ptr<const uint8_t>(qs), ptr<const uint8_t>(sc), ptr<const uint8_t>(sup), n, p.N});
+            p.N += n;
+        }
+        if (p.N != N) throw std::invalid_argument(std::string(name) + ": parts have " + std::to_string(p.N) +
+                                                  " rows, the layer needs " + std::to_string(N));
+        return p;
+    }
+
+    // One quantization of the input serves every part (model/quantized.py QuantizedParts.matmul).
+    void project(const Projection& p, const float* in, int64_t T, float* out) {
+        entry::quantize_rows(in, T, p.K, p.K, acts_.data());
+        for (const QuantizedPart& part : p.parts)
+            entry::qmatmul(part.type, acts_.data(), T, p.K, part.qs, part.sc, part.sup, part.N, out + part.col, p.N);
+    }
+
+    void reserve(int64_t T) {
+        if (T <= rows_) return;
+        const int64_t n_qkv = (H_ + 2 * Hkv_) * int64_t(D_), widest = std::max({dim_, ffn_, int64_t(H_) * D_});
+        h_.assign(size_t(T * dim_), 0.f);
+        qkv_.assign(size_t(T * n_qkv), 0.f);
+        att_.assign(size_t(T * H_ * D_), 0.f);
+        o_.assign(size_t(T * dim_), 0.f);
+        gu_.assign(size_t(T * 2 * ffn_), 0.f);
+        act_.assign(size_t(T * ffn_), 0.f);
+        acts_.assign(size_t(T * entry::act_row_bytes(widest)), 0);
+        rows_ = T;
+    }
+
+    int64_t dim_;
+    int H_, Hkv_, D_;
+    int64_t ffn_;
+    float eps_;
+    int activation_;
+    float scale_;
+    int cache_type_;
+    int64_t num_slots_;
+    std::vector<Layer> layers_;
+    int64_t rows_ = 0;
+    std::vector<float> h_, qkv_, att_, o_, gu_, act_;
+    std::vector<uint8_t> acts_;
+};
+
+}  // namespace
+}  // namespace tmk
+
+void register_decoder_step(py::module_& m) {
+    using namespace pybind11::literals;
+    using tmk::DecoderStep;
+    auto nogil = py::call_guard<py::gil_scoped_release>();
+    py::class_<DecoderStep>(m, "DecoderStep", "every layer of a decoder step in one call (model/native_step.py)")
+        .def(py::init<int64_t, int, int, int, int64_t, double, int, double, int, int64_t>(), "dim"_a, "n_heads"_a,
+             "n_kv_heads"_a, "head_dim"_a, "ffn_dim"_a, "eps"_a, "activation"_a, "scale"_a, "cache_type"_a,
+             "num_slots"_a)
+        .def("add_layer", &DecoderStep::add_layer, "attn_norm"_a, "ffn_norm"_a, "post_attn_norm"_a,
+             "post_ffn_norm"_a, "q_norm"_a, "k_norm"_a, "qkv"_a, "o"_a, "gate_up"_a, "down"_a, "cos"_a, "sin"_a,
+             "rope_rows"_a, "rope_stride"_a, "rope_dim"_a, "window"_a)
+        .def("set_cache", &DecoderStep::set_cache, "layer"_a, "k"_a, "v"_a, "k_scale"_a, "v_scale"_a)
+        .def_property_readonly("num_layers", &DecoderStep::num_layers)
+        .def("forward", &DecoderStep::forward, nogil, "x"_a, "T"_a, "positions"_a, "slot_mapping"_a, "cu_rows"_a,
+             "start_pos"_a, "S"_a, "block_tables"_a, "table_width"_a, "block_size"_a);
+}

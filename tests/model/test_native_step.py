@@ -1,0 +1,122 @@
+"""The native decoder step (model/native_step.py, csrc/decoder_step.cpp) runs every layer in one
+call; it must give bitwise the hidden states of the per-op path it replaces, on every variant, cache
+dtype and batch shape, and step aside whenever some part of the model cannot run natively."""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from model_helpers import BLOCK
+from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
+from tiny_spm import tiny_spm_metadata
+from tokenmill.kernels import native, use_variant
+from tokenmill.kvcache.storage import KVStorage
+from tokenmill.model import ChunkSpec, load_model, native_step
+from tokenmill.model.paged_batch import PagedBatch
+
+Q = gguf.GGMLQuantizationType
+VARIANTS = native.runnable_variants()
+pytestmark = pytest.mark.skipif(not VARIANTS, reason="native kernels not built")
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+
+
+def _steps(prompts: list[list[int]]) -> list[list[tuple[int, int, int]]]:
+    """Steps of (sequence, start, count): each prompt in awkward chunks, the second step mixing two
+    sequences' chunks, then three decode steps of every sequence together."""
+    a, b = prompts
+    steps = [[(0, 0, 21)], [(0, 21, len(a) - 21), (1, 0, 17)], [(1, 17, len(b) - 17)]]
+    for i in range(3):
+        steps.append([(0, len(a) + i, 1), (1, len(b) + i, 1)])
+    return steps
+
+
+@torch.inference_mode()
+def _run(model, prompts: list[list[int]], kv_dtype: torch.dtype) -> list[torch.Tensor]:
+    cfg = model.config
+    tokens = [p + [7, 9, 11] for p in prompts]
+    per_seq = -(-max(len(t) for t in tokens) // BLOCK)
+    kv = KVStorage(cfg.n_layers, 2 * per_seq, BLOCK, cfg.n_kv_heads, cfg.head_dim, kv_dtype, lazy=True)
+    # Interleaved, reversed block ids: nothing passes by accident on contiguous slots.
+    tables = [list(range(2 * per_seq - 1, -1, -2)), list(range(2 * per_seq - 2, -1, -2))]
+    hidden = []
+    for step in _steps(prompts):
+        ids = [t for s, start, n in step for t in tokens[s][start:start + n]]
+        positions = [p for _, start, n in step for p in range(start, start + n)]
+        meta = PagedBatch.build([ChunkSpec(tables[s], start, n) for s, start, n in step], BLOCK)
+        hidden.append(model(torch.tensor(ids), torch.tensor(positions), meta, kv).clone())
+    return hidden
+
+
+def _assert_native_matches_per_op(model, kv_dtype: torch.dtype, prompts: list[list[int]]) -> None:
+    got = _run(model, prompts, kv_dtype)
+    with native_step.disabled():
+        want = _run(model, prompts, kv_dtype)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"step {i}: max |diff| {float((g - w).abs().max())}"
+
+
+PROMPTS = [torch.randint(6, 260, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 29)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_llama_native_step_is_bitwise_the_per_op_path(tmp_path, variant, kv_dtype, qtype):
+    path = write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(weight_type=qtype))
+    with use_variant(variant):
+        model = load_model(path, "gguf").model
+        _assert_native_matches_per_op(model, kv_dtype, PROMPTS)
+        assert model.native_steps.get(model, PagedBatch.build([ChunkSpec([0], 0, 1)], BLOCK),
+                                      KVStorage(2, 1, BLOCK, 2, 16, kv_dtype), torch.zeros(1)) is not None
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_gemma3_native_step_is_bitwise_the_per_op_path_across_windows(tmp_path, variant, kv_dtype):
+    # 40 tokens against a window of 8: local layers read only their window's blocks.
+    path = write_tiny_gemma3(tmp_path / "g.gguf", tiny_spm_metadata(), TinyGemma3Spec(weight_type=Q.Q5_0))
+    with use_variant(variant):
+        _assert_native_matches_per_op(load_model(path, "gguf").model, kv_dtype, PROMPTS)
+
+
+def test_a_model_with_dense_parts_runs_per_op(tmp_path):
+    # F32 matrices are not a qmatmul type: the gguf mode keeps them dense, so the native step steps aside.
+    path = write_tiny_llama(tmp_path / "f.gguf", TinyLlamaSpec(weight_type=Q.F32))
+    model = load_model(path, "gguf").model
+    kv = KVStorage(model.config.n_layers, 8, BLOCK, model.config.n_kv_heads, model.config.head_dim, torch.bfloat16)
+    meta = PagedBatch.build([ChunkSpec(list(range(8)), 0, 5)], BLOCK)
+    assert model.native_steps.get(model, meta, kv, torch.zeros(1)) is None
+    with torch.inference_mode():
+        assert model(torch.tensor([5, 6, 7, 8, 9]), torch.arange(5), meta, kv).shape == (5, model.config.dim)
+
+
+def test_a_new_kv_storage_gets_a_step_bound_to_it(tmp_path):
+    path = write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(weight_type=Q.Q8_0))
+    model = load_model(path, "gguf").model
+    cfg = model.config
+    meta = PagedBatch.build([ChunkSpec([0], 0, 1)], BLOCK)
+    first_kv, second_kv = (KVStorage(cfg.n_layers, 4, BLOCK, cfg.n_kv_heads, cfg.head_dim, torch.bfloat16) for _ in "ab")
+    first = model.native_steps.get(model, meta, first_kv, torch.zeros(1))
+    assert model.native_steps.get(model, meta, first_kv, torch.zeros(1)) is first
+    second = model.native_steps.get(model, meta, second_kv, torch.zeros(1))
+    assert second is not None and second is not first and second.kv() is second_kv
+
+
+def test_positions_beyond_the_rotary_table_are_refused(tmp_path):
+    path = write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(weight_type=Q.Q8_0, context_length=64))
+    model = load_model(path, "gguf").model
+    kv = KVStorage(model.config.n_layers, 8, BLOCK, model.config.n_kv_heads, model.config.head_dim, torch.bfloat16)
+    meta = PagedBatch.build([ChunkSpec(list(range(8)), 64, 1)], BLOCK)
+    with torch.inference_mode(), pytest.raises(ValueError, match="rotary table"):
+        model(torch.tensor([5]), torch.tensor([64]), meta, kv)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_real_models_native_step_is_bitwise_the_per_op_path(request, which):
+    # The real files mix block types within a projection (Gemma 3: Q5_0 q/k with Q8_0 v).
+    path = request.getfixturevalue(f"{which}_path")
+    model = load_model(path, "gguf").model
+    prompts = [torch.randint(100, 5000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 45)]
+    _assert_native_matches_per_op(model, torch.bfloat16, prompts)
