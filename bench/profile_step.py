@@ -34,6 +34,8 @@ def main() -> int:
     p.add_argument("--kernel-profile", action="store_true",
                    help="with --compile: name each inductor kernel in the profile (compiles graphs of its own)")
     p.add_argument("--trace", metavar="PATH", help="also write a Chrome trace")
+    p.add_argument("--native-phases", action="store_true",
+                   help="time the native decoder step's phases (matmuls, attention, ...) instead of torch.profiler")
     args = p.parse_args()
     set_threads(args.threads)
     if args.kernel_profile:
@@ -58,6 +60,9 @@ def main() -> int:
         plain.append(time.perf_counter() - s)
     print("unprofiled decode step ms:", " ".join(f"{x * 1e3:.1f}" for x in plain))
 
+    if args.native_phases:
+        return native_phases(engine, args.steps)
+
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -81,6 +86,35 @@ def main() -> int:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     print(f"loadavg {loadavg()}")
+    return 0
+
+
+
+
+def native_phases(engine: LLMEngine, steps: int) -> int:
+    """Where a step's time goes inside the native decoder step, and outside it (the output head,
+    sampling, the scheduler, Python)."""
+    native_steps = engine.runner.model.native_steps.built()
+    if not native_steps:
+        print("the native decoder step is not in use (no native kernels, or a dense model)")
+        return 1
+    for s in native_steps:
+        s.set_profiling(True)
+        s.take_profile()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    phases: dict[str, float] = {}
+    for s in native_steps:
+        s.set_profiling(False)
+        for name, sec in s.take_profile().items():
+            phases[name] = phases.get(name, 0.0) + sec / steps
+    phases["outside the layers (head, sampling, scheduler)"] = wall - sum(phases.values())
+    print(f"\n{steps} steps: {wall * 1e3:.2f} ms/step")
+    print(f"{'phase':48}{'ms/step':>9}{'% of step':>10}")
+    for name, sec in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"{name:48}{sec * 1e3:9.2f}{100 * sec / wall:10.1f}")
     return 0
 
 

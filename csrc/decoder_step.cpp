@@ -10,6 +10,9 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -45,6 +48,11 @@ struct Layer {
     void *k_cache = nullptr, *v_cache = nullptr;
     float *k_scale = nullptr, *v_scale = nullptr;
 };
+
+// What a step's time goes to, when profiling is on (bench/profile_step.py prints it).
+enum Phase { NORMS, QKV, ROPE, KV_WRITE, ATTENTION, O_PROJ, GATE_UP, ACTIVATION, DOWN, NUM_PHASES };
+constexpr const char* kPhaseNames[NUM_PHASES] = {"norms", "qkv", "rope", "kv_write", "attention",
+                                                 "o_proj", "gate_up", "activation", "down"};
 
 // Per part: (ggml type, qs address, sc address, sup address, rows, columns).
 using PartSpec = std::tuple<int, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t>;
@@ -104,10 +112,13 @@ public:
         const int64_t n_qkv = (H_ + 2 * Hkv_) * int64_t(D_);
         float *h = h_.data(), *qkv = qkv_.data(), *att = att_.data(), *o = o_.data(), *gu = gu_.data(),
               *act = act_.data();
+        Clock clock(profiling_ ? &seconds_ : nullptr);
         entry::rms_norm(x, dim_, layers_[0].attn_norm, h, dim_, T, dim_, eps_);
+        clock.lap(NORMS);
         for (size_t i = 0; i < layers_.size(); ++i) {
             const Layer& l = layers_[i];
             project(l.qkv, h, T, qkv);
+            clock.lap(QKV);
             const entry::Heads qk{qkv, n_qkv, D_, T, H_ + Hkv_, D_};
             const entry::RopeTable rope{ptr<const int64_t>(positions), l.cos, l.sin, l.rope_stride, l.rope_rows,
                                         l.rope_dim};
@@ -115,20 +126,28 @@ public:
                 entry::head_rms_norm_rope(qk, H_, l.q_norm, l.k_norm, eps_, rope);
             else
                 entry::rope_qk(qk, rope);
+            clock.lap(ROPE);
             const float* k = qkv + int64_t(H_) * D_;
             const float* v = k + int64_t(Hkv_) * D_;
             entry::write_kv(k, n_qkv, D_, v, n_qkv, D_, T, Hkv_, D_, l.k_cache, l.v_cache, l.k_scale, l.v_scale,
                             cache_type_, num_slots_, ptr<const int64_t>(slot_mapping));
+            clock.lap(KV_WRITE);
             entry::paged_attention(qkv, n_qkv, D_, att, T, H_, D_, l.k_cache, l.v_cache, l.k_scale, l.v_scale,
                                    cache_type_, Hkv_, num_slots_, ptr<const int32_t>(cu_rows),
                                    ptr<const int32_t>(start_pos), S, ptr<const int32_t>(block_tables), table_width,
                                    block_size, scale_, l.window);
+            clock.lap(ATTENTION);
             project(l.o, att, T, o);
+            clock.lap(O_PROJ);
             if (l.post_attn_norm != nullptr) entry::rms_norm(o, dim_, l.post_attn_norm, o, dim_, T, dim_, eps_);
             entry::add_rms_norm(o, dim_, x, dim_, l.ffn_norm, h, dim_, T, dim_, eps_);
+            clock.lap(NORMS);
             project(l.gate_up, h, T, gu);
+            clock.lap(GATE_UP);
             entry::gated(activation_, gu, 2 * ffn_, act, ffn_, T, ffn_);
+            clock.lap(ACTIVATION);
             project(l.down, act, T, o);
+            clock.lap(DOWN);
             if (l.post_ffn_norm != nullptr) entry::rms_norm(o, dim_, l.post_ffn_norm, o, dim_, T, dim_, eps_);
             if (i + 1 < layers_.size()) {
                 entry::add_rms_norm(o, dim_, x, dim_, layers_[i + 1].attn_norm, h, dim_, T, dim_, eps_);
@@ -137,10 +156,33 @@ public:
                     for (int64_t j = b; j < e; ++j) x[j] += o[j];
                 });
             }
+            clock.lap(NORMS);
         }
     }
 
+    void set_profiling(bool on) { profiling_ = on; }
+
+    // Seconds per phase since the last call (and resets them).
+    std::map<std::string, double> take_profile() {
+        std::map<std::string, double> out;
+        for (int p = 0; p < NUM_PHASES; ++p) out[kPhaseNames[p]] = seconds_[p];
+        seconds_.fill(0.0);
+        return out;
+    }
+
 private:
+    struct Clock {
+        std::array<double, NUM_PHASES>* totals;
+        std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+        explicit Clock(std::array<double, NUM_PHASES>* t) : totals(t) {}
+        void lap(Phase p) {
+            if (totals == nullptr) return;
+            const auto now = std::chrono::steady_clock::now();
+            (*totals)[p] += std::chrono::duration<double>(now - last).count();
+            last = now;
+        }
+    };
+
     Projection projection(const std::vector<PartSpec>& specs, int64_t N, int64_t K, const char* name) {
         Projection p;
         p.K = K;
@@ -186,6 +228,8 @@ private:
     int64_t rows_ = 0;
     std::vector<float> h_, qkv_, att_, o_, gu_, act_;
     std::vector<uint8_t> acts_;
+    bool profiling_ = false;
+    std::array<double, NUM_PHASES> seconds_{};
 };
 
 }  // namespace
@@ -204,6 +248,8 @@ void register_decoder_step(py::module_& m) {
              "rope_rows"_a, "rope_stride"_a, "rope_dim"_a, "window"_a)
         .def("set_cache", &DecoderStep::set_cache, "layer"_a, "k"_a, "v"_a, "k_scale"_a, "v_scale"_a)
         .def_property_readonly("num_layers", &DecoderStep::num_layers)
+        .def("set_profiling", &DecoderStep::set_profiling, "on"_a, "time each phase of the following steps")
+        .def("take_profile", &DecoderStep::take_profile, "seconds per phase since the last call")
         .def("forward", &DecoderStep::forward, nogil, "x"_a, "T"_a, "positions"_a, "slot_mapping"_a, "cu_rows"_a,
              "start_pos"_a, "S"_a, "block_tables"_a, "table_width"_a, "block_size"_a);
 }

@@ -101,7 +101,7 @@ template <int T>
 static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t ldo) {
     // Enough tiles per thread that a small GEMV is not all fork/join; the split never changes results.
     const int64_t work_per_tile = M * w.K * kTile;
-    const int64_t grain = work_per_tile >= (1 << 20) ? 1 : (1 << 20) / work_per_tile;
+    const int64_t grain = work_per_tile >= (1 << 16) ? 1 : (1 << 16) / work_per_tile;
     parallel_for(w.tiles(), grain, [&](int64_t t0, int64_t t1) {
         for (int64_t m0 = 0; m0 < M; m0 += kRowChunk)
             for (int64_t t = t0; t < t1; ++t) rows<T>(w, t, a, m0, std::min(M, m0 + kRowChunk), out, ldo);

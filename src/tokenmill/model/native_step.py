@@ -112,6 +112,15 @@ class NativeStep:
         return x
 
 
+    def set_profiling(self, on: bool) -> None:
+        """Time each phase (matmuls, attention, norms, ...) of the following steps."""
+        self.step.set_profiling(on)
+
+    def take_profile(self) -> dict[str, float]:
+        """Seconds per phase since the last call."""
+        return dict(self.step.take_profile())
+
+
 class NativeSteps:
     """A model's native step per (variant, cache dtype), built on first use and rebuilt when the model
     runs on another KV storage; None is remembered when the model cannot run natively."""
@@ -127,3 +136,7 @@ class NativeSteps:
         if step is False or (step is not None and step.kv() is not kv):
             step = self._steps[key] = NativeStep.build(model, kv)
         return step
+
+    def built(self) -> list[NativeStep]:
+        """The native steps built so far (for profiling)."""
+        return [s for s in self._steps.values() if s]
