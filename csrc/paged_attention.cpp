@@ -284,6 +284,7 @@ struct Problem {
 
 struct WorkItem {
     int seq, kv_head, first_row, num_rows;  // rows relative to the sequence's chunk
+    int first_head, num_heads;              // of the kv head's query heads (all of them unless split)
     int64_t cost;
 };
 
@@ -298,7 +299,9 @@ constexpr int PREFETCH_TILES = 4;
 
 template <int TYPE>
 void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
-    const int D = P.D, G = P.G, bs = P.block_size, n = it.num_rows * G;
+    // G: this item's query heads, from the kv head's first_head-th on.
+    const int D = P.D, G = it.num_heads, bs = P.block_size, n = it.num_rows * G;
+    const int64_t head0 = int64_t(it.kv_head) * P.G + it.first_head;
     const int64_t row0 = P.cu_rows[it.seq] + it.first_row;
     const int64_t pos0 = int64_t(P.start_pos[it.seq]) + it.first_row, pos_last = pos0 + it.num_rows - 1;
     auto first_key = [&](int64_t pos) { return P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : int64_t(0); };
@@ -310,7 +313,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
 
     for (int r = 0; r < it.num_rows; ++r)
         for (int g = 0; g < G; ++g) {
-            const float* src = P.q + (row0 + r) * P.q_row_stride + int64_t(it.kv_head * G + g) * P.q_head_stride;
+            const float* src = P.q + (row0 + r) * P.q_row_stride + (head0 + g) * P.q_head_stride;
             float* dst = sc.q.data() + size_t(r * G + g) * D;
             for (int d = 0; d < D; ++d) dst[d] = src[d] * P.scale;
         }
@@ -367,7 +370,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
             const int i = r * G + g;
             const float total = vsum_all(vload(sc.lane_sums.data() + size_t(i) * TILE));
             const float* acc = sc.acc.data() + size_t(i) * D;
-            float* dst = P.out + ((row0 + r) * P.H + it.kv_head * G + g) * int64_t(D);
+            float* dst = P.out + ((row0 + r) * P.H + head0 + g) * int64_t(D);
             for (int d = 0; d < D; ++d) dst[d] = acc[d] / total;
         }
 }
@@ -412,8 +415,23 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
             const int n = std::min(step, rows - r);
             const int64_t p_last = first + r + n - 1;
             const int64_t keys = p_last + 1 - (window > 0 ? std::max<int64_t>(0, first + r - window + 1) : 0);
-            for (int h = 0; h < Hkv; ++h) items.push_back({s, h, r, n, keys * (n + 4)});
+            for (int h = 0; h < Hkv; ++h) items.push_back({s, h, r, n, 0, P.G, keys * (n + 4)});
         }
+    }
+    // Too few items to keep every thread busy (one sequence decoding, few kv heads): split each
+    // item's query heads. Heads never interact, so this changes no result, only who loads the tiles.
+    const int threads_wanted = num_threads();
+    while (int64_t(items.size()) < 2 * threads_wanted) {
+        std::vector<WorkItem> split;
+        for (const WorkItem& it : items) {
+            if (it.num_heads < 2) { split.push_back(it); continue; }
+            const int half = it.num_heads / 2;
+            split.push_back({it.seq, it.kv_head, it.first_row, it.num_rows, it.first_head, half, it.cost / 2});
+            split.push_back({it.seq, it.kv_head, it.first_row, it.num_rows, it.first_head + half, it.num_heads - half,
+                             it.cost - it.cost / 2});
+        }
+        if (split.size() == items.size()) break;
+        items.swap(split);
     }
     // Longest first, handed out one at a time: balances a long prefill against many decodes.
     std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
