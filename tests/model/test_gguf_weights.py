@@ -74,3 +74,26 @@ def test_long_context_beyond_256_blocks_runs_natively_and_stays_close(tmp_path):
     with use_variant("torch"):
         ref = prefill_logits(load_model(path, "fp32").model, ids, chunk=512)
     _close(prefill_logits(load_model(path, "gguf").model, ids, chunk=512, paged=True, kv_dtype=torch.bfloat16), ref)
+
+
+def _mapped_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTNEED"), reason="needs madvise")
+def test_loading_leaves_the_files_pages_out_of_resident_memory(tmp_path):
+    # Repacking reads every page of the file; once done they count against nobody but the page cache.
+    path = write_tiny_llama(tmp_path / "r.gguf", TinyLlamaSpec(weight_type=Q.Q8_0, dim=256, ffn_dim=512))
+    loaded = load_model(path, "gguf")
+    assert _mapped_rss_kib(path.resolve()) == 0
+    with torch.inference_mode():  # the embedding rows still read from the map, faulting pages back in
+        ref = loaded.model.embed_rows.raw.dequantize()[torch.tensor([3, 9])]
+        assert torch.equal(loaded.model.embed_tokens(torch.tensor([3, 9])), ref)

@@ -11,6 +11,7 @@ a stack trace from inside numpy's memmap or struct."""
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,13 +55,22 @@ class TensorInfo:
 
 class GGUFFile:
     def __init__(self, path: Path, metadata: dict[str, Any], tensors: dict[str, TensorInfo], *,
-                 version: int = 3, alignment: int = DEFAULT_ALIGNMENT, data_offset: int = 0):
+                 version: int = 3, alignment: int = DEFAULT_ALIGNMENT, data_offset: int = 0,
+                 mapping: mmap.mmap | None = None):
         self.path = path
+        self.mapping = mapping  # the file's read-only map, which the tensors' data views
         self.metadata = metadata
         self.tensors = tensors
         self.version = version
         self.alignment = alignment
         self.data_offset = data_offset
+
+    def release_pages(self) -> None:
+        """Drop the pages of the file this process has read (the loader calls it once the weights
+        are repacked): they stay in the page cache, but no longer count in the process's resident
+        memory; tensors still viewing the map (embedding rows) fault theirs back in on use."""
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
     @property
     def architecture(self) -> str:
@@ -199,7 +209,7 @@ class _Parser:
         return out
 
 
-def _parse(path: Path, mm: np.memmap) -> GGUFFile:
+def _parse(path: Path, mm: np.ndarray, mapping: mmap.mmap | None = None) -> GGUFFile:
     size = len(mm)
     buf = memoryview(mm)
     if size < 4 or bytes(buf[:4]) != GGUF_MAGIC:
@@ -284,7 +294,8 @@ def _parse(path: Path, mm: np.memmap) -> GGUFFile:
             byte_shape = (*shape[:-1], dims[0] // block_size * type_size)
             data = mm[start:start + n_bytes].reshape(byte_shape)
         tensors[name] = TensorInfo(name, shape, ggml_type, data)
-    return GGUFFile(path, metadata, tensors, version=version, alignment=alignment, data_offset=data_offset)
+    return GGUFFile(path, metadata, tensors, version=version, alignment=alignment, data_offset=data_offset,
+                    mapping=mapping)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -297,11 +308,13 @@ def open_gguf(path: str | Path) -> GGUFFile:
             with path.open("rb") as f:
                 magic = f.read()
             raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-    except OSError as exc:
+        with path.open("rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mm = np.frombuffer(mapping, dtype=np.uint8)
+    except (OSError, ValueError) as exc:
         raise GGUFError(f"{path}: cannot read model file ({exc})") from exc
     try:
-        return _parse(path, mm)
+        return _parse(path, mm, mapping)
     except GGUFError:
         raise
     except Exception as exc:  # anything else is a damaged file we failed to anticipate

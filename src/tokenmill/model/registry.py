@@ -88,6 +88,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
         model.rope.to(torch.float32)
         model.pack_weights()
         model.eval()
+        g.release_pages()
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from exc
     return LoadedModel(model, cfg, g, dtype, time.perf_counter() - start, "gguf" if mode == "gguf" else "dense")
