@@ -24,6 +24,7 @@ from tokenmill.server.logprobs import chat_entries
 from tokenmill.server.model_host import ModelHost, ServedModel
 from tokenmill.server.ollama_params import FIELD_NAMES, OllamaOptions, parse_options
 from tokenmill.server.streaming import ndjson_response, unless_disconnected
+from tokenmill.server.structured_params import add_constraint, ollama_spec
 from tokenmill.server.validation import (
     get_bool,
     get_dict,
@@ -130,8 +131,6 @@ async def _respond(request: Request, served: ServedModel, ids: list[int], opts: 
 
 
 def _ignore_unsupported(body: dict, where: str) -> None:
-    if body.get("format"):
-        warn_once(where, "format", "structured output is not supported; `format` is ignored")
     if body.get("template"):
         warn_once(where, "template", "custom templates are not supported; the model's own is used")
 
@@ -153,7 +152,9 @@ async def generate(request: Request) -> Response:
     if not prompt and not context:
         return JSONResponse(shape.loaded())
     opts = parse_options(body, "/api/generate")
+    constraint = ollama_spec(body)
     ids = context + render_prompt(tok, prompt, system=get_str(body, "system"), raw=bool(get_bool(body, "raw")))
+    await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "prompt")
 
 
@@ -168,8 +169,10 @@ async def chat(request: Request) -> Response:
     if not messages:
         return JSONResponse(shape.loaded())
     opts = parse_options(body, "/api/chat")
+    constraint = ollama_spec(body)
     tools = body.get("tools") or None
     ids = render_chat(served.engine.tokenizer, messages, tools=tools)
+    await add_constraint(opts.params, served.engine.tokenizer, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "messages")
 
 

@@ -20,7 +20,8 @@ from tokenmill.server.model_host import ModelHost, ServedModel
 from tokenmill.server.openai_embeddings import embeddings
 from tokenmill.server.openai_params import OpenAIOptions, parse_options, truncate_prompt
 from tokenmill.server.streaming import sse_response, unless_disconnected
-from tokenmill.server.validation import get_bool, get_str, read_json, warn_once
+from tokenmill.server.structured_params import add_constraint, openai_spec
+from tokenmill.server.validation import get_bool, get_str, read_json
 
 SYSTEM_FINGERPRINT = "tokenmill"
 
@@ -92,13 +93,12 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     opts = parse_options(body, chat=True)
     served = _host(request).get(get_str(body, "model"))
-    rf = body.get("response_format")
-    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
-        warn_once("/v1/chat/completions", "response_format", "structured output is not supported; ignored")
+    constraint = openai_spec(body)
     messages = normalize_messages(body.get("messages"))
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     ids = render_chat(served.engine.tokenizer, messages, tools=body.get("tools") or None)
+    await add_constraint(opts.params, served.engine.tokenizer, constraint)
     env = Envelope("chat.completion", served.name, opts.include_usage)
     tok = served.engine.tokenizer
 
@@ -163,8 +163,10 @@ async def completions(request: Request) -> Response:
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     if body.get("prompt") is None:
         raise bad_request("prompt is required", "prompt")
+    constraint = openai_spec(body)
     prompts = _prompts(body["prompt"], served)
     tok = served.engine.tokenizer
+    await add_constraint(opts.params, tok, constraint)
     env = Envelope("text_completion", served.name, opts.include_usage)
 
     def prefix(g: Generation) -> str:

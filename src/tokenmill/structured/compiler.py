@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -58,3 +59,16 @@ class GrammarCompiler:
 
 def _key(spec: GrammarSpec) -> str:
     return json.dumps([spec.kind, spec.value], sort_keys=True)
+
+
+_compilers: "weakref.WeakKeyDictionary[Tokenizer, GrammarCompiler]" = weakref.WeakKeyDictionary()
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
+    """The compiler (and its cache of grammars) of a loaded model, created on first use."""
+    with _compilers_lock:
+        compiler = _compilers.get(tokenizer)
+        if compiler is None:
+            compiler = _compilers[tokenizer] = GrammarCompiler(tokenizer)
+        return compiler
