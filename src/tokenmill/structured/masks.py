@@ -44,9 +44,12 @@ def compute_masks(constraints: list[Constraint]) -> torch.Tensor:
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, *, in_place: bool) -> torch.Tensor:
     """Disallowed tokens of the masked rows go to -inf."""
     out = logits if in_place else logits.clone()
+    disallowed = ~masks.allowed(out.shape[1])
+    if masks.rows == list(range(out.shape[0])):  # every row constrained: no gather and scatter
+        return out.masked_fill_(disallowed, _NEG_INF)
     idx = torch.tensor(masks.rows, dtype=torch.long)
     rows = out.index_select(0, idx)
-    rows.masked_fill_(~masks.allowed(out.shape[1]), _NEG_INF)
+    rows.masked_fill_(disallowed, _NEG_INF)
     out.index_copy_(0, idx, rows)
     return out
 
