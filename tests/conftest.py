@@ -9,6 +9,14 @@ from tiny_model import TinyLlamaSpec, write_tiny_llama
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_gguf):
+    """The tiny model's byte-level BPE tokenizer."""
+    from tokenmill.tokenizer import Tokenizer
+
+    return Tokenizer.from_file(tiny_gguf)
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> Path:
     """A tiny random Llama-architecture model with a byte-level BPE tokenizer, as a GGUF file."""
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", TinyLlamaSpec())

@@ -53,3 +53,16 @@ def test_bench_usage(capsys):
     assert main(["bench"]) == 2
     assert main(["bench", "nope"]) == 2
     assert "offline" in capsys.readouterr().out
+
+
+def test_structured_bench_tiny(tiny_gguf, tmp_path, capsys):
+    out = tmp_path / "structured.json"
+    rc = main(["bench", "structured", "--model", str(tiny_gguf), "--num-requests", "3", "--max-tokens", "40",
+               "--max-total-tokens", "1024", "--dtype", "fp32", "--repeats", "1", "--json", str(out)])
+    assert rc == 0
+    assert "ratio" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    c, u = r["constrained"], r["unconstrained"]
+    assert c["output_tokens"] == u["output_tokens"] > 0  # the same work on both sides
+    assert len(c["runs_output_tok_s"]) == len(u["runs_output_tok_s"]) == 1
+    assert c["mask_us_per_token"] > 0 and r["compile_seconds"] > 0

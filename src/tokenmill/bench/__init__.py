@@ -16,6 +16,7 @@ BENCHMARKS = {
     "serve": ("tokenmill.bench.serving", "load generator against a running server (OpenAI/Ollama API)"),
     "shared-prefix": ("tokenmill.bench.shared_prefix", "TTFT of a burst sharing a long prefix vs unique prefixes"),
     "quality": ("tokenmill.bench.quality", "greedy agreement and logit error of bf16/int4 vs fp32"),
+    "structured": ("tokenmill.bench.structured", "a batch of JSON-schema requests vs the same batch unconstrained"),
 }
 
 

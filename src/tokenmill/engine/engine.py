@@ -24,6 +24,7 @@ from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import ChunkSpec, LoadedModel, load_model
 from tokenmill.model.decode_graph import DecodeGraph
 from tokenmill.model.step_graph import MIN_TOKENS, StepGraph
+from tokenmill.structured import MaskWorker, PendingMasks
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
@@ -99,6 +100,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, decode_graph, step_graph,
                                   native_attention=self.native_attention)
         self.sampler = Sampler()
+        self.masks = MaskWorker()
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -142,6 +144,8 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if params.constraint is not None and params.constraint.vocab_size != self.tokenizer.vocab_size:
+            raise RequestError("the grammar was compiled for another model's vocabulary")
         return limit
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
@@ -203,11 +207,14 @@ class LLMEngine:
         if not batch.chunks:
             return events
         try:
+            # Grammar masks are built on a worker thread while the model runs.
+            masks = self.masks.start([(c.seq.seq_id, c.seq.constraint) for c in batch.sampling_chunks
+                                      if c.seq.constraint is not None])
             self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
             logits = self.runner.run(batch)
             self.scheduler.fork_samples(batch, lambda: next(self._seq_ids))
-            result = None if logits is None else self.sampler(self._logits(logits, batch), self._sampler_input(batch),
-                                                                owned=True)
+            result = None if logits is None else self.sampler(self._logits(logits, batch),
+                                                                self._sampler_input(batch, masks), owned=True)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("step failed; finishing its %d sequences with an error", len(batch.chunks))
             return events + self._fail(batch, f"{type(exc).__name__}: {exc}")
@@ -224,8 +231,9 @@ class LLMEngine:
         rows = batch.logit_rows()
         return logits if rows is None else logits.index_select(0, torch.tensor(rows))
 
-    def _sampler_input(self, batch: ScheduledBatch) -> SamplerInput:
-        seqs = [c.seq for c in batch.sampling_chunks]
+    def _sampler_input(self, batch: ScheduledBatch, masks: PendingMasks | None = None) -> SamplerInput:
+        chunks = batch.sampling_chunks
+        seqs = [c.seq for c in chunks]
         params = [s.params for s in seqs]
         recent = []
         if any(p.uses_penalties for p in params):
@@ -239,6 +247,10 @@ class LLMEngine:
             recent_token_ids=recent,
             num_output_tokens=[len(s.output_ids) for s in seqs],
             stop_token_ids=[self.scheduler.stop_ids] * len(seqs),
+            # A forked sample has its parent's grammar state, hence its parent's mask.
+            token_masks=None if masks is None else masks.for_rows(
+                [(c.forked_from.seq if c.forked_from else c.seq).seq_id if c.seq.constraint else None
+                 for c in chunks]),
         )
 
     def _fail(self, batch: ScheduledBatch, message: str) -> list[TokenEvent]:

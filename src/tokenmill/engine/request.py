@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenmill.engine.sampler import make_generator
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.structured import Constraint
 
 
 class Status(enum.Enum):
@@ -78,6 +79,7 @@ class Sequence:
     num_preemptions: int = 0
     num_emitted: int = 0  # output tokens already handed to the client
     generator: "torch.Generator | None" = None
+    constraint: Constraint | None = None  # grammar state, advanced with every output token
     times: SequenceTimes = field(default_factory=SequenceTimes)
     # Parallel samples: this sequence's index, and how many siblings it still has to fork (only
     # sample 0 has any, until its prompt is computed).
@@ -97,6 +99,8 @@ class Sequence:
         if self.params.seed is not None:
             # Sample i of a seeded request draws from seed + i: reproducible, yet the samples differ.
             self.generator = make_generator(self.params.seed + self.sample_index)
+        if self.constraint is None and self.params.constraint is not None:
+            self.constraint = self.params.constraint.new_constraint()
 
     @property
     def num_tokens(self) -> int:
@@ -154,6 +158,7 @@ class Sequence:
         caller). Born running; it keeps its own generator and output from here on."""
         child = replace(
             self, seq_id=seq_id, sample_index=sample_index, num_pending_forks=0, generator=None,
+            constraint=None if self.constraint is None else self.constraint.fork(),
             output_ids=list(self.output_ids), output_logprobs=list(self.output_logprobs),
             output_top_logprobs=list(self.output_top_logprobs),
             shifted_ids=None if self.shifted_ids is None else list(self.shifted_ids),

@@ -1,7 +1,8 @@
 """Batched token sampling for one decode step.
 
 Order, per row:
-    penalties (repeat, presence, frequency) -> suppression (min_tokens / ignore_eos)
+    penalties (repeat, presence, frequency) -> grammar mask (constrained rows only)
+    -> suppression (min_tokens / ignore_eos)
     -> greedy rows: argmax
     -> temperature -> top_k -> typical_p -> top_p -> min_p -> draw
 
@@ -10,9 +11,10 @@ min_p see temperature-1 probabilities; Ollama's own Go sampler and vLLM scale fi
 serve the Ollama API we behave like Ollama. Each truncation step renormalises over the survivors
 of the previous one, as llama.cpp, Ollama and vLLM all do.
 
-Logprobs are reported from the distribution after penalties and suppression but before
-temperature and truncation: that is what the model "thinks" given the repetition rules, and is
-independent of the sampling knobs (vLLM's default is the raw distribution, before penalties).
+Logprobs are reported from the distribution after penalties, the grammar mask and suppression but
+before temperature and truncation: that is what the model "thinks" given the repetition rules and
+what the output may be, and is independent of the sampling knobs (vLLM's default is the raw
+distribution, before penalties and masks).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.structured import TokenMasks, apply_token_masks
 
 _NEG_INF = float("-inf")
 
@@ -43,6 +46,8 @@ class SamplerInput:
     # The model's end-of-generation ids (EOS/EOT). Suppressed always when ignore_eos is set, and,
     # together with params.stop_token_ids, while num_output_tokens < min_tokens.
     stop_token_ids: list[frozenset[int]] = field(default_factory=list)
+    # Allowed tokens of the rows with a grammar constraint; None when no row has one.
+    token_masks: TokenMasks | None = None
 
 
 @dataclass
@@ -81,7 +86,11 @@ class Sampler:
         # runs 2.3x slower than a widening copy (0.26 ms at 64 rows) plus a float32 argmax.
         logits = logits.float()
         penalised = apply_penalties(logits, params, inp.recent_token_ids)
+        if inp.token_masks is not None:
+            penalised = apply_token_masks(penalised, inp.token_masks, in_place=owned or penalised is not logits)
         logits = _suppress_stop_tokens(penalised, inp, in_place=owned or penalised is not logits)
+        if inp.token_masks is not None:
+            _keep_a_way_out(logits, inp)
 
         greedy = [p.is_greedy for p in params]
         if all(greedy):
@@ -176,6 +185,18 @@ def _suppress_stop_tokens(logits: torch.Tensor, inp: SamplerInput, in_place: boo
     out = logits if in_place else logits.clone()
     out[_index(rows, logits.device), _index(toks, logits.device)] = _NEG_INF
     return out
+
+
+def _keep_a_way_out(logits: torch.Tensor, inp: SamplerInput) -> None:
+    """A constrained row whose grammar allows only tokens that suppression removed (it wants to end
+    before min_tokens) would have nothing to sample: let it end on a stop token instead."""
+    rows = inp.token_masks.rows
+    idx = _index(rows, logits.device)
+    dead = torch.isneginf(logits.index_select(0, idx).max(dim=-1).values).tolist()
+    for row, is_dead in zip(rows, dead):
+        if is_dead:
+            stops = [t for t in (inp.stop_token_ids[row] if inp.stop_token_ids else ()) if 0 <= t < logits.shape[1]]
+            logits[row, _index(stops or [0], logits.device)] = 0.0
 
 
 # top_p without top_k: look for the nucleus among the best 1024, then 8192 tokens (a partial top-k

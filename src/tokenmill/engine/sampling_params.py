@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.structured import Grammar
 
 MAX_TOP_LOGPROBS = 20
 # OpenAI caps temperature at 2 and Ollama not at all; we only reject values that are clearly
@@ -46,6 +50,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20 alternatives per position
+    # The output must match this grammar (compiled off the engine thread, see structured/): tokens it
+    # does not allow are masked out, and the sequence ends with `stop` once the grammar is complete.
+    constraint: "Grammar | None" = None
 
     @property
     def is_greedy(self) -> bool:

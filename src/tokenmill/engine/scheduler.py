@@ -228,7 +228,7 @@ class Scheduler:
                 else:
                     reason = FinishReason.LENGTH
             if reason is not None:
-                self.finish(seq, reason)
+                self.finish(seq, reason, seq.error)
             changed.append(seq)
         return changed
 
@@ -236,6 +236,13 @@ class Scheduler:
         p = seq.params
         if len(seq.output_ids) >= p.min_tokens:
             if (token in self.stop_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                return FinishReason.STOP
+        if seq.constraint is not None:
+            # The mask only offered tokens the grammar allows, so a refusal is a bug, not the client's.
+            if not seq.constraint.accept(token):
+                seq.error = f"the grammar rejected token {token}: {seq.constraint.error}"
+                return FinishReason.ERROR
+            if seq.constraint.is_complete:  # nothing may follow: end now rather than sample an EOS
                 return FinishReason.STOP
         if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
             return FinishReason.LENGTH

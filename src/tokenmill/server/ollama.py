@@ -19,11 +19,13 @@ from starlette.routing import Route
 from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat, render_prompt
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.errors import bad_request
-from tokenmill.server.generation import Generation, Timings
+from tokenmill.server.generation import Generation, Result, Timings
 from tokenmill.server.logprobs import chat_entries
 from tokenmill.server.model_host import ModelHost, ServedModel
 from tokenmill.server.ollama_params import FIELD_NAMES, OllamaOptions, parse_options
 from tokenmill.server.streaming import ndjson_response, unless_disconnected
+from tokenmill.server.structured_params import add_constraint, ollama_spec
+from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.server.validation import (
     get_bool,
     get_dict,
@@ -57,9 +59,15 @@ def _model_field(body: dict) -> str:
 class Shape:
     """Where the text goes in a response object: `response` for generate, `message` for chat."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, tool_use: ToolUse | None = None):
         self.chat = chat
         self.model = model
+        self.tool_use = tool_use
+
+    @property
+    def holds_text(self) -> bool:
+        """With tools, the text is held back to the end: only then is it known to be a call."""
+        return self.tool_use is not None and self.tool_use.active
 
     def chunk(self, text: str, logprobs: list | None = None) -> dict:
         obj = {"model": self.model, "created_at": now_iso()}
@@ -75,6 +83,11 @@ class Shape:
     def final(self, gen: Generation, text: str, done_reason: str, output_ids: list[int],
               logprobs: list | None) -> dict:
         obj = self.chunk(text, logprobs)
+        if self.holds_text:
+            content, calls = self.tool_use.extract(text)
+            if calls:
+                obj["message"] = {"role": "assistant", "content": content or "",
+                                  "tool_calls": [c.ollama() for c in calls]}
         obj.update(done=True, done_reason=done_reason)
         if not self.chat:
             obj["context"] = gen.prompt_ids + output_ids  # lets a client continue from here
@@ -96,8 +109,15 @@ def _logprobs(gen: Generation, ids: list[int], lps, top) -> list | None:
 
 async def _stream(gen: Generation, shape: Shape):
     output: list[int] = []
+    held = Result()
     async for _, d in gen.deltas():
         output += d.token_ids
+        if shape.holds_text:
+            held.add(d)
+            if d.finished:
+                lp = _logprobs(gen, held.token_ids, held.logprobs, held.top_logprobs)
+                yield shape.final(gen, held.text, d.finish_reason, output, lp)
+            continue
         lp = _logprobs(gen, d.token_ids, d.logprobs, d.top_logprobs)
         if d.finished:
             yield shape.final(gen, d.text, d.finish_reason, output, lp)
@@ -130,8 +150,6 @@ async def _respond(request: Request, served: ServedModel, ids: list[int], opts: 
 
 
 def _ignore_unsupported(body: dict, where: str) -> None:
-    if body.get("format"):
-        warn_once(where, "format", "structured output is not supported; `format` is ignored")
     if body.get("template"):
         warn_once(where, "template", "custom templates are not supported; the model's own is used")
 
@@ -153,7 +171,9 @@ async def generate(request: Request) -> Response:
     if not prompt and not context:
         return JSONResponse(shape.loaded())
     opts = parse_options(body, "/api/generate")
+    constraint = ollama_spec(body)
     ids = context + render_prompt(tok, prompt, system=get_str(body, "system"), raw=bool(get_bool(body, "raw")))
+    await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "prompt")
 
 
@@ -162,14 +182,17 @@ async def chat(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, CHAT_FIELDS, "/api/chat")
     served = _host(request).get(_model_field(body))
-    shape = Shape(True, served.name)
+    tool_use = parse_tool_use(body, allow_choice=False)  # Ollama has no tool_choice: the model decides
+    shape = Shape(True, served.name, tool_use)
     messages = normalize_messages(body.get("messages") or [])
     _ignore_unsupported(body, "/api/chat")
     if not messages:
         return JSONResponse(shape.loaded())
     opts = parse_options(body, "/api/chat")
-    tools = body.get("tools") or None
+    constraint = ollama_spec(body)
+    messages, tools = prepare_messages(served.engine.tokenizer, messages, tool_use)
     ids = render_chat(served.engine.tokenizer, messages, tools=tools)
+    await add_constraint(opts.params, served.engine.tokenizer, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "messages")
 
 

@@ -20,7 +20,9 @@ from tokenmill.server.model_host import ModelHost, ServedModel
 from tokenmill.server.openai_embeddings import embeddings
 from tokenmill.server.openai_params import OpenAIOptions, parse_options, truncate_prompt
 from tokenmill.server.streaming import sse_response, unless_disconnected
-from tokenmill.server.validation import get_bool, get_str, read_json, warn_once
+from tokenmill.server.structured_params import add_constraint, openai_spec
+from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
+from tokenmill.server.validation import get_bool, get_str, read_json
 
 SYSTEM_FINGERPRINT = "tokenmill"
 
@@ -92,15 +94,16 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     opts = parse_options(body, chat=True)
     served = _host(request).get(get_str(body, "model"))
-    rf = body.get("response_format")
-    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
-        warn_once("/v1/chat/completions", "response_format", "structured output is not supported; ignored")
+    tok = served.engine.tokenizer
+    tool_use = parse_tool_use(body)
+    constraint = _one_constraint(openai_spec(body), tool_use)
     messages = normalize_messages(body.get("messages"))
     if not messages:
         raise bad_request("messages must not be empty", "messages")
-    ids = render_chat(served.engine.tokenizer, messages, tools=body.get("tools") or None)
+    messages, tools = prepare_messages(tok, messages, tool_use)
+    ids = render_chat(tok, messages, tools=tools)
+    await add_constraint(opts.params, tok, constraint)
     env = Envelope("chat.completion", served.name, opts.include_usage)
-    tok = served.engine.tokenizer
 
     def logprobs_of(ids_, lps, top):
         return {"content": chat_entries(tok, ids_, lps, top)} if opts.params.logprobs and ids_ else None
@@ -111,8 +114,18 @@ async def chat_completions(request: Request) -> Response:
             yield env.wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}], "chat.completion.chunk")
         counts = [0] * num_choices
+        # With tools, a choice's text is held back until it ends: only then is it known to be a call.
+        held = [Result() for _ in range(num_choices)]
         async for i, d in all_deltas(gens):
             counts[i] += len(d.token_ids)
+            if tool_use.active:
+                held[i].add(d)
+                if d.finished:
+                    for delta, reason in _tool_deltas(tool_use, held[i]):
+                        lp = logprobs_of(held[i].token_ids, held[i].logprobs, held[i].top_logprobs) if delta else None
+                        yield env.wrap([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+                                       "chat.completion.chunk")
+                continue
             lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs)
             if d.text or lp:
                 yield env.wrap([{"index": i, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": None}],
@@ -124,14 +137,42 @@ async def chat_completions(request: Request) -> Response:
             yield env.wrap([], "chat.completion.chunk", _total_usage(gens, counts))
 
     def finish_body(gens: list[Generation], results: list[Result]) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
-                    "logprobs": logprobs_of(r.token_ids, r.logprobs, r.top_logprobs),
-                    "finish_reason": r.finish_reason}
-                   for i, r in enumerate(results)]
+        choices = []
+        for i, r in enumerate(results):
+            message, reason = _message(tool_use, r)
+            choices.append({"index": i, "message": message,
+                            "logprobs": logprobs_of(r.token_ids, r.logprobs, r.top_logprobs), "finish_reason": reason})
         return env.wrap(choices, usage=_total_usage(gens, [len(r.token_ids) for r in results]))
 
     return await _run(request, lambda: _generations(served, [ids], opts, "messages"), opts, opts.n,
                       stream_body, finish_body)
+
+
+def _one_constraint(found, tool_use: ToolUse):
+    forced = tool_use.constraint()
+    if forced is not None and found is not None:
+        raise bad_request(f"tool_choice {tool_use.choice!r} cannot be combined with {found[1]}", "tool_choice")
+    return forced or found
+
+
+def _message(tool_use: ToolUse, r: Result) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice, with its tool calls parsed out, and the finish reason."""
+    content, calls = tool_use.extract(r.text) if tool_use.active else (r.text, [])
+    if not calls:
+        return {"role": "assistant", "content": r.text}, r.finish_reason
+    reason = "tool_calls" if r.finish_reason == "stop" else r.finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}, reason
+
+
+def _tool_deltas(tool_use: ToolUse, r: Result) -> list[tuple[dict, str | None]]:
+    """The deltas a held-back choice is streamed as: its text, or its calls (one delta each)."""
+    message, reason = _message(tool_use, r)
+    deltas: list[tuple[dict, str | None]] = []
+    if message.get("content"):
+        deltas.append(({"content": message["content"]}, None))
+    for j, call in enumerate(message.get("tool_calls", [])):
+        deltas.append(({"tool_calls": [{"index": j, **call}]}, None))
+    return deltas + [({}, reason)]
 
 
 # --- /v1/completions ------------------------------------------------------------------------------
@@ -163,8 +204,10 @@ async def completions(request: Request) -> Response:
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     if body.get("prompt") is None:
         raise bad_request("prompt is required", "prompt")
+    constraint = openai_spec(body)
     prompts = _prompts(body["prompt"], served)
     tok = served.engine.tokenizer
+    await add_constraint(opts.params, tok, constraint)
     env = Envelope("text_completion", served.name, opts.include_usage)
 
     def prefix(g: Generation) -> str:

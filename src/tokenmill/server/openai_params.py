@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine import Priority, SamplingParams
 from tokenmill.server.errors import bad_request
+from tokenmill.server.structured_params import OPENAI_FIELDS
 from tokenmill.server.validation import (
     get_bool,
     get_dict,
@@ -25,13 +26,14 @@ SAMPLING_FIELDS = {
     # vLLM / llama.cpp extensions
     "top_k", "min_p", "typical_p", "repetition_penalty", "repeat_last_n", "min_tokens", "ignore_eos",
     "stop_token_ids", "truncate_prompt_tokens",
+    *OPENAI_FIELDS,  # response_format, vLLM's guided_* and structured_outputs
 }
 # Accepted without effect: they change nothing about the text a model can produce here.
-HARMLESS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "tool_choice", "safety_identifier",
+HARMLESS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "safety_identifier",
             "prompt_cache_key", "modalities", "verbosity", "reasoning_effort",
             "add_generation_prompt", "chat_template_kwargs"}
 CHAT_FIELDS = SAMPLING_FIELDS | HARMLESS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                            "response_format"}
+                                            "tool_choice"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | HARMLESS | {"prompt", "echo", "suffix", "best_of"}
 
 

@@ -18,6 +18,7 @@ from tokenmill.server.generation import Generation
 from tokenmill.server.logprobs import token_text
 from tokenmill.server.model_host import LoadSpec, ModelHost
 from tokenmill.server.streaming import sse_response, unless_disconnected
+from tokenmill.server.structured_params import RUNNER_FIELDS, add_constraint, runner_spec
 from tokenmill.server.validation import (
     get_bool,
     get_float,
@@ -32,7 +33,7 @@ from tokenmill.server.validation import (
 LOAD_FIELDS = {"model", "num_ctx", "kv_size", "parallel", "batch_size", "ubatch_size", "dtype"}
 COMPLETION_FIELDS = {"prompt", "n_predict", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
                      "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "n_probs",
-                     "ignore_eos", "min_tokens", "priority", "cache_prompt", "id_slot", "model"}
+                     "ignore_eos", "min_tokens", "priority", "cache_prompt", "id_slot", "model", *RUNNER_FIELDS}
 # llama-server's names for SamplingParams fields, for error messages.
 FIELD_NAMES = {"max_tokens": "n_predict", "top_logprobs": "n_probs"}
 
@@ -170,6 +171,7 @@ async def completion(request: Request) -> Response:
     else:
         raise bad_request("prompt must be a string or a list of token ids", "prompt")
     params = _params(body)
+    await add_constraint(params, tok, runner_spec(body))
     stream = bool(get_bool(body, "stream", False))
     slot = host.admission.enter()
     try:

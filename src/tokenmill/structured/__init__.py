@@ -1,0 +1,14 @@
+"""Structured output: constraining what a sequence may generate (JSON, JSON Schema, regex, choices,
+Lark/GBNF grammars) with llguidance token masks.
+
+`GrammarSpec` says what a request wants, `GrammarCompiler` compiles it off the engine thread into a
+`Grammar`, each sequence advances its own `Constraint`, and `MaskWorker` computes the step's masks
+while the model runs."""
+from tokenmill.structured.compiler import GrammarCompiler, compiler_for
+from tokenmill.structured.constraint import Constraint
+from tokenmill.structured.grammar import Grammar, GrammarError, GrammarSpec
+from tokenmill.structured.masks import MaskWorker, PendingMasks, TokenMasks, apply_token_masks
+from tokenmill.structured.vocab import grammar_tokenizer
+
+__all__ = ["Constraint", "Grammar", "GrammarCompiler", "GrammarError", "GrammarSpec", "MaskWorker", "PendingMasks",
+           "TokenMasks", "apply_token_masks", "compiler_for", "grammar_tokenizer"]

@@ -1,0 +1,113 @@
+"""What a request asks its output to match (`GrammarSpec`), turned into a compiled `Grammar`.
+
+A `Grammar` is a template: a matcher at the start state, never advanced. Every sequence gets its
+own copy (`Constraint`, a deep copy costs about a microsecond while compiling costs 0.5 ms to tens
+of ms), so n samples and repeated requests with the same schema compile once."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+
+from tokenmill.structured.constraint import Constraint
+
+Kind = Literal["json", "json_schema", "regex", "choice", "grammar"]
+
+# JSON as Python's json.dumps writes it (", " and ": "), with no other whitespace: models write this
+# form naturally, and a small model given free whitespace can pad an object with newlines until it
+# runs out of tokens.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# What llguidance may spend: on building a grammar's lexer (~50k fuel/ms) and per token mask
+# (~14k fuel/ms), so neither a pathological schema nor a pathological step can stall the engine.
+LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+              max_grammar_size=500_000, max_lexer_states=250_000, verbose_errors=False)
+
+# A request's grammar source (schema, regex, grammar text) may be at most this long.
+MAX_SOURCE_CHARS = 256 * 1024
+
+
+class GrammarError(ValueError):
+    """The schema or grammar cannot be used; the message names the problem, for a 400."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """kind: "json" (any JSON object), "json_schema" (value: a schema dict), "regex" (value: a
+    pattern), "choice" (value: a list of strings), "grammar" (value: Lark or llama.cpp GBNF text)."""
+    kind: Kind
+    value: Any = None
+
+    def source(self) -> str:
+        """The llguidance grammar text (raises GrammarError for what cannot even be converted)."""
+        if self.kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+        if self.kind == "json_schema":
+            if not isinstance(self.value, (dict, bool)):
+                raise GrammarError(f"a JSON schema must be an object, got {type(self.value).__name__}")
+            _check_size(json.dumps(self.value))
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(self.value, overrides=JSON_OPTIONS)
+            except ValueError as exc:
+                raise GrammarError(f"invalid JSON schema: {exc}") from None
+        if self.kind == "regex":
+            _check_text(self.value, "a regex")
+            return llguidance.LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "choice":
+            if (not isinstance(self.value, list) or not self.value
+                    or not all(isinstance(c, str) and c for c in self.value)):
+                raise GrammarError("choices must be a non-empty list of non-empty strings")
+            _check_size(json.dumps(self.value))
+            return llguidance.grammar_from("choice", self.value)
+        if self.kind == "grammar":
+            _check_text(self.value, "a grammar")
+            try:
+                return llguidance.grammar_from("grammar", self.value)
+            except ValueError as exc:
+                raise GrammarError(str(exc)) from None
+        raise GrammarError(f"unknown constraint kind {self.kind!r}")
+
+    def describe(self) -> str:
+        return {"json": "JSON object", "json_schema": "JSON schema", "regex": "regex", "choice": "choice",
+                "grammar": "grammar"}[self.kind]
+
+
+def _check_text(value: Any, what: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise GrammarError(f"{what} must be a non-empty string")
+    _check_size(value)
+
+
+def _check_size(text: str) -> None:
+    if len(text) > MAX_SOURCE_CHARS:
+        raise GrammarError(f"the grammar is {len(text)} characters long; at most {MAX_SOURCE_CHARS} are accepted")
+
+
+class Grammar:
+    """A compiled grammar for one tokenizer; `new_constraint()` gives a sequence its own matcher."""
+
+    def __init__(self, spec: GrammarSpec, tokenizer: llguidance.LLTokenizer, vocab_size: int):
+        source = spec.source()
+        limits = llguidance.LLParserLimits(**LIMITS)
+        # Validation and construction drop the GIL; construction is the expensive part (the lexer).
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, tokenizer, limits=limits)
+        if is_error:
+            raise GrammarError(f"invalid {spec.describe()}: {_summary(messages)}")
+        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=limits)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {spec.describe()}: {_summary([matcher.get_error()])}")
+        self.spec = spec
+        self.vocab_size = vocab_size
+        self._template = matcher
+
+    def new_constraint(self) -> Constraint:
+        return Constraint(self._template.deep_copy(), self.vocab_size)
+
+
+def _summary(messages: list[str], limit: int = 400) -> str:
+    """llguidance's message on one line (it spans several, with a caret under the culprit)."""
+    text = " ".join(line.strip() for line in (messages[0] if messages else "").splitlines() if line.strip())
+    text = text or "rejected by the grammar compiler"
+    return text if len(text) <= limit else text[:limit] + "..."
