@@ -97,7 +97,7 @@ async def health(request: Request) -> Response:
     if status == "loading":
         return JSONResponse({"status": "loading", "progress": round(host.progress, 3)}, status_code=503)
     if status == "error":
-        return JSONResponse({"status": "error", "error": host.error}, status_code=503)
+        return JSONResponse({"status": "error", "error": host.problem}, status_code=503)
     return JSONResponse({"status": "error", "error": "no model loaded"}, status_code=503)
 
 
