@@ -39,9 +39,9 @@ class LiveServer:
 
 
 def start_server(model: str, *, max_queue: int = 256, dtype: str = "fp32", kv_size: int = TINY_KV_TOKENS,
-                 loader=None, fetcher=None, compile: bool = False) -> tuple[LiveServer, ModelHost]:
+                 loader=None, fetcher=None, compile: bool = False, **more_settings) -> tuple[LiveServer, ModelHost]:
     host = ModelHost(max_queue=max_queue, retire_timeout=5, **({"loader": loader} if loader else {}))
-    settings = Config(dtype=dtype, kv_size=kv_size, max_queue=max_queue, compile=compile)
+    settings = Config(dtype=dtype, kv_size=kv_size, max_queue=max_queue, compile=compile, **more_settings)
     if model:
         host.start_load(LoadSpec(model, settings.engine_config()))
     server = LiveServer(create_app(host, settings, fetcher=fetcher)).start()
