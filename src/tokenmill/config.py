@@ -70,6 +70,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("origins", str, "", "extra CORS origins allowed to call the API, comma-separated, `*` wildcards "
            "(as OLLAMA_ORIGINS); localhost origins are always allowed", ("--origins",), env=("OLLAMA_ORIGINS",),
            group="server"),
+    Option("header_timeout", float, 10.0, "seconds a new connection gets to send its request headers; slower "
+           "ones are closed (slowloris)", ("--header-timeout",), lo=0.1, group="server"),
     Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body accepted; larger ones get 413",
            ("--max-body-bytes",), lo=1024, group="server"),
     # --- engine ---------------------------------------------------------------------------------
@@ -124,6 +126,7 @@ class Config:
     log_level: str = "info"
     api_key: str = ""
     origins: str = ""
+    header_timeout: float = 10.0
     max_body_bytes: int = 32 * 1024 * 1024
     dtype: str = "auto"
     kv_dtype: str = "auto"

@@ -15,11 +15,12 @@ TINY_KV_TOKENS = 8192
 
 
 class LiveServer:
-    def __init__(self, app, *, graceful_timeout: int = 5):
+    def __init__(self, app, *, graceful_timeout: int = 5, http="auto"):
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful_timeout)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful_timeout,
+                                http=http)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

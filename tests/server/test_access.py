@@ -105,3 +105,36 @@ def test_body_over_the_limit_is_413_json(path):
         r = c.post(path, content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413 and "limit" in r.text, r.text
         assert c.post(path, json={"model": "m", "prompt": "x"}).status_code == 503  # small bodies pass (no model here)
+
+
+def test_slow_or_huge_headers_cannot_hold_a_connection():
+    import http.client
+    import socket
+    import time
+
+    from server_helpers import LiveServer
+    from tokenmill.server.connections import protocol_with_timeout
+
+    server = LiveServer(app_with(), http=protocol_with_timeout(0.5)).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as slow:
+            slow.sendall(b"GET /api/version HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
+            start = time.monotonic()
+            assert slow.recv(1024) == b""  # closed by the server
+            assert 0.3 < time.monotonic() - start < 3
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as big:
+            big.sendall(b"GET /api/version HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+            reply = big.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 431") and b"request headers exceed" in reply
+        # A prompt client on a kept-alive connection is not cut off by the header timer.
+        ok = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        try:
+            for _ in range(2):
+                ok.request("GET", "/api/version")
+                response = ok.getresponse()
+                assert response.status == 200 and response.read()
+                time.sleep(0.6)
+        finally:
+            ok.close()
+    finally:
+        server.stop()

@@ -75,8 +75,11 @@ def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:
 
     host = ModelHost(max_queue=settings.max_queue, retire_timeout=settings.drain_timeout)
     host.start_load(LoadSpec(settings.model, settings.engine_config()))
+    from tokenmill.server.connections import protocol_with_timeout
+
     config = uvicorn.Config(
         create_app(host, settings),
+        http=protocol_with_timeout(settings.header_timeout),
         log_level=settings.log_level,
         timeout_keep_alive=int(settings.keep_alive),
         timeout_graceful_shutdown=int(settings.drain_timeout),
