@@ -157,3 +157,15 @@ def test_print_config_reports_errors(tmp_path, capsys):
     assert main(["serve", "--config", str(path), "--print-config"]) == 1
     err = capsys.readouterr().err
     assert "unknown setting 'bogus'" in err and str(path) in err
+
+
+def test_reliability_settings_reach_the_server_and_the_engine():
+    env = {"TOKENMILL_API_KEY": "k", "OLLAMA_ORIGINS": "https://x.example", "TOKENMILL_REQUEST_TIMEOUT": "90",
+           "TOKENMILL_MAX_TOKENS": "1000", "TOKENMILL_MAX_BODY_BYTES": "4096"}
+    cfg = load_config(serve_args("--watchdog-seconds", "3"), env=env)
+    assert (cfg.api_key, cfg.origins, cfg.max_body_bytes) == ("k", "https://x.example", 4096)
+    engine = cfg.engine_config()
+    assert (engine.request_timeout, engine.max_new_tokens, engine.watchdog_seconds) == (90.0, 1000, 3.0)
+    assert load_config(None, env={}).engine_config().max_new_tokens is None  # 0: the model's context length
+    with pytest.raises(ConfigError, match="TOKENMILL_REQUEST_TIMEOUT"):
+        load_config(None, env={"TOKENMILL_REQUEST_TIMEOUT": "-1"})

@@ -65,6 +65,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("keep_alive", float, 5.0, "seconds an idle HTTP keep-alive connection stays open", ("--keep-alive",),
            lo=0, group="server"),
     Option("log_level", str, "info", "log level", ("--log-level",), choices=LOG_LEVELS, group="server"),
+    Option("api_key", str, "", "require `Authorization: Bearer KEY` on every route but /health; empty = no key",
+           ("--api-key",), group="server"),
+    Option("origins", str, "", "extra CORS origins allowed to call the API, comma-separated, `*` wildcards "
+           "(as OLLAMA_ORIGINS); localhost origins are always allowed", ("--origins",), env=("OLLAMA_ORIGINS",),
+           group="server"),
+    Option("header_timeout", float, 10.0, "seconds a new connection gets to send its request headers; slower "
+           "ones are closed (slowloris)", ("--header-timeout",), lo=0.1, group="server"),
+    Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body accepted; larger ones get 413",
+           ("--max-body-bytes",), lo=1024, group="server"),
     # --- engine ---------------------------------------------------------------------------------
     Option("dtype", str, "auto", "weights and activations: gguf (weights stay in their GGUF blocks, native "
            "kernels, float32 activations), bf16, fp32, or auto (gguf where the compiled core runs, else bf16 on "
@@ -93,6 +102,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("threads", int, 0, "torch compute threads; 0 = torch's default (one per core). On a shared machine "
            "1 is steadier: busy-waiting threads that lose their core slow every op", ("--threads",), lo=1,
            zero_ok=True),
+    Option("max_tokens", int, 0, "most tokens one request may generate, whatever it asks (Ollama's num_predict "
+           "-1 and -2 stop here too); 0 = the model's context length", ("--max-tokens",), lo=1, zero_ok=True),
+    Option("request_timeout", float, 0.0, "seconds after which a request is finished (with `length`), waiting or "
+           "running; 0 = no deadline", ("--request-timeout",), lo=0),
+    Option("watchdog_seconds", float, 10.0, "log an engine step that runs longer than this, with its batch "
+           "shape; 0 = off", ("--watchdog-seconds",), lo=0),
     Option("compile", bool, True, "compile model steps with torch.compile (about a minute per graph the first "
            "time, cached on disk after); --no-compile runs every step eagerly", ("--compile",)),
 )
@@ -109,6 +124,10 @@ class Config:
     drain_timeout: float = 30.0
     keep_alive: float = 5.0
     log_level: str = "info"
+    api_key: str = ""
+    origins: str = ""
+    header_timeout: float = 10.0
+    max_body_bytes: int = 32 * 1024 * 1024
     dtype: str = "auto"
     kv_dtype: str = "auto"
     num_ctx: int = 0
@@ -122,6 +141,9 @@ class Config:
     aging_ms: float = 10.0
     max_wait_ms: float = 0.0
     threads: int = 0
+    max_tokens: int = 0
+    request_timeout: float = 0.0
+    watchdog_seconds: float = 10.0
     compile: bool = True
     # Where each value came from: "default", "config file PATH", "env NAME", "flag --name", "argument MODEL".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -134,7 +156,8 @@ class Config:
                             max_model_len=self.num_ctx or None, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
                             parallel=self.parallel, enable_prefix_caching=self.prefix_cache, policy=self.policy,
                             aging_ms=self.aging_ms, max_wait_ms=self.max_wait_ms, threads=self.threads,
-                            compile=self.compile)
+                            compile=self.compile, max_new_tokens=self.max_tokens or None,
+                            request_timeout=self.request_timeout, watchdog_seconds=self.watchdog_seconds)
 
     def source(self, name: str) -> str:
         return self.sources.get(name, "default")

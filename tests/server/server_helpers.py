@@ -15,11 +15,12 @@ TINY_KV_TOKENS = 8192
 
 
 class LiveServer:
-    def __init__(self, app, *, graceful_timeout: int = 5):
+    def __init__(self, app, *, graceful_timeout: int = 5, http="auto"):
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful_timeout)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful_timeout,
+                                http=http)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -39,9 +40,9 @@ class LiveServer:
 
 
 def start_server(model: str, *, max_queue: int = 256, dtype: str = "fp32", kv_size: int = TINY_KV_TOKENS,
-                 loader=None, fetcher=None, compile: bool = False) -> tuple[LiveServer, ModelHost]:
+                 loader=None, fetcher=None, compile: bool = False, **more_settings) -> tuple[LiveServer, ModelHost]:
     host = ModelHost(max_queue=max_queue, retire_timeout=5, **({"loader": loader} if loader else {}))
-    settings = Config(dtype=dtype, kv_size=kv_size, max_queue=max_queue, compile=compile)
+    settings = Config(dtype=dtype, kv_size=kv_size, max_queue=max_queue, compile=compile, **more_settings)
     if model:
         host.start_load(LoadSpec(model, settings.engine_config()))
     server = LiveServer(create_app(host, settings, fetcher=fetcher)).start()

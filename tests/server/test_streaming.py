@@ -44,9 +44,11 @@ def test_disconnect_mid_sse_stream_aborts_every_choice(client, tiny):
     assert aborted(host) == before + 2
 
 
-def test_disconnect_while_waiting_for_a_non_streaming_answer(tiny):
+def test_disconnect_while_waiting_for_a_non_streaming_answer(tiny, monkeypatch):
     url, host = tiny
     before = aborted(host)
+    # Steps slowed so the answer (at most the context length of tokens) takes far longer than 0.3 s.
+    monkeypatch.setattr(host.current.engine, "step_hook", lambda batch: time.sleep(0.01))
     with httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=0.3)) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/api/generate", json={"model": model_name(host), "prompt": "hi", "stream": False,
                                       "options": {"temperature": 0, "num_predict": 5000}})  # shifts

@@ -1,7 +1,11 @@
 """The async side: the engine loop on a background thread, and per-request async streams.
 
 Only the loop thread touches the engine. Callers talk to it through a command queue; each request's
-events come back on its own asyncio.Queue via call_soon_threadsafe."""
+events come back on its own asyncio.Queue via call_soon_threadsafe. What observers need (statistics,
+health) the loop publishes after every step, so reading it never waits for a step to end.
+
+If the loop thread dies, every waiting stream gets an error, pending calls fail, and new requests
+are refused at once (EngineDeadError) instead of queueing for a thread that will never run them."""
 from __future__ import annotations
 
 import asyncio
@@ -15,16 +19,41 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.engine import LLMEngine, TokenEvent
+from tokenmill.engine.health import EngineHealth, Watchdog
 from tokenmill.engine.request import FinishReason, Priority
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.stats import StatsSnapshot
 
 log = logging.getLogger("tokenmill.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop thread has ended; nothing submitted now would ever run."""
 
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    n: int = 1
+
+
+class _Call:
+    """fn(engine) to run on the loop thread, with the future its caller awaits."""
+
+    def __init__(self, fn: Callable[[LLMEngine], Any], engine: LLMEngine):
+        self.fn, self.engine, self.future = fn, engine, Future()
+
+    def __call__(self) -> None:
+        if self.future.set_running_or_notify_cancel():
+            try:
+                self.future.set_result(self.fn(self.engine))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self.future.set_exception(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.future.set_running_or_notify_cancel():
+            self.future.set_exception(exc)
 
 
 class AsyncEngine:
@@ -36,17 +65,40 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
+        self.crash: str | None = None  # why the loop thread died, once it has
+        # The statistics as of the last step; replaced whole, never mutated, so any thread may read it.
+        self.snapshot: StatsSnapshot = engine.stats_snapshot()
+        self.watchdog = Watchdog(lambda: engine.current_step, engine.cfg.watchdog_seconds)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
         self._thread.start()
+        self.watchdog.start()
         return self
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True
         self._wake.set()
+        self.watchdog.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def health(self) -> EngineHealth:
+        """Never waits for the engine: a dead loop, or steps failing in a row, or ok."""
+        if self.crash is not None:
+            return EngineHealth("dead", f"the engine thread crashed: {self.crash}")
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
+            return EngineHealth("dead", "the engine thread is not running")
+        faults = self.engine.faults
+        if faults.unhealthy:
+            return EngineHealth("failing", f"{faults.num_consecutive} engine steps failed in a row; "
+                                           f"the last: {faults.last_error}")
+        return EngineHealth("ok")
+
+    def _check_alive(self) -> None:
+        health = self.health()
+        if health.status == "dead":
+            raise EngineDeadError(health.reason)
 
     @property
     def num_active(self) -> int:
@@ -59,14 +111,16 @@ class AsyncEngine:
                        **options: Any) -> AsyncIterator[TokenEvent]:
         """Stream a request's events (for n samples: keyed by ev.index, ending when all n ended);
         leaving the loop early (client gone) aborts it. options: num_keep, truncate, shift."""
+        self._check_alive()
         self.engine.check_request(prompt_ids, params, num_ctx, n=n, **options)  # bad input raises here
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), n)
         with self._lock:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = stream
         self._submit(lambda: self._add(rid, prompt_ids, params, priority, num_ctx, n, options))
+        self._fail_if_crashed()  # the thread may have died between the check above and now
         num_finished = 0
         finished = False
         try:
@@ -86,18 +140,11 @@ class AsyncEngine:
         self._submit(lambda: self._deliver(self.engine.abort(request_id, index)))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
-        """Run fn(engine) on the loop thread between steps (e.g. embeddings, stats snapshots)."""
-        fut: Future = Future()
-
-        def run() -> None:
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(self.engine))
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(exc)
-
-        self._submit(run)
-        return fut
+        """Run fn(engine) on the loop thread between steps (e.g. embeddings)."""
+        command = _Call(fn, self.engine)
+        self._submit(command)
+        self._fail_if_crashed()
+        return command.future
 
     # --- loop thread ---------------------------------------------------------------------------
     def _submit(self, command: Callable[[], Any]) -> None:
@@ -128,6 +175,38 @@ class AsyncEngine:
                 pass
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - reported through health(); nobody joins this thread
+            log.exception("the engine thread crashed")
+            self.crash = f"{type(exc).__name__}: {exc}"
+            self._fail_everyone()
+
+    def _fail_if_crashed(self) -> None:
+        if self.crash is not None:
+            self._fail_everyone()
+
+    def _fail_everyone(self) -> None:
+        """After a crash: end every stream with an error and fail every pending call. The engine's
+        state is unknown, so this touches only the client side."""
+        error = f"the engine thread crashed: {self.crash}"
+        with self._lock:
+            streams = dict(self._streams)
+        for rid, stream in streams.items():
+            self._deliver([TokenEvent(rid, [], None, None, FinishReason.ERROR, error, 0, 0, 0, i)
+                           for i in range(stream.n)])
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Call):
+                command.fail(EngineDeadError(error))
+
+    def _publish(self) -> None:
+        self.snapshot = self.engine.stats_snapshot()
+
+    def _run(self) -> None:
         while not self._stopping:
             while True:
                 try:
@@ -138,6 +217,7 @@ class AsyncEngine:
                     command()
                 except Exception:  # noqa: BLE001
                     log.exception("engine command failed")
+            self._publish()
             if not self.engine.has_unfinished():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -149,8 +229,10 @@ class AsyncEngine:
                 continue
             try:
                 self._deliver(self.engine.step())
-            except Exception:  # noqa: BLE001 - the loop must survive anything a step throws
+            except Exception as exc:  # noqa: BLE001 - the loop must survive anything a step throws
                 log.exception("engine step crashed")
+                self.engine.faults.record_failure(f"{type(exc).__name__}: {exc}")
+            self._publish()
         # Shutting down: whoever still waits gets an abort.
         for rid in list(self._streams):
             self._deliver(self.engine.abort(rid))

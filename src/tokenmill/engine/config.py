@@ -36,6 +36,11 @@ class EngineConfig:
     # compiled when the engine is built. Off by default here so library users and tests do not pay
     # the compile; the CLI's default (config.py) is on.
     compile: bool = False
+    # Bounded work: most tokens one request generates (None = the model's context length), and the
+    # seconds after its arrival at which a request is finished wherever it is (0 = no deadline).
+    max_new_tokens: int | None = None
+    request_timeout: float = 0.0
+    watchdog_seconds: float = 10.0     # log a step that runs longer than this (0 = no watchdog)
 
     def validate(self) -> None:
         if self.threads < 0:
@@ -55,6 +60,11 @@ class EngineConfig:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.aging_ms <= 0:
             raise ConfigError(f"aging_ms must be positive, got {self.aging_ms}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        for name in ("request_timeout", "watchdog_seconds"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_wait_ms < 0:
             raise ConfigError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
 

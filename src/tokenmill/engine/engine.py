@@ -5,13 +5,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from tokenmill.engine.config import ConfigError, EngineConfig
 from tokenmill.engine.context import generation_reserve, truncate_prompt
+from tokenmill.engine.health import StepFaults, StepShape
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler, SamplerInput
@@ -77,6 +79,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         mc = loaded.config
         self.max_model_len = cfg.context_limit(mc.context_length)
+        # Bounded work: no request generates more than this, whatever it asks (context shift would
+        # otherwise let a request without max_tokens run forever).
+        self.max_new_tokens = cfg.max_new_tokens or mc.context_length
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         # Every row through the native paged attention: float32 activations with the compiled core.
         self.native_attention = native.module() is not None and loaded.dtype == torch.float32
@@ -104,6 +109,11 @@ class LLMEngine:
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+        self.faults = StepFaults()
+        self.current_step: StepShape | None = None  # read by the watchdog thread
+        # Test hook: called with the batch inside the step's fault boundary, just before the model
+        # runs. Tests make it raise (fault injection) or sleep (a slow or hung step).
+        self.step_hook: Callable[[ScheduledBatch], None] | None = None
 
     def _kv_dtype(self, cfg: EngineConfig, loaded: LoadedModel) -> torch.dtype:
         """auto: bf16 for GGUF weights on the native path (half the bytes of float32, and attention
@@ -166,8 +176,12 @@ class LLMEngine:
                      "(kept the first %d, dropped the %d after them)", request_id, len(prompt_ids),
                      len(cut.token_ids), limit, cut.num_keep, cut.num_dropped)
             prompt_ids = cut.token_ids
+        if params.max_tokens is None or params.max_tokens > self.max_new_tokens:
+            params = replace(params, max_tokens=self.max_new_tokens)
         seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, limit, priority,
                        num_pending_forks=n - 1, num_keep=min(num_keep, limit - 2), shift=shift)
+        if self.cfg.request_timeout > 0:
+            seq.deadline = seq.times.arrival + self.cfg.request_timeout
         self.scheduler.add(seq)
         return request_id
 
@@ -202,11 +216,15 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         start = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
+        events = self._expire_overdue()
         batch = self.scheduler.schedule()
-        events = [ev for seq in batch.finished for ev in self._finished(seq)]
+        events += [ev for seq in batch.finished for ev in self._finished(seq)]
         if not batch.chunks:
             return events
+        self.current_step = StepShape.of(batch)
         try:
+            if self.step_hook is not None:
+                self.step_hook(batch)
             # Grammar masks are built on a worker thread while the model runs.
             masks = self.masks.start([(c.seq.seq_id, c.seq.constraint) for c in batch.sampling_chunks
                                       if c.seq.constraint is not None])
@@ -217,7 +235,12 @@ class LLMEngine:
                                                                 self._sampler_input(batch, masks), owned=True)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("step failed; finishing its %d sequences with an error", len(batch.chunks))
-            return events + self._fail(batch, f"{type(exc).__name__}: {exc}")
+            message = f"{type(exc).__name__}: {exc}"
+            self.faults.record_failure(message)
+            return events + self._fail(batch, message)
+        finally:
+            self.current_step = None
+        self.faults.record_success()
         changed = self.scheduler.update(batch, result)
         self._record(batch, start, self.scheduler.num_preemptions - preemptions_before)
         for seq in changed:
@@ -259,6 +282,18 @@ class LLMEngine:
             if not chunk.seq.is_finished:
                 self.scheduler.finish(chunk.seq, FinishReason.ERROR, message)
                 events += self._finished(chunk.seq)
+        return events
+
+    def _expire_overdue(self) -> list[TokenEvent]:
+        """Finish the sequences whose deadline (request_timeout) has passed, running or waiting."""
+        if self.cfg.request_timeout <= 0:
+            return []
+        events = []
+        for seq in self.scheduler.overdue(time.monotonic()):
+            log.info("request %s sample %d: deadline of %gs reached after %d tokens; finishing it",
+                     seq.request_id, seq.sample_index, self.cfg.request_timeout, len(seq.output_ids))
+            self.scheduler.finish(seq, FinishReason.TIMEOUT, f"request timeout ({self.cfg.request_timeout:g}s)")
+            events += self._finished(seq)
         return events
 
     def _finished(self, seq: Sequence) -> list[TokenEvent]:

@@ -67,7 +67,7 @@ class OutputAssembler:
             hit = False
             if ev.finished:
                 out += self.stops.flush()
-                self.finish_reason = ev.finish_reason.value
+                self.finish_reason = ev.finish_reason.client_value
         self.text += out
         return self._delta(out, ev, hit)
 

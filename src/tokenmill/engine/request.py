@@ -35,6 +35,12 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"    # the client went away or asked to cancel
     ERROR = "error"    # the engine failed while running this sequence
+    TIMEOUT = "timeout"  # the request's deadline (request_timeout) passed; clients see `length`
+
+    @property
+    def client_value(self) -> str:
+        """The reason as the HTTP APIs spell it: a deadline is one more limit the output hit."""
+        return "length" if self is FinishReason.TIMEOUT else self.value
 
 
 ALLOWED = {
@@ -94,6 +100,7 @@ class Sequence:
     # of the old context, then what was generated since. output_ids keeps everything generated.
     shifted_ids: list[int] | None = None
     shifted_output_start: int = 0
+    deadline: float | None = None  # time.monotonic() after which the engine finishes it (timeout)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -59,6 +59,9 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         seq.finish(reason, error)
 
+    def overdue(self, now: float) -> list[Sequence]:
+        return [s for s in [*self.running, *self.waiting] if s.deadline is not None and s.deadline <= now]
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

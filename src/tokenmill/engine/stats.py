@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from dataclasses import dataclass, field
 
 from tokenmill.engine.request import Sequence
@@ -120,3 +121,4 @@ class StatsSnapshot:
     num_steps: int
     finished: dict[str, int]                 # by finish reason
     histograms: dict[str, HistogramSnapshot]  # by HISTOGRAM_NAMES
+    taken_at: float = field(default_factory=time.monotonic)

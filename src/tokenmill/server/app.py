@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenmill.config import Config
-from tokenmill.server import metrics, ollama, ollama_models, openai, runner_api
+from tokenmill.server import access, metrics, ollama, ollama_models, openai, openapi, runner_api
 from tokenmill.server.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from tokenmill.server.model_host import ModelHost
 from tokenmill.server.streaming import ClientGone
@@ -33,18 +33,20 @@ def create_app(host: ModelHost, settings: Config | None = None, *, fetcher: Fetc
         if shutdown_host:
             host.shutdown()
 
+    settings = settings or Config()
     app = Starlette(
         routes=[*runner_api.routes(), *ollama_models.routes(), *ollama.routes(), *openai.routes(),
-                *metrics.routes()],
+                *metrics.routes(), *openapi.routes()],
         exception_handlers={
             APIError: handle_api_error,
             HTTPException: handle_http_exception,
             ClientGone: _client_gone,
             Exception: handle_unexpected,
         },
+        middleware=access.middleware(settings.api_key, settings.origins, settings.max_body_bytes),
         lifespan=lifespan,
     )
     app.state.host = host
-    app.state.settings = settings or Config()  # what /load starts from
+    app.state.settings = settings  # what /load starts from
     app.state.fetcher = fetcher  # None = pip; tests pass a fake index
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from tokenmill.engine import EngineDeadError
 from tokenmill.engine.engine import CacheFullError
 from tokenmill.server.admission import RETRY_AFTER_SECONDS
 from tokenmill.server.errors import APIError
@@ -15,6 +16,8 @@ async def embed(served: ServedModel, ids: list[int]) -> list[float]:
         return await asyncio.wrap_future(served.aengine.call(lambda eng: eng.embed(ids)))
     except CacheFullError as exc:
         raise APIError(503, str(exc), code="cache_full", retry_after=RETRY_AFTER_SECONDS) from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_dead") from None
 
 
 def fit_to_context(ids: list[int], limit: int, truncate: bool, field: str) -> list[int]:

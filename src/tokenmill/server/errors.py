@@ -14,6 +14,7 @@ log = logging.getLogger("tokenmill.server")
 # OpenAI's `type` for each status; its SDK maps status codes to exception classes, not types.
 _OPENAI_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
     409: "conflict_error",
     413: "invalid_request_error",

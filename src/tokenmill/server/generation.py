@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from tokenmill.engine import (
+    EngineDeadError,
     InvalidSamplingParams,
     OutputAssembler,
     Priority,
@@ -136,6 +137,8 @@ class Generation:
                 yield ev.index, delta
                 if all(done):
                     break
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
         finally:
             self.timings.end = time.perf_counter()
             await stream.aclose()

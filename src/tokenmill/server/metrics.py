@@ -1,9 +1,11 @@
 """GET /metrics in Prometheus' text format, under vLLM's metric names where one exists so existing
-dashboards work, and tokenmill:* for the rest. The snapshot is taken on the engine thread so the
-numbers of one scrape are consistent with each other."""
+dashboards work, and tokenmill:* for the rest. The numbers come from the snapshot the engine thread
+publishes after every step: consistent with each other, and a scrape never waits for a step (a
+scrape that timed out while the server was busiest would hide exactly the moment that matters)."""
 from __future__ import annotations
 
-import asyncio
+import time
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -65,11 +67,30 @@ class Writer:
         return "\n".join(self.lines) + "\n"
 
 
-def render(snap: StatsSnapshot | None, model: str | None, in_flight: int, rejected: int, status: str) -> str:
+@dataclass
+class EngineCounters:
+    """How the engine thread is doing, beside its statistics snapshot."""
+    healthy: bool
+    failed_steps: int
+    slow_steps: int
+    snapshot_age: float  # seconds since the engine last published (grows while a step hangs)
+
+
+def render(snap: StatsSnapshot | None, model: str | None, in_flight: int, rejected: int, status: str,
+           engine: EngineCounters | None = None) -> str:
     w = Writer({"model_name": model} if model else {})
     w.metric("tokenmill:requests_in_flight", "gauge", "Admitted HTTP generation/embedding requests.", in_flight)
     w.metric("tokenmill:requests_rejected_total", "counter", "Requests turned away with 503.", rejected)
     w.metric("tokenmill:model_ready", "gauge", "1 when a model is loaded and serving.", status == "ok")
+    if engine is not None:
+        w.metric("tokenmill:engine_healthy", "gauge", "1 unless the engine thread died or steps keep failing.",
+                 engine.healthy)
+        w.metric("tokenmill:engine_failed_steps_total", "counter", "Engine steps that raised (their requests "
+                 "failed).", engine.failed_steps)
+        w.metric("tokenmill:engine_slow_steps_total", "counter", "Engine steps that ran past the watchdog limit.",
+                 engine.slow_steps)
+        w.metric("tokenmill:engine_snapshot_age_seconds", "gauge", "Seconds since the engine thread last "
+                 "published these numbers.", engine.snapshot_age)
     if snap is None:
         return w.text()
     w.metric("vllm:num_requests_running", "gauge", "Sequences in the running batch.", snap.num_running)
@@ -96,11 +117,14 @@ def render(snap: StatsSnapshot | None, model: str | None, in_flight: int, reject
 async def metrics(request: Request) -> Response:
     host = request.app.state.host
     served = host.current
-    snap = None
+    snap = counters = None
     if served is not None:
-        snap = await asyncio.wrap_future(served.aengine.call(lambda eng: eng.stats_snapshot()))
+        aengine = served.aengine
+        snap = aengine.snapshot
+        counters = EngineCounters(aengine.health().ok, served.engine.faults.num_failed,
+                                  aengine.watchdog.num_slow_steps, time.monotonic() - snap.taken_at)
     text = render(snap, served.name if served else None, host.admission.in_flight, host.admission.num_rejected,
-                  host.status)
+                  host.status, counters)
     return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
 

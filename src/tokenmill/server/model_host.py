@@ -96,13 +96,27 @@ class ModelHost:
     # --- status ----------------------------------------------------------------------------------
     @property
     def status(self) -> str:
-        """'loading' | 'ok' | 'error' | 'empty' — what /health reports."""
+        """'loading' | 'ok' | 'error' | 'empty' — what /health reports. Never waits for the engine."""
         with self._lock:
+            current = self.current
             if self.loading is not None:
                 return "loading"
             if self.error is not None:
                 return "error"
-            return "ok" if self.current is not None else "empty"
+        if current is None:
+            return "empty"
+        return "ok" if current.aengine.health().ok else "error"
+
+    @property
+    def problem(self) -> str | None:
+        """Why the status is `error`: the failed load, or what is wrong with the serving engine."""
+        with self._lock:
+            current, error = self.current, self.error
+        if error is not None:
+            return error
+        if current is not None:
+            return current.aengine.health().reason
+        return None
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the pending load finished (either way); True if a model is being served."""
@@ -169,6 +183,9 @@ class ModelHost:
             if error is not None:
                 raise APIError(503, f"no model is loaded: the last load failed: {error}", code="model_load_failed")
             raise APIError(503, "no model is loaded; POST /load first", code="no_model")
+        health = current.aengine.health()
+        if health.status == "dead":  # fail fast: nothing would ever run the request
+            raise APIError(503, f"the engine is not running: {health.reason}", code="engine_dead")
         if requested and not current.matches(requested):
             raise APIError(404, f"model {requested!r} not found; this server serves {current.name!r}",
                            param="model", code="model_not_found")

@@ -41,6 +41,8 @@ COMMON_FIELDS = {"model", "options", "stream", "keep_alive", "format", "think", 
                  "priority", "truncate", "shift"}
 GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "suffix", "images", "system", "template", "context", "raw"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools"}
+EMBED_FIELDS = {"model", "input", "truncate", "options", "keep_alive", "dimensions"}
+EMBEDDINGS_FIELDS = {"model", "prompt", "options", "keep_alive"}
 
 
 def now_iso() -> str:
@@ -232,7 +234,7 @@ async def _embed_all(request: Request, served: ServedModel, texts: list[str], tr
 async def embed_endpoint(request: Request) -> Response:
     start = time.perf_counter()
     body = await read_json(request)
-    warn_unknown(body, {"model", "input", "truncate", "options", "keep_alive", "dimensions"}, "/api/embed")
+    warn_unknown(body, EMBED_FIELDS, "/api/embed")
     served = _host(request).get(_model_field(body))
     texts = _inputs(body.get("input"), "input")
     dims = get_int(body, "dimensions", lo=1)
@@ -246,7 +248,7 @@ async def embed_endpoint(request: Request) -> Response:
 
 async def embeddings_legacy(request: Request) -> Response:
     body = await read_json(request)
-    warn_unknown(body, {"model", "prompt", "options", "keep_alive"}, "/api/embeddings")
+    warn_unknown(body, EMBEDDINGS_FIELDS, "/api/embeddings")
     served = _host(request).get(_model_field(body))
     prompt = get_str(body, "prompt", "")
     if not prompt:

@@ -20,6 +20,8 @@ from tokenmill.store.catalog import lookup
 
 # Clients gate features on the Ollama version they talk to; this is the API level we implement.
 OLLAMA_API_VERSION = "0.12.6"
+SHOW_FIELDS = {"model", "name", "verbose", "system", "template", "options"}
+PULL_FIELDS = {"model", "name", "insecure", "stream", "username", "password"}
 
 
 def tokenmill_version() -> str:
@@ -46,7 +48,7 @@ async def tags(request: Request) -> Response:
 
 async def show(request: Request) -> Response:
     body = await read_json(request)
-    warn_unknown(body, {"model", "name", "verbose", "system", "template", "options"}, "/api/show")
+    warn_unknown(body, SHOW_FIELDS, "/api/show")
     name = get_str(body, "model") or get_str(body, "name", required=True, label="model")
     host = request.app.state.host
     entry = await run_in_threadpool(model_info.find_entry, host, name)
@@ -74,7 +76,7 @@ async def ps(request: Request) -> Response:
 
 async def pull(request: Request) -> Response:
     body = await read_json(request)
-    warn_unknown(body, {"model", "name", "insecure", "stream", "username", "password"}, "/api/pull")
+    warn_unknown(body, PULL_FIELDS, "/api/pull")
     name = get_str(body, "model") or get_str(body, "name", required=True, label="model")
     try:
         spec = lookup(name)

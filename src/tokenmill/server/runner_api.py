@@ -34,6 +34,10 @@ LOAD_FIELDS = {"model", "num_ctx", "kv_size", "parallel", "batch_size", "ubatch_
 COMPLETION_FIELDS = {"prompt", "n_predict", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
                      "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "n_probs",
                      "ignore_eos", "min_tokens", "priority", "cache_prompt", "id_slot", "model", *RUNNER_FIELDS}
+EMBEDDING_FIELDS = {"content", "input", "model", "truncate"}
+TOKENIZE_FIELDS = {"content", "prompt", "messages", "model", "add_special", "add_special_tokens",
+                   "add_generation_prompt"}
+DETOKENIZE_FIELDS = {"tokens", "model"}
 # llama-server's names for SamplingParams fields, for error messages.
 FIELD_NAMES = {"max_tokens": "n_predict", "top_logprobs": "n_probs"}
 
@@ -98,7 +102,7 @@ async def health(request: Request) -> Response:
     if status == "loading":
         return JSONResponse({"status": "loading", "progress": round(host.progress, 3)}, status_code=503)
     if status == "error":
-        return JSONResponse({"status": "error", "error": host.error}, status_code=503)
+        return JSONResponse({"status": "error", "error": host.problem}, status_code=503)
     return JSONResponse({"status": "error", "error": "no model loaded"}, status_code=503)
 
 
@@ -220,7 +224,7 @@ async def _collect(gen: Generation) -> dict:
 # --- /embedding, /tokenize, /detokenize ---------------------------------------------------------
 async def embedding(request: Request) -> Response:
     body = await read_json(request)
-    warn_unknown(body, {"content", "input", "model", "truncate"}, "/embedding")
+    warn_unknown(body, EMBEDDING_FIELDS, "/embedding")
     host = _host(request)
     served = host.get(get_str(body, "model"))
     text = get_str(body, "content") if body.get("content") is not None else get_str(body, "input", label="content")
@@ -238,8 +242,7 @@ async def embedding(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     body = await read_json(request)
-    warn_unknown(body, {"content", "prompt", "messages", "model", "add_special", "add_special_tokens",
-                        "add_generation_prompt"}, "/tokenize")
+    warn_unknown(body, TOKENIZE_FIELDS, "/tokenize")
     served = _host(request).get(get_str(body, "model"))
     tok = served.engine.tokenizer
     if body.get("messages") is not None:
@@ -257,7 +260,7 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     body = await read_json(request)
-    warn_unknown(body, {"tokens", "model"}, "/detokenize")
+    warn_unknown(body, DETOKENIZE_FIELDS, "/detokenize")
     served = _host(request).get(get_str(body, "model"))
     tok = served.engine.tokenizer
     ids = check_token_ids(body.get("tokens"), tok.vocab_size, "tokens")

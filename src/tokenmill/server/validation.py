@@ -11,28 +11,16 @@ from typing import Any
 
 from starlette.requests import Request
 
-from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.errors import bad_request
 
 log = logging.getLogger("tokenmill.server")
 
 _MISSING = object()
-# Far above any real prompt (the largest contexts are ~1M tokens of ~4 bytes), small enough that one
-# request cannot exhaust memory.
-MAX_BODY_BYTES = 32 * 1024 * 1024
 _warned: set[tuple[str, str]] = set()
 
 
 async def read_json(request: Request) -> dict:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    raw = await request.body()  # its size is held to the limit by access.BodyLimitMiddleware
     if not raw.strip():
         return {}
     try:

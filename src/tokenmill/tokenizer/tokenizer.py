@@ -290,6 +290,16 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """The tokenizer a GGUF file describes; metadata it cannot use is a TokenizerError."""
+        try:
+            return cls._from_metadata(metadata)
+        except TokenizerError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - `tokenizers` raises bare Exceptions; wrong types raise TypeError
+            raise TokenizerError(f"the tokenizer in the model file is malformed: {type(exc).__name__}: {exc}") from exc
+
+    @classmethod
+    def _from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         model = metadata.get("tokenizer.ggml.model")
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not tokens:
