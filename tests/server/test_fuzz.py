@@ -19,7 +19,8 @@ from tokenmill.server.openapi import document
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402
 
-EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "40"))
+# 150 per route and mode: the 2,000+ requests in CI (about 90 s on 2 cores).
+EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "150"))
 # Generation stays short whatever max_tokens the fuzzer picks: the server-wide cap bounds it.
 MAX_TOKENS = 4
 REQUESTS: list[str] = []  # one entry per request sent, for the count below
@@ -76,3 +77,5 @@ def test_fuzz_sent_enough_requests():
     if len(REQUESTS) < len(OPERATIONS):
         pytest.skip("the fuzz tests did not run (deselected)")
     assert len(REQUESTS) >= 15 * len(OPERATIONS)
+    if EXAMPLES >= 150:
+        assert len(REQUESTS) >= 2000, len(REQUESTS)
