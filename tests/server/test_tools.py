@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -94,15 +93,10 @@ def long_tiny_server(tmp_path_factory):
 
 @pytest.fixture
 def tiny(long_tiny_server):
+    """Overrides conftest's `tiny`, so its `client` talks to this server."""
     server, host = long_tiny_server
     yield server.url, host
     wait_idle(host)
-
-
-@pytest.fixture
-def client(tiny):
-    with httpx.Client(base_url=tiny[0], timeout=30) as c:
-        yield c
 
 
 @pytest.fixture
