@@ -19,12 +19,13 @@ import torch
 
 from tokenmill.kernels import native
 
-_CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+# Cache dtype -> the kernels' cache_type code (csrc/kernels.h).
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 def _cache_type(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> int:
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _CACHE_TYPES:
-        raise TypeError(f"K/V caches must share one of {list(_CACHE_TYPES)}, got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in CACHE_TYPES:
+        raise TypeError(f"K/V caches must share one of {list(CACHE_TYPES)}, got {k_cache.dtype} and {v_cache.dtype}")
     if k_cache.shape != v_cache.shape or k_cache.dim() != 3:
         raise ValueError(f"caches must both be [Hkv, slots, D], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -33,7 +34,7 @@ def _cache_type(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Ten
         for s in (k_scale, v_scale):
             if s.dtype != torch.float32 or s.shape != k_cache.shape[:2] or not s.is_contiguous():
                 raise ValueError("int8 caches need contiguous float32 scales [Hkv, slots]")
-    return _CACHE_TYPES[k_cache.dtype]
+    return CACHE_TYPES[k_cache.dtype]
 
 
 def _dequantize(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from tokenmill.kernels import native, qmatmul as qk
+from tokenmill.kernels.attention import CACHE_TYPES
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.paged_batch import PagedBatch
 
 if TYPE_CHECKING:
     from tokenmill.model.decoder import DecoderLM
 
-_CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _enabled = os.environ.get("TOKENMILL_NATIVE_STEP", "1").strip().lower() not in ("0", "false", "off", "no")
 
@@ -68,7 +68,7 @@ class NativeStep:
         natively (the per-op path then runs, as before)."""
         mod = native.module()
         cfg = model.config
-        if mod is None or kv.dtype not in _CACHE_TYPES or cfg.head_dim % 16:
+        if mod is None or kv.dtype not in CACHE_TYPES or cfg.head_dim % 16:
             return None
         first = model.blocks[0]
         activation = _ACTIVATIONS.get(first.mlp.activation)
@@ -76,7 +76,7 @@ class NativeStep:
             return None
         scale = first.attn.scale if first.attn.scale is not None else cfg.head_dim ** -0.5
         step = mod.DecoderStep(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, first.attn_norm.eps,
-                               activation, scale, _CACHE_TYPES[kv.dtype], kv.num_blocks * kv.block_size)
+                               activation, scale, CACHE_TYPES[kv.dtype], kv.num_blocks * kv.block_size)
         rope_rows = None
         for i, block in enumerate(model.blocks):
             attn, mlp = block.attn, block.mlp
