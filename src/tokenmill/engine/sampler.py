@@ -191,8 +191,8 @@ def _keep_a_way_out(logits: torch.Tensor, inp: SamplerInput) -> None:
     """A constrained row whose grammar allows only tokens that suppression removed (it wants to end
     before min_tokens) would have nothing to sample: let it end on a stop token instead."""
     rows = inp.token_masks.rows
-    idx = _index(rows, logits.device)
-    dead = torch.isneginf(logits.index_select(0, idx).max(dim=-1).values).tolist()
+    picked = logits if rows == list(range(logits.shape[0])) else logits.index_select(0, _index(rows, logits.device))
+    dead = torch.isneginf(picked.max(dim=-1).values).tolist()
     for row, is_dead in zip(rows, dead):
         if is_dead:
             stops = [t for t in (inp.stop_token_ids[row] if inp.stop_token_ids else ()) if 0 <= t < logits.shape[1]]

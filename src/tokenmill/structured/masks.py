@@ -8,12 +8,10 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from tokenmill.kernels.token_mask import apply_token_bitmask, unpack_allowed
 from tokenmill.structured.constraint import Constraint
-
-_NEG_INF = float("-inf")
 
 
 @dataclass
@@ -25,11 +23,7 @@ class TokenMasks:
 
     def allowed(self, vocab: int) -> torch.Tensor:
         """bool [len(rows), vocab]; ids past the mask (padding rows of the embedding) are never allowed."""
-        unpacked = np.unpackbits(self.bits.numpy().view(np.uint8), axis=1, bitorder="little")
-        out = torch.from_numpy(unpacked[:, :vocab]).bool()
-        if out.shape[1] < vocab:
-            out = torch.cat([out, out.new_zeros(out.shape[0], vocab - out.shape[1])], dim=1)
-        return out
+        return unpack_allowed(self.bits, vocab)
 
 
 def compute_masks(constraints: list[Constraint]) -> torch.Tensor:
@@ -44,13 +38,7 @@ def compute_masks(constraints: list[Constraint]) -> torch.Tensor:
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks, *, in_place: bool) -> torch.Tensor:
     """Disallowed tokens of the masked rows go to -inf."""
     out = logits if in_place else logits.clone()
-    disallowed = ~masks.allowed(out.shape[1])
-    if masks.rows == list(range(out.shape[0])):  # every row constrained: no gather and scatter
-        return out.masked_fill_(disallowed, _NEG_INF)
-    idx = torch.tensor(masks.rows, dtype=torch.long)
-    rows = out.index_select(0, idx)
-    rows.masked_fill_(disallowed, _NEG_INF)
-    out.index_copy_(0, idx, rows)
+    apply_token_bitmask(out, masks.rows, masks.bits)
     return out
 
 
