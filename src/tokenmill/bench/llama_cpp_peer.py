@@ -68,14 +68,20 @@ class LlamaCppModel:
         self.load_seconds = time.perf_counter() - start
         self.vocab_size = self.llm.n_vocab()
 
-    def _argmax_last(self) -> int:
-        # Only the batch's last position has logits (logits_all=False); read them in place, no copy.
+    def _argmax_last(self, suppress: list[int]) -> int:
+        # Only the batch's last position has logits (logits_all=False); read them in place, no copy
+        # unless some ids must be excluded.
         ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
-        return int(self._np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).argmax())
+        logits = self._np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
+        if suppress:
+            logits = logits.copy()
+            logits[suppress] = -self._np.inf
+        return int(logits.argmax())
 
-    def greedy(self, ids: list[int], n: int) -> TimedGeneration:
+    def greedy(self, ids: list[int], n: int, suppress: list[int] | None = None) -> TimedGeneration:
         """Prefill `ids` (in n_batch chunks), then decode until `n` tokens exist; the last token is not
-        fed back, as in tokenmill's engine. The KV cache is cleared first: nothing is reused."""
+        fed back, as in tokenmill's engine. The KV cache is cleared first: nothing is reused.
+        `suppress`: ids never picked (end-of-generation ids, as the engine excludes them with EOS ignored)."""
         if len(ids) + n > self.n_ctx:
             raise ValueError(f"prompt {len(ids)} + {n} new tokens exceed n_ctx {self.n_ctx}")
         self.llm.reset()
@@ -86,7 +92,7 @@ class LlamaCppModel:
         for i in range(n):
             if i:
                 self.llm.eval([out[-1]])
-            out.append(self._argmax_last())
+            out.append(self._argmax_last(suppress or []))
             times.append(time.perf_counter())
         return TimedGeneration(t0, times, out)
 

@@ -67,6 +67,8 @@ def build_parser(prog: str = "tokenmill bench quality") -> argparse.ArgumentPars
                    help="greedy decoding of the measured formats through the compiled graphs, as `tokenmill serve` "
                         "runs it (the fp32 reference and the teacher-forced logits stay eager)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--peer", choices=["llama-cpp"], default=None,
+                   help="also llama.cpp's greedy tokens on the same file (llama-cpp-python; --threads or 2 threads)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p
 
@@ -158,8 +160,33 @@ def _count_int4(model) -> int:
     return sum(1 for m in model.modules() if isinstance(m, Linear) and m.int4 is not None)
 
 
+def agreement(tokens: list[int], ref: list[int]) -> tuple[int, float]:
+    """First divergence from fp32's greedy tokens (= len(ref) when none) and % identical positions."""
+    same = [a == b for a, b in zip(tokens, ref)]
+    first = next((j for j, s in enumerate(same) if not s), len(ref))
+    return first, 100 * sum(same) / max(1, len(ref))
+
+
+def peer_agreement(path, prompts: list[list[int]], ref_tokens: list[list[int]], n: int, suppress: list[int],
+                   threads: int) -> dict[str, Any]:
+    """llama.cpp's greedy tokens on the same file and prompt ids, against fp32's: what the peer's own
+    quantized path (Q8 activations, f16 KV) keeps. Only the greedy columns: no teacher-forced logits."""
+    from tokenmill.bench.llama_cpp_peer import LlamaCppModel, describe
+
+    model = LlamaCppModel(str(path), threads=threads, n_ctx=max(len(p) for p in prompts) + n + 8)
+    t0 = time.perf_counter()
+    try:
+        rows = [agreement(model.greedy(ids, n, suppress).token_ids, ref) for ids, ref in zip(prompts, ref_tokens)]
+    finally:
+        model.close()
+    firsts = [f for f, _ in rows]
+    return {"seconds": time.perf_counter() - t0, "peer": describe(),
+            "identical_pct": statistics.fmean(p for _, p in rows), "first_divergence_min": min(firsts),
+            "first_divergence_median": statistics.median(firsts), "prompts_fully_identical": sum(f >= n for f in firsts)}
+
+
 def run(path, formats: list[str], n: int, num_prompts: int, raw: bool, compile: bool = False,
-        prompt_len: int | None = None) -> dict[str, Any]:
+        prompt_len: int | None = None, peer_threads: int | None = None) -> dict[str, Any]:
     from tokenmill.kernels import use_variant
     from tokenmill.tokenizer import Tokenizer
 
@@ -208,15 +235,13 @@ def run(path, formats: list[str], n: int, num_prompts: int, raw: bool, compile: 
         for i, ids in enumerate(prompts):
             toks = engine_greedy(eng, ids, n)
             lgs = DirectRunner(eng, len(ids) + n).teacher_forced(ids, ref_tokens[i])
-            ref_t = ref_tokens[i]
-            same = [a == b for a, b in zip(toks, ref_t)]
-            first = next((j for j, s in enumerate(same) if not s), len(ref_t))
+            first, identical = agreement(toks, ref_tokens[i])
             diffs = [(a - b).abs() for a, b in zip(lgs, ref_logits[i])]
             dec = diffs[1:]
             top1 = [argmax(a) == argmax(b) for a, b in zip(lgs, ref_logits[i])]
             rows.append({
                 "prompt": labels[i], "prompt_tokens": len(ids), "tokens": len(toks),
-                "first_divergence": first, "identical_pct": 100 * sum(same) / max(1, len(ref_t)),
+                "first_divergence": first, "identical_pct": identical,
                 "prefill_logit_max_abs": float(diffs[0].max()), "prefill_logit_mean_abs": float(diffs[0].mean()),
                 "decode_logit_max_abs": max((float(d.max()) for d in dec), default=0.0),
                 "decode_logit_mean_abs": statistics.fmean(float(d.mean()) for d in dec) if dec else 0.0,
@@ -241,6 +266,9 @@ def run(path, formats: list[str], n: int, num_prompts: int, raw: bool, compile: 
         }
         del loaded, eng
         gc.collect()
+    if peer_threads is not None:
+        progress("llama.cpp: decoding the same prompt ids")
+        results["llama.cpp"] = peer_agreement(path, prompts, ref_tokens, n, stop, peer_threads)
     return {"num_prompts": len(prompts), "max_tokens": n, "formats": results,
             "fp32_texts": [tok.decode(t, skip_special_tokens=True) for t in ref_tokens]}
 
@@ -259,6 +287,10 @@ def print_table(r: dict[str, Any]) -> None:
             print(f"{'fp32':10} {0:>8} (reference; direct/engine argmax agree {agree}%)")
             continue
         div = f"{f['first_divergence_min']}/{f['first_divergence_median']:g}"
+        if "peer" in f:  # greedy columns only
+            print(f"{name:10} {'-':>8} {f['identical_pct']:>11.1f} {div:>15} "
+                  f"{str(f['prompts_fully_identical']) + '/' + str(r['num_prompts']):>8} {'-':>7}")
+            continue
         print(f"{name:10} {f['int4_layers']:>8} {f['identical_pct']:>11.1f} {div:>15} "
               f"{str(f['prompts_fully_identical']) + '/' + str(r['num_prompts']):>8} {f['top1_agree_pct']:>7.1f} "
               f"{fmt(f['prefill_logit_max_abs'], 3) + ' / ' + fmt(f['prefill_logit_mean_abs'], 4):>23} "
@@ -281,7 +313,8 @@ def main(argv: list[str] | None = None, prog: str = "tokenmill bench quality") -
 
     path = resolve_model(args.model)
     la = loadavg()
-    out = run(path, formats, args.max_tokens, args.num_prompts, args.raw, args.compile, args.prompt_len)
+    peer_threads = (args.threads or 2) if args.peer else None
+    out = run(path, formats, args.max_tokens, args.num_prompts, args.raw, args.compile, args.prompt_len, peer_threads)
     result = {"benchmark": "quality", "model": str(path), "compiled": args.compile, **out, "loadavg_start": la,
               "loadavg_end": loadavg(), "environment": environment()}
     print_table(result)
