@@ -109,6 +109,12 @@ def test_greedy_drives_eval_like_the_engine(fake_llama_cpp):
         model.greedy(list(range(60)), 8)
 
 
+def test_greedy_never_picks_suppressed_ids(fake_llama_cpp):
+    model = llama_cpp_peer.LlamaCppModel("x.gguf", threads=2, n_ctx=64)
+    g = model.greedy([3], 3, suppress=[4, 6])
+    assert g.token_ids[0] != 4 and 4 not in g.token_ids and 6 not in g.token_ids
+
+
 def test_single_stream_with_llama_cpp_peer(fake_llama_cpp, tiny_gguf, tmp_path, capsys):
     out = tmp_path / "single.json"
     rc = main(["bench", "single-stream", "--model", str(tiny_gguf), "--peer", "transformers,llama-cpp", "--skip-hf",
