@@ -81,9 +81,9 @@ def test_host_may_carry_a_port_and_an_explicit_port_wins():
 
 def test_env_values_are_parsed_by_type():
     env = {"TOKENMILL_PREFIX_CACHE": "off", "TOKENMILL_AGING_MS": "2.5", "TOKENMILL_BATCH": "64",
-           "TOKENMILL_N_UBATCH": "32", "TOKENMILL_KEEP_ALIVE": "7", "TOKENMILL_MODEL": "gemma3", "TOKENMILL_DTYPE": ""}
+           "TOKENMILL_N_UBATCH": "32", "TOKENMILL_HTTP_KEEP_ALIVE": "7", "TOKENMILL_MODEL": "gemma3", "TOKENMILL_DTYPE": ""}
     cfg = load_config(None, env=env)
-    assert (cfg.prefix_cache, cfg.aging_ms, cfg.n_batch, cfg.n_ubatch, cfg.keep_alive, cfg.model, cfg.dtype) == \
+    assert (cfg.prefix_cache, cfg.aging_ms, cfg.n_batch, cfg.n_ubatch, cfg.http_keep_alive, cfg.model, cfg.dtype) == \
         (False, 2.5, 64, 32, 7.0, "gemma3", "auto")  # an empty variable counts as unset
 
 

@@ -62,8 +62,20 @@ OPTIONS: tuple[Option, ...] = (
            lo=1, group="server"),
     Option("drain_timeout", float, 30.0, "seconds in-flight requests get to finish on SIGTERM", ("--drain-timeout",),
            lo=0, group="server"),
-    Option("keep_alive", float, 5.0, "seconds an idle HTTP keep-alive connection stays open", ("--keep-alive",),
-           lo=0, group="server"),
+    Option("http_keep_alive", float, 5.0, "seconds an idle HTTP keep-alive connection stays open",
+           ("--http-keep-alive",), lo=0, group="server"),
+    Option("keep_alive", str, "5m", "how long a model stays loaded after its last request, as Ollama's keep_alive: "
+           "a duration (\"5m\", \"1h\") or seconds; negative = forever, 0 = unload after each request. The "
+           "model named to serve stays loaded until a request says otherwise", ("--keep-alive",),
+           env=("OLLAMA_KEEP_ALIVE",), group="server"),
+    Option("max_loaded_models", int, 3, "most models loaded at once; loading another unloads the least recently "
+           "used idle one", ("--max-loaded-models",), env=("OLLAMA_MAX_LOADED_MODELS",), lo=1, group="server"),
+    Option("max_memory_gb", float, 0.0, "memory budget for loaded models (weights + KV caches) in GB; 0 = 75% of "
+           "the machine's RAM", ("--max-memory-gb",), lo=0.001, zero_ok=True, group="server"),
+    Option("pull_on_demand", bool, False, "a request naming a known model that is not installed pulls it "
+           "(otherwise: 404, as Ollama)", ("--pull-on-demand",), group="server"),
+    Option("model_wait_timeout", float, 120.0, "seconds a request waits for its model to load or for memory to "
+           "free up before it gets 503", ("--model-wait-timeout",), lo=0.1, group="server"),
     Option("log_level", str, "info", "log level", ("--log-level",), choices=LOG_LEVELS, group="server"),
     Option("api_key", str, "", "require `Authorization: Bearer KEY` on every route but /health; empty = no key",
            ("--api-key",), group="server"),
@@ -122,7 +134,12 @@ class Config:
     port: int = DEFAULT_PORT
     max_queue: int = 256
     drain_timeout: float = 30.0
-    keep_alive: float = 5.0
+    http_keep_alive: float = 5.0
+    keep_alive: str = "5m"
+    max_loaded_models: int = 3
+    max_memory_gb: float = 0.0
+    pull_on_demand: bool = False
+    model_wait_timeout: float = 120.0
     log_level: str = "info"
     api_key: str = ""
     origins: str = ""
@@ -158,6 +175,12 @@ class Config:
                             aging_ms=self.aging_ms, max_wait_ms=self.max_wait_ms, threads=self.threads,
                             compile=self.compile, max_new_tokens=self.max_tokens or None,
                             request_timeout=self.request_timeout, watchdog_seconds=self.watchdog_seconds)
+
+    def keep_alive_seconds(self) -> float | None:
+        """The keep_alive setting in seconds; None = forever."""
+        from tokenmill.keep_alive import parse_keep_alive
+
+        return parse_keep_alive(self.keep_alive)
 
     def source(self, name: str) -> str:
         return self.sources.get(name, "default")
@@ -338,6 +361,10 @@ def load_config(args: argparse.Namespace | None = None, *, env: Mapping[str, str
         for name, (value, source) in layer.items():
             setattr(cfg, name, value)
             cfg.sources[name] = source
+    try:
+        cfg.keep_alive_seconds()
+    except ValueError as exc:
+        raise ConfigError(f"{cfg.source('keep_alive')}: {exc}") from None
     # The one relation between settings (each value alone was checked above).
     if cfg.kv_size < cfg.block_size:
         raise ConfigError(f"kv_size ({cfg.kv_size}, {cfg.source('kv_size')}) is below one block "

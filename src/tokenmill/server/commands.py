@@ -72,15 +72,16 @@ def check_model_name(model: str) -> None:
 def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:
     from tokenmill.server.app import create_app
     from tokenmill.server.connections import protocol_with_timeout
-    from tokenmill.server.model_host import LoadSpec, ModelHost
+    from tokenmill.server.model_host import HostPolicy, LoadSpec, ModelHost
 
-    host = ModelHost(max_queue=settings.max_queue, retire_timeout=settings.drain_timeout)
+    host = ModelHost(max_queue=settings.max_queue, retire_timeout=settings.drain_timeout,
+                     policy=HostPolicy.from_settings(settings))
     host.start_load(LoadSpec(settings.model, settings.engine_config()))
     config = uvicorn.Config(
         create_app(host, settings),
         http=protocol_with_timeout(settings.header_timeout),
         log_level=settings.log_level,
-        timeout_keep_alive=int(settings.keep_alive),
+        timeout_keep_alive=int(settings.http_keep_alive),
         timeout_graceful_shutdown=int(settings.drain_timeout),
         lifespan="on",
     )
