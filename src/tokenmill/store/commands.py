@@ -7,6 +7,7 @@ import sys
 import time
 
 from tokenmill.store.catalog import StoreError, lookup
+from tokenmill.store.derived import list_derived, normalize_name
 from tokenmill.store.local import installed_path, list_models, models_dir
 from tokenmill.store.pull import pull
 
@@ -46,9 +47,19 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"no models in {models_dir()}; run `tokenmill pull smollm2`")
         return 0
     rows = [("NAME", "SIZE", "ARCH", "QUANT", "CONTEXT")]
-    for m in models:
+
+    def row(name: str, m) -> tuple[str, ...]:
         context = str(m.context_length) if m.context_length is not None else "-"
-        rows.append((m.name, human_size(m.size_bytes), m.architecture, m.quantization, context))
+        return (name, human_size(m.size_bytes), m.architecture, m.quantization, context)
+
+    by_name = {}
+    for m in models:
+        rows.append(row(m.name, m))
+        by_name[normalize_name(m.name)] = by_name[m.path.stem.lower()] = m
+    for d in list_derived():  # made by `create` or `cp`: the base model's weights under another name
+        base = by_name.get(normalize_name(d.base))
+        if base is not None:
+            rows.append(row(d.name, base))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

@@ -37,7 +37,7 @@ def model_path(spec: ModelSpec) -> Path:
     return models_dir() / spec.filename
 
 
-def _manifest_path(path: Path) -> Path:
+def manifest_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
@@ -60,7 +60,7 @@ def read_manifest(path: Path) -> dict:
     """What is remembered about `path`, or {} if nothing is or the file changed since."""
     try:
         st = path.stat()
-        record = json.loads(_manifest_path(path).read_text())
+        record = json.loads(manifest_path(path).read_text())
     except (OSError, ValueError):
         return {}
     if not isinstance(record, dict) or (record.get("size"), record.get("mtime_ns")) != (st.st_size, st.st_mtime_ns):
@@ -71,7 +71,7 @@ def read_manifest(path: Path) -> dict:
 def update_manifest(path: Path, **fields: object) -> None:
     st = path.stat()
     record = {**read_manifest(path), **fields, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    manifest = _manifest_path(path)
+    manifest = manifest_path(path)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=manifest.name + ".", suffix=".tmp")
@@ -108,14 +108,14 @@ def installed_path(spec: ModelSpec) -> Path | None:
     return path
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     # A bare word is always a model name, so a stray file called "smollm2" in the cwd cannot shadow it.
     return name.endswith(".gguf") or os.sep in name or "/" in name or name.startswith(("~", "."))
 
 
 def resolve_model(name_or_path: str) -> Path:
     """A GGUF path for a model name, alias, name of a file in the models directory, or path."""
-    if _looks_like_path(name_or_path):
+    if looks_like_path(name_or_path):
         path = Path(name_or_path).expanduser()
         if path.is_file():
             return path.absolute()

@@ -1,0 +1,138 @@
+"""Derived models: a name that stands for an installed GGUF plus defaults (system prompt, template,
+sampling parameters, leading messages), as Ollama's `create` and `cp` make them. No weights are
+copied: a record in `<models>/derived/` names the base model it was made FROM, which is always a
+GGUF-backed name (deriving from a derived model copies its fields, so chains stay one link long)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenmill.store.catalog import StoreError, UnknownModelError
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._\-/]*(:[a-z0-9][a-z0-9._\-]*)?$")
+
+
+class ModelInUseError(StoreError):
+    """A base model that derived models still point at."""
+
+
+def normalize_name(name: str) -> str:
+    # Ollama clients append ":latest" to untagged names; names compare case-insensitively.
+    return name.strip().lower().removesuffix(":latest")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a derived model changes about its base: applied to each request that names it."""
+    system: str | None = None
+    template: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    messages: tuple[dict, ...] = ()
+
+    def merged(self, other: "Profile") -> "Profile":
+        """`other` on top of self: its fields win, parameters merge."""
+        return Profile(other.system if other.system is not None else self.system,
+                       other.template if other.template is not None else self.template,
+                       {**self.parameters, **other.parameters},
+                       other.messages or self.messages)
+
+
+@dataclass(frozen=True)
+class DerivedModel:
+    name: str
+    base: str          # the GGUF-backed model's name (or a path to a .gguf)
+    profile: Profile
+    created_at: float
+
+    def to_json(self) -> dict:
+        p = asdict(self.profile)
+        p["messages"] = list(self.profile.messages)
+        return {"name": self.name, "from": self.base, **p, "created_at": self.created_at}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DerivedModel":
+        profile = Profile(d.get("system"), d.get("template"), dict(d.get("parameters") or {}),
+                          tuple(d.get("messages") or ()))
+        return cls(d["name"], d["from"], profile, float(d.get("created_at", 0.0)))
+
+
+def derived_dir() -> Path:
+    from tokenmill.store.local import models_dir
+
+    return models_dir() / "derived"
+
+
+def _record_path(name: str) -> Path:
+    return derived_dir() / (urllib.parse.quote(normalize_name(name), safe="") + ".json")
+
+
+def check_name(name: str) -> str:
+    n = normalize_name(name)
+    if not _NAME.match(n) or ".." in n or len(n) > 200:
+        raise StoreError(f"invalid model name {name!r}: use letters, digits, '.', '_', '-', '/' and one ':tag'")
+    return n
+
+
+def find_derived(name: str) -> DerivedModel | None:
+    try:
+        return DerivedModel.from_json(json.loads(_record_path(name).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def list_derived() -> list[DerivedModel]:
+    root = derived_dir()
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.glob("*.json")):
+        try:
+            out.append(DerivedModel.from_json(json.loads(p.read_text())))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged record hides one name, never the listing
+    return out
+
+
+def save_derived(name: str, base: str, profile: Profile) -> DerivedModel:
+    """Create or replace `name`. `base` may itself be derived: its fields are inherited."""
+    from tokenmill.store.local import resolve_model
+
+    name = check_name(name)
+    parent = find_derived(base)
+    if parent is not None:
+        base, profile = parent.base, parent.profile.merged(profile)
+    else:
+        resolve_model(base)  # raises for a base that is not installed
+    if normalize_name(base) == name:
+        raise StoreError(f"model {name!r} cannot be derived from itself")
+    record = DerivedModel(name, base, profile, time.time())
+    path = _record_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record.to_json(), indent=2))
+    os.replace(tmp, path)  # a crash mid-write never leaves half a record
+    return record
+
+
+def delete_derived(name: str) -> bool:
+    try:
+        _record_path(name).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def dependents(base_names: set[str]) -> list[str]:
+    """Names of derived models made from any of `base_names` (normalized)."""
+    return [d.name for d in list_derived() if normalize_name(d.base) in base_names]
+
+
+def require_known(name: str) -> None:
+    if find_derived(name) is None:
+        raise UnknownModelError(f"model {name!r} not found")
