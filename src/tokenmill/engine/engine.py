@@ -67,6 +67,23 @@ class TokenEvent:
         return self.finish_reason is not None
 
 
+def uses_native_attention(loaded: LoadedModel) -> bool:
+    return native.module() is not None and loaded.dtype == torch.float32
+
+
+def kv_cache_dtype(cfg: EngineConfig, loaded: LoadedModel) -> torch.dtype:
+    """auto: bf16 for GGUF weights on the native path (half the bytes of float32, and attention
+    reads every key each step), else the activations' dtype. Other caches need native attention."""
+    native_attention = uses_native_attention(loaded)
+    if cfg.kv_dtype == "auto":
+        return torch.bfloat16 if native_attention and loaded.weights == "gguf" else loaded.dtype
+    wanted = {"bf16": torch.bfloat16, "int8": torch.int8}[cfg.kv_dtype]
+    if wanted != loaded.dtype and not native_attention:
+        raise ConfigError(f"kv_dtype {cfg.kv_dtype} needs the native kernels with float32 activations "
+                          f"(dtype gguf or fp32); this engine runs {loaded.dtype} on {native.variant()}")
+    return wanted
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, cfg: EngineConfig | None = None):
         cfg = cfg or EngineConfig()
@@ -84,9 +101,9 @@ class LLMEngine:
         self.max_new_tokens = cfg.max_new_tokens or mc.context_length
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         # Every row through the native paged attention: float32 activations with the compiled core.
-        self.native_attention = native.module() is not None and loaded.dtype == torch.float32
+        self.native_attention = uses_native_attention(loaded)
         self.kv = KVStorage(mc.n_layers, cfg.num_blocks, cfg.block_size, mc.n_kv_heads, mc.head_dim,
-                            self._kv_dtype(cfg, loaded), lazy=self.native_attention)
+                            kv_cache_dtype(cfg, loaded), lazy=self.native_attention)
         self.scheduler = Scheduler(cfg, self.blocks, tokenizer.stop_ids)
         decode_graph = step_graph = None
         if cfg.compile and self.native_attention:
@@ -114,17 +131,6 @@ class LLMEngine:
         # Test hook: called with the batch inside the step's fault boundary, just before the model
         # runs. Tests make it raise (fault injection) or sleep (a slow or hung step).
         self.step_hook: Callable[[ScheduledBatch], None] | None = None
-
-    def _kv_dtype(self, cfg: EngineConfig, loaded: LoadedModel) -> torch.dtype:
-        """auto: bf16 for GGUF weights on the native path (half the bytes of float32, and attention
-        reads every key each step), else the activations' dtype. Other caches need native attention."""
-        if cfg.kv_dtype == "auto":
-            return torch.bfloat16 if self.native_attention and loaded.weights == "gguf" else loaded.dtype
-        wanted = {"bf16": torch.bfloat16, "int8": torch.int8}[cfg.kv_dtype]
-        if wanted != loaded.dtype and not self.native_attention:
-            raise ConfigError(f"kv_dtype {cfg.kv_dtype} needs the native kernels with float32 activations "
-                              f"(dtype gguf or fp32); this engine runs {loaded.dtype} on {native.variant()}")
-        return wanted
 
     @classmethod
     def from_path(cls, path: str | Path, cfg: EngineConfig | None = None, *, progress: bool = False) -> "LLMEngine":

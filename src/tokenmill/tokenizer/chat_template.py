@@ -160,6 +160,10 @@ class ChatTemplate:
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
 
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        return dict(self._special_tokens)
+
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
                **extra: Any) -> str:
         """The prompt for `messages`. `extra` reaches the template as variables (e.g. `documents`,

@@ -8,6 +8,8 @@ SentencePiece ones in sentencepiece.py.
 """
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -287,6 +289,15 @@ class Tokenizer:
                 )
             except ChatTemplateError as exc:
                 self._template_error = exc
+
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """The same tokenizer rendering chats with `source` (a derived model's TEMPLATE); the special
+        tokens the template may name stay the model's. Raises ChatTemplateError if it does not compile."""
+        special = getattr(self.chat_template, "special_tokens", {}) if self.chat_template else {}
+        other = copy.copy(self)
+        other.chat_template = ChatTemplate(source, **{"bos_token": None, "eos_token": None, **special})
+        other._template_error = None
+        return other
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:

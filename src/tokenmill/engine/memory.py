@@ -1,0 +1,51 @@
+"""How much memory an engine holds, and a KV cache sized to fit a budget: what the server's model
+scheduler needs to keep several models within the machine's RAM."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from tokenmill.engine.config import ConfigError, EngineConfig
+from tokenmill.engine.engine import LLMEngine, kv_cache_dtype
+from tokenmill.kvcache.storage import KVStorage
+from tokenmill.model import LoadedModel
+
+# Fewer KV tokens than this and a model cannot serve even a short conversation: refuse to load.
+MIN_KV_TOKENS = 256
+
+
+def kv_bytes_per_token(cfg: EngineConfig, loaded: LoadedModel) -> int:
+    mc = loaded.config
+    return KVStorage.bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_cache_dtype(cfg, loaded))
+
+
+def weights_bytes(loaded: LoadedModel) -> int:
+    """GGUF weights are used as the file holds them; dense modes hold their own (larger) copies."""
+    seen, dense = set(), 0
+    for t in [*loaded.model.parameters(), *loaded.model.buffers()]:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            dense += t.untyped_storage().nbytes()
+    try:
+        file_bytes = os.path.getsize(loaded.gguf.path)
+    except OSError:  # the file went away after loading: the dense count is what is left to go on
+        file_bytes = 0
+    return max(dense, file_bytes)
+
+
+def fit_kv_cache(cfg: EngineConfig, loaded: LoadedModel, max_kv_bytes: int | None) -> EngineConfig:
+    """cfg with max_total_tokens lowered so the KV cache takes at most max_kv_bytes (None: as is)."""
+    if max_kv_bytes is None:
+        return cfg
+    per_token = kv_bytes_per_token(cfg, loaded)
+    tokens = min(cfg.max_total_tokens, max_kv_bytes // per_token) // cfg.block_size * cfg.block_size
+    if tokens < min(MIN_KV_TOKENS, cfg.max_total_tokens):
+        raise ConfigError(f"not enough memory for a KV cache: {max_kv_bytes / 2**20:.0f} MiB left in the budget, "
+                          f"{MIN_KV_TOKENS} tokens need {MIN_KV_TOKENS * per_token / 2**20:.0f} MiB")
+    return cfg if tokens == cfg.max_total_tokens else replace(cfg, max_total_tokens=tokens)
+
+
+def engine_bytes(engine: LLMEngine) -> int:
+    """Weights plus the whole KV cache (allocated lazily, so RSS grows toward this as it fills)."""
+    return weights_bytes(engine.loaded) + engine.kv.nbytes
