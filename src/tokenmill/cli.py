@@ -21,6 +21,12 @@ COMMANDS = {
     "run": "tokenmill.run:cmd_run",
     "serve": "tokenmill.server.commands:cmd_serve",
     "bench": "tokenmill.bench:cmd_bench",
+    "ps": "tokenmill.cli_models:cmd_ps",
+    "stop": "tokenmill.cli_models:cmd_stop",
+    "show": "tokenmill.cli_models:cmd_show",
+    "rm": "tokenmill.cli_models:cmd_rm",
+    "cp": "tokenmill.cli_models:cmd_cp",
+    "create": "tokenmill.cli_models:cmd_create",
 }
 
 
@@ -56,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="see `tokenmill serve --help`")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--server", default=None, help="talk to a running server (host:port) instead of loading the model")
+    p.add_argument("--server", default=None, help="the server to talk to (host:port); default TOKENMILL_HOST or "
+                                                  "127.0.0.1:11434 when one answers there, else the model runs "
+                                                  "in-process")
 
     p = sub.add_parser("serve", help="serve a model over HTTP (Ollama and OpenAI APIs)",
                        description="Settings come from flags, then TOKENMILL_* environment variables, then the "
@@ -66,6 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, metavar="PATH", help="TOML config file (env TOKENMILL_CONFIG)")
     p.add_argument("--print-config", action="store_true", help="print the effective settings as TOML and exit")
     add_flags(p)  # one flag per setting of tokenmill.config
+
+    sub.add_parser("ps", help="models a running server has loaded")
+    p = sub.add_parser("stop", help="unload a model from the running server")
+    p.add_argument("model")
+    p = sub.add_parser("show", help="a model's details")
+    p.add_argument("model")
+    p.add_argument("--modelfile", action="store_true", help="print the Modelfile that would recreate it")
+    p = sub.add_parser("rm", help="remove models (a created model's record, or a pulled model's file)")
+    p.add_argument("models", nargs="+")
+    p = sub.add_parser("cp", help="give a model another name")
+    p.add_argument("source")
+    p.add_argument("destination")
+    p = sub.add_parser("create", help="create a model from a Modelfile (FROM, PARAMETER, SYSTEM, TEMPLATE, MESSAGE)")
+    p.add_argument("model")
+    p.add_argument("-f", "--file", default="Modelfile", help="the Modelfile (default ./Modelfile)")
 
     p = sub.add_parser("bench", help="benchmarks")
     p.add_argument("rest", nargs=argparse.REMAINDER)

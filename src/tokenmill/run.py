@@ -1,14 +1,13 @@
 """`tokenmill run MODEL [PROMPT]`: a one-shot answer, or an interactive chat that keeps the
-conversation. Runs the engine in-process, or talks to a running server with --server."""
+conversation. Talks to a running server when one answers (TOKENMILL_HOST, or --server), else runs
+the engine in-process."""
 from __future__ import annotations
 
-import json
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
 from tokenmill.engine import EngineConfig, LLMEngine, OutputAssembler, SamplingParams
+from tokenmill.server_client import answers, server_url, stream
 
 
 class LocalChat:
@@ -44,35 +43,24 @@ class LocalChat:
 
 
 class RemoteChat:
-    """Streams /api/chat from a running tokenmill (or Ollama) server."""
+    """Streams /api/chat (or, raw, /api/generate) from a running tokenmill or Ollama server."""
 
     def __init__(self, base_url: str, model: str):
-        self.base_url = base_url.rstrip("/")
-        if "://" not in self.base_url:
-            self.base_url = "http://" + self.base_url
+        self.base_url = server_url(base_url)
         self.model = model
 
     def stream(self, prompt: str, params: SamplingParams, *, raw: bool = False,
                history: list[dict] | None = None) -> Iterator[str]:
-        body = {"model": self.model, "stream": True,
-                "messages": [*(history or []), {"role": "user", "content": prompt}],
-                "options": {"temperature": params.temperature, "num_predict": params.max_tokens}}
-        req = urllib.request.Request(self.base_url + "/api/chat", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req) as resp:
-                for line in resp:
-                    if not line.strip():
-                        continue
-                    obj = json.loads(line)
-                    if "error" in obj:
-                        raise RuntimeError(obj["error"])
-                    yield obj.get("message", {}).get("content", "")
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
-            raise RuntimeError(f"server answered {exc.code}: {detail}") from None
-        except urllib.error.URLError as exc:
-            raise RuntimeError(f"cannot reach {self.base_url}: {exc.reason}") from None
+        options = {"temperature": params.temperature, "num_predict": params.max_tokens}
+        if raw:
+            body = {"model": self.model, "prompt": prompt, "raw": True, "stream": True, "options": options}
+            for obj in stream(self.base_url, "/api/generate", body):
+                yield obj.get("response", "")
+            return
+        body = {"model": self.model, "stream": True, "options": options,
+                "messages": [*(history or []), {"role": "user", "content": prompt}]}
+        for obj in stream(self.base_url, "/api/chat", body):
+            yield obj.get("message", {}).get("content", "")
 
 
 def _print_stream(chunks: Iterator[str]) -> str:
@@ -109,6 +97,21 @@ def interactive(chat, params: SamplingParams) -> int:
         history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
 
 
+def choose_chat(args) -> LocalChat | RemoteChat:
+    """The running server when one answers (it loads the model once for everyone, as Ollama's run
+    does); in-process otherwise, or for a .gguf path, which a server does not load by path."""
+    from tokenmill.store.local import looks_like_path
+
+    explicit = getattr(args, "server", None)
+    base = server_url(explicit)
+    if explicit or (not looks_like_path(args.model) and answers(base)):
+        print(f"using the server at {base}", file=sys.stderr)
+        return RemoteChat(base, args.model)
+    reason = "a .gguf path" if looks_like_path(args.model) else f"no server answers at {base}"
+    print(f"running {args.model} in-process ({reason})", file=sys.stderr)
+    return LocalChat(args.model, args.dtype)
+
+
 def cmd_run(args) -> int:
     from tokenmill.model import ModelLoadError
     from tokenmill.store import StoreError
@@ -116,8 +119,7 @@ def cmd_run(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=getattr(args, "temperature", 0.0))
     try:
-        server = getattr(args, "server", None)
-        chat = RemoteChat(server, args.model) if server else LocalChat(args.model, args.dtype)
+        chat = choose_chat(args)
         if args.prompt is None:
             return interactive(chat, params)
         _print_stream(chat.stream(args.prompt, params, raw=args.raw))

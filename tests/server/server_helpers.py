@@ -9,6 +9,7 @@ import uvicorn
 
 from tokenmill.config import Config
 from tokenmill.server import LoadSpec, ModelHost, create_app
+from tokenmill.server.model_host import HostPolicy
 from tokenmill.server.commands import bind_socket
 
 TINY_KV_TOKENS = 8192
@@ -41,8 +42,9 @@ class LiveServer:
 
 def start_server(model: str, *, max_queue: int = 256, dtype: str = "fp32", kv_size: int = TINY_KV_TOKENS,
                  loader=None, fetcher=None, compile: bool = False, **more_settings) -> tuple[LiveServer, ModelHost]:
-    host = ModelHost(max_queue=max_queue, retire_timeout=5, **({"loader": loader} if loader else {}))
     settings = Config(dtype=dtype, kv_size=kv_size, max_queue=max_queue, compile=compile, **more_settings)
+    host = ModelHost(max_queue=max_queue, retire_timeout=5, policy=HostPolicy.from_settings(settings),
+                     **({"loader": loader} if loader else {}))
     if model:
         host.start_load(LoadSpec(model, settings.engine_config()))
     server = LiveServer(create_app(host, settings, fetcher=fetcher)).start()
@@ -50,16 +52,17 @@ def start_server(model: str, *, max_queue: int = 256, dtype: str = "fp32", kv_si
 
 
 def wait_idle(host: ModelHost, timeout: float = 10.0) -> None:
-    """Every request finished and every KV block back in the pool."""
-    engine = host.current.engine
+    """Every request finished and every KV block back in the pool, in every loaded model."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (engine.blocks.num_used_blocks == 0 and not engine.has_unfinished()
-                and host.admission.in_flight == 0):
+        engines = [m.engine for m in host.loaded_models()]
+        if host.admission.in_flight == 0 and all(e.blocks.num_used_blocks == 0 and not e.has_unfinished()
+                                                 for e in engines):
             return
         time.sleep(0.02)
-    raise AssertionError(f"not idle: {engine.blocks.num_used_blocks} blocks used, running={engine.num_running()}, "
-                         f"waiting={engine.num_waiting()}, in_flight={host.admission.in_flight}")
+    state = [(e.blocks.num_used_blocks, e.num_running(), e.num_waiting()) for e in engines]
+    raise AssertionError(f"not idle: (blocks used, running, waiting) per model {state}, "
+                         f"in_flight={host.admission.in_flight}")
 
 
 def model_name(host: ModelHost) -> str:

@@ -43,13 +43,20 @@ def test_health_while_loading_then_ok(gated_server):
     with httpx.Client(base_url=server.url, timeout=10) as c:
         r = c.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "loading", "progress": 0.25}
-        r = c.post("/api/generate", json={"model": "tiny-llama", "prompt": "x"})
-        assert r.status_code == 503 and "loading" in r.json()["error"] and r.headers["retry-after"] == "1"
-        assert c.get("/").status_code == 200
+        # A request for the loading model waits for it, as Ollama's do, instead of failing.
+        waiting = {}
+        request = threading.Thread(target=lambda: waiting.update(r=httpx.post(
+            f"{server.url}/api/generate", json={"model": "tiny-llama", "prompt": "x", "stream": False,
+                                                "options": {"num_predict": 2}}, timeout=30)))
+        request.start()
+        time.sleep(0.3)
+        assert request.is_alive() and c.get("/").status_code == 200
         assert c.post("/load", json={"model": str(host.loading.model)}).status_code == 409
         gate.set()
         r = poll_health(c, "ok")
         assert r.status_code == 200 and r.json() == {"status": "ok", "kernels": kernels.variant()}
+        request.join(30)
+        assert waiting["r"].status_code == 200 and waiting["r"].json()["eval_count"] == 2
 
 
 def test_failed_load_sets_error_and_the_server_stays_up(tmp_path, tiny_gguf):

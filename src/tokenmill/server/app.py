@@ -7,6 +7,7 @@ import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -18,6 +19,21 @@ from tokenmill.server.streaming import ClientGone
 from tokenmill.store.pull import Fetcher
 
 log = logging.getLogger("tokenmill.server")
+
+
+class ReleaseLeases:
+    """Releases the model leases a request took (model_host.model_for) once its response is over:
+    after the last byte of a stream, on a disconnect or on an error alike."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for lease in scope.pop("tokenmill.leases", ()):
+                lease.release()
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -43,7 +59,8 @@ def create_app(host: ModelHost, settings: Config | None = None, *, fetcher: Fetc
             ClientGone: _client_gone,
             Exception: handle_unexpected,
         },
-        middleware=access.middleware(settings.api_key, settings.origins, settings.max_body_bytes),
+        middleware=[*access.middleware(settings.api_key, settings.origins, settings.max_body_bytes),
+                    Middleware(ReleaseLeases)],
         lifespan=lifespan,
     )
     app.state.host = host

@@ -116,7 +116,8 @@ def render(snap: StatsSnapshot | None, model: str | None, in_flight: int, reject
 
 async def metrics(request: Request) -> Response:
     host = request.app.state.host
-    served = host.current
+    # The default model's engine; other loaded models show in /api/ps.
+    served = host.current or next(iter(host.loaded_models()), None)
     snap = counters = None
     if served is not None:
         aengine = served.aengine

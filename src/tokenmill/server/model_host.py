@@ -1,168 +1,418 @@
-"""The model the server serves: loading it in the background (with a status /health can report),
-switching to another one, and handing the live engine to request handlers.
+"""The models the server serves, loaded on demand as Ollama's scheduler does: a request naming an
+installed model that is not loaded loads it (requests for it wait while it loads; requests for other
+models keep being served); idle models unload when their keep_alive runs out, or, least recently used
+first, when a load needs room under `max_loaded_models` or the memory budget. A model with requests in
+flight is never unloaded; when nothing can make room, a request waits and then gets 503.
 
-Loading never blocks the event loop and a failed load never takes the server down: the failure
-becomes the `error` status. A switch keeps the old model serving until the new one is ready, then
-retires it once its in-flight requests have finished."""
+One model is the default: the one `serve` was started with (or /load switched to). It answers requests
+that name no model, /health follows its load, and it stays loaded unless a request's keep_alive says
+otherwise. Loads run one at a time on a worker thread and never block the event loop; a failed load
+fails the requests waiting for it (and, for the default model, becomes the `error` status)."""
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import replace
 
-from tokenmill.engine import AsyncEngine, EngineConfig, LLMEngine
+from tokenmill.engine import AsyncEngine
 from tokenmill.server.admission import RETRY_AFTER_SECONDS, Admission
 from tokenmill.server.errors import APIError
+from tokenmill.server.model_loads import (
+    HostPolicy,
+    NoRoomError,
+    PendingLoad,
+    file_size,
+    path_key,
+    resolved_key,
+    spec_names,
+)
+from tokenmill.server.served_model import Loaded, LoadSpec, Loader, ModelLease, ServedModel, default_loader
+from tokenmill.store.derived import Profile, normalize_name
 
 log = logging.getLogger("tokenmill.server")
 
+KEEP_DEFAULT = object()  # acquire(): the request gave no keep_alive
+_REAP_SECONDS = 0.25
 
-@dataclass(frozen=True)
-class LoadSpec:
-    model: str                     # catalog name, alias, models-dir name or GGUF path
-    engine: EngineConfig = field(default_factory=EngineConfig)
-
-
-@dataclass
-class Loaded:
-    """What a loader returns: the engine and what to call the model."""
-    engine: LLMEngine
-    path: Path
-    name: str
-    aliases: tuple[str, ...] = ()
+__all__ = ["HostPolicy", "KEEP_DEFAULT", "LoadSpec", "Loaded", "ModelHost", "ServedModel", "default_loader",
+           "normalize_name"]
 
 
-# loader(spec, report_progress) -> Loaded; injectable so tests can stage slow or failing loads.
-Loader = Callable[[LoadSpec, Callable[[float], None]], Loaded]
-
-
-def default_loader(spec: LoadSpec, report: Callable[[float], None]) -> Loaded:
-    from tokenmill.store import ensure_model
-    from tokenmill.store.catalog import spec_for_filename
-
-    path = ensure_model(spec.model, progress=True)  # pulls a known model on first use
-    report(0.1)
-    engine = LLMEngine.from_path(path, spec.engine)
-    # A catalog model keeps its catalog name even when given as a path to its file.
-    catalog = spec_for_filename(path.name)
-    if catalog is not None:
-        return Loaded(engine, path, catalog.name, catalog.aliases)
-    return Loaded(engine, path, path.stem)
-
-
-def normalize_name(name: str) -> str:
-    # Ollama clients append ":latest" to untagged names.
-    n = name.strip().lower()
-    return n.removesuffix(":latest")
-
-
-@dataclass
-class ServedModel:
-    name: str
-    path: Path
-    aengine: AsyncEngine
-    spec: LoadSpec
-    loaded_at: float                      # wall clock, for modified_at/expires_at style fields
-    names: frozenset[str] = field(default_factory=frozenset)
-
-    @property
-    def engine(self) -> LLMEngine:
-        return self.aengine.engine
-
-    @property
-    def load_seconds(self) -> float:
-        return self.engine.loaded.load_seconds
-
-    def matches(self, requested: str) -> bool:
-        return normalize_name(requested) in self.names
+def release_free_memory() -> None:
+    """Give freed heap back to the OS. glibc keeps what a model's threads freed in their malloc arenas;
+    without this, every load/unload cycle of a 100 MB model left ~70 MB more resident."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 class ModelHost:
-    def __init__(self, *, max_queue: int = 256, loader: Loader = default_loader, retire_timeout: float = 30.0):
+    """Every model the server holds, loaded or loading; what handlers ask for a model to serve a request."""
+
+    def __init__(self, *, max_queue: int = 256, loader: Loader = default_loader, retire_timeout: float = 30.0,
+                 policy: HostPolicy | None = None):
         self.admission = Admission(max_queue)
+        self.policy = policy or HostPolicy()
         self._loader = loader
         self._retire_timeout = retire_timeout
         self._lock = threading.Lock()
-        self.current: ServedModel | None = None
-        self.loading: LoadSpec | None = None
-        self.progress = 0.0
-        self.error: str | None = None
-        self._ready = threading.Event()
+        self._load_lock = threading.Lock()    # one load at a time: its memory check sees the others
+        self._models: dict[str, ServedModel] = {}
+        self._pending: list[PendingLoad] = []
+        self._default_key: str | None = None
+        self._default_load: PendingLoad | None = None
+        self._default_spec: LoadSpec | None = None
+        self.error: str | None = None          # the default model's failed load
+        self._waiting = 0
         self._closed = False
+        self._wake_reaper = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="tokenmill-reaper", daemon=True)
+
+    # --- what is loaded --------------------------------------------------------------------------
+    @property
+    def current(self) -> ServedModel | None:
+        """The default model, if it is loaded."""
+        with self._lock:
+            return self._models.get(self._default_key) if self._default_key else None
+
+    @property
+    def loading(self) -> LoadSpec | None:
+        """The default model's load in progress, if any."""
+        load = self._default_load
+        return load.spec if load is not None and not load.done.is_set() else None
+
+    @property
+    def progress(self) -> float:
+        load = self._default_load
+        return load.progress if load is not None else 1.0
+
+    def loaded_models(self) -> list[ServedModel]:
+        with self._lock:
+            return list(self._models.values())
+
+    def find_loaded(self, name: str) -> ServedModel | None:
+        with self._lock:
+            return next((m for m in self._models.values() if m.matches(name)), None)
 
     # --- status ----------------------------------------------------------------------------------
     @property
     def status(self) -> str:
         """'loading' | 'ok' | 'error' | 'empty' — what /health reports. Never waits for the engine."""
-        with self._lock:
-            current = self.current
-            if self.loading is not None:
-                return "loading"
-            if self.error is not None:
-                return "error"
-        if current is None:
+        if self.loading is not None:
+            return "loading"
+        if self.error is not None:
+            return "error"
+        models = self.loaded_models()
+        if any(not m.aengine.health().ok for m in models):
+            return "error"
+        if not models and self._default_spec is None:
             return "empty"
-        return "ok" if current.aengine.health().ok else "error"
+        return "ok"  # an idle server that unloaded its models still serves: it loads on demand
 
     @property
     def problem(self) -> str | None:
-        """Why the status is `error`: the failed load, or what is wrong with the serving engine."""
-        with self._lock:
-            current, error = self.current, self.error
-        if error is not None:
-            return error
-        if current is not None:
-            return current.aengine.health().reason
+        """Why the status is `error`: the failed load, or what is wrong with a serving engine."""
+        if self.error is not None:
+            return self.error
+        for m in self.loaded_models():
+            health = m.aengine.health()
+            if not health.ok:
+                return f"{m.name}: {health.reason}" if len(self._models) > 1 else health.reason
         return None
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until the pending load finished (either way); True if a model is being served."""
-        self._ready.wait(timeout)
-        return self.status == "ok"
+        """Block until the default model's load finished (either way); True if it is being served."""
+        load = self._default_load
+        if load is not None:
+            load.done.wait(timeout)
+        return self.status == "ok" and self.current is not None
 
-    # --- loading ---------------------------------------------------------------------------------
+    # --- the default model (serve MODEL, /load) --------------------------------------------------
     def start_load(self, spec: LoadSpec) -> None:
+        """Load `spec` as the default model; the previous default retires once the new one serves."""
         with self._lock:
             if self._closed:
                 raise APIError(503, "server is shutting down")
             if self.loading is not None:
                 raise APIError(409, f"model {self.loading.model!r} is still loading; try again when it is ready",
                                code="load_in_progress")
-            self.loading, self.progress, self.error = spec, 0.0, None
-            self._ready.clear()
-        threading.Thread(target=self._load, args=(spec,), name="tokenmill-load", daemon=True).start()
+            load = PendingLoad(spec, spec_names(spec.model), resolved_key(spec.model), True, None)
+            self._pending.append(load)
+            self._default_load, self._default_spec, self.error = load, spec, None
+        self._start(load)
 
-    def _report(self, progress: float) -> None:
-        self.progress = max(self.progress, min(progress, 1.0))
+    # --- serving ---------------------------------------------------------------------------------
+    async def acquire(self, requested: str | None, keep_alive: object = KEEP_DEFAULT, *,
+                      scope: dict | None = None) -> ModelLease:
+        """A lease on the model `requested` names (None/empty: the default model), loading it first
+        if needed. With `scope`, the lease is released when the request's response has been sent."""
+        if self._closed or self.admission.draining:
+            raise APIError(503, "server is shutting down", code="shutting_down", retry_after=RETRY_AFTER_SECONDS)
+        name, profile, served = requested or "", Profile(), None
+        if name:
+            served = self.find_loaded(name)
+        else:
+            served = self._default_served()
+        if served is None:
+            served, name, profile = await self._load_for(name)
+        else:
+            name = served.name
+        lease = self._lease(served, name, profile, keep_alive)
+        if scope is not None:
+            scope.setdefault("tokenmill.leases", []).append(lease)
+        return lease
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _default_served(self) -> ServedModel | None:
+        served = self.current
+        if served is not None:
+            health = served.aengine.health()
+            if health.status == "dead":  # fail fast: nothing would ever run the request
+                raise APIError(503, f"the engine is not running: {health.reason}", code="engine_dead")
+        return served
+
+    def _lease(self, served: ServedModel, name: str, profile: Profile, keep_alive: object) -> ModelLease:
+        seconds = served.keep_alive if keep_alive is KEEP_DEFAULT else keep_alive
+        with self._lock:
+            served.leases += 1
+            served.last_used = time.monotonic()
+            served.expires_at = None if seconds is None else time.time() + seconds
+
+        def release(_: ModelLease) -> None:
+            with self._lock:
+                served.leases -= 1
+                served.last_used = time.monotonic()
+                served.expires_at = None if seconds is None else time.time() + seconds
+            if seconds is not None and seconds <= 0:
+                self._wake_reaper.set()
+
+        return ModelLease(served, name, profile, release)
+
+    async def _load_for(self, name: str) -> tuple[ServedModel, str, Profile]:
+        """Find or start the load that serves `name`, wait for it; (model, name to answer as, profile)."""
+        if not name:
+            load = self._default_reload()
+            profile = Profile()
+        elif (pending := self._pending_named(name)) is not None:
+            load, profile = pending, Profile()
+        else:
+            resolved = await asyncio.to_thread(self._resolve, name)
+            name, profile = resolved.name, resolved.profile
+            load = self._find_or_start(resolved)
+        served = await self._wait(load)
+        return served, name or served.name, profile
+
+    def _resolve(self, name: str):
+        from tokenmill.store import ModelNotInstalledError, UnknownModelError
+        from tokenmill.store.local import looks_like_path
+        from tokenmill.store.names import resolve_named
+
+        try:
+            if looks_like_path(name):  # clients name models; files on the server's disk are not theirs to load
+                raise UnknownModelError(name)
+            return resolve_named(name)
+        except UnknownModelError:
+            raise APIError(404, f"model \"{name}\" not found, try pulling it first", param="model",
+                           code="model_not_found") from None
+        except ModelNotInstalledError as exc:
+            if not self.policy.pull_on_demand:
+                raise APIError(404, f"model \"{name}\" not found, try pulling it first", param="model",
+                               code="model_not_found") from None
+            from tokenmill.store.names import ResolvedModel
+            from tokenmill.store.catalog import lookup
+            from tokenmill.store.local import model_path
+
+            log.info("%s; pulling it on demand", exc)
+            spec = lookup(name)
+            return ResolvedModel(spec.name, model_path(spec))
+
+    def _default_reload(self) -> PendingLoad:
+        with self._lock:
+            load = self._default_load
+            if load is not None and not load.done.is_set():
+                return load
+            if self.error is not None:
+                raise APIError(503, f"no model is loaded: the last load failed: {self.error}",
+                               code="model_load_failed")
+            spec = self._default_spec
+            if spec is None:
+                raise APIError(503, "no model is loaded; name one in the request or POST /load",
+                               code="no_model")
+        return self._find_or_start_spec(spec, spec_names(spec.model), resolved_key(spec.model),
+                                        self._default_keep_alive())
+
+    def _pending_named(self, name: str) -> PendingLoad | None:
+        with self._lock:
+            return next((load for load in self._pending if normalize_name(name) in load.names), None)
+
+    def _default_keep_alive(self) -> float | None:
+        return None  # the model the server was started with stays until a request says otherwise
+
+    def _find_or_start(self, resolved) -> PendingLoad:
+        key = path_key(resolved.path)
+        default = self._default_spec
+        if default is not None and key == self._default_key:
+            return self._find_or_start_spec(default, spec_names(default.model), key, self._default_keep_alive())
+        # Not there yet: pulled on demand, by its catalog name.
+        model = str(resolved.path) if resolved.path.exists() else resolved.name
+        spec = LoadSpec(model, self.policy.engine)
+        return self._find_or_start_spec(spec, {normalize_name(resolved.name)}, key, self.policy.keep_alive)
+
+    def _find_or_start_spec(self, spec: LoadSpec, names: set[str], key: str | None,
+                            keep_alive: float | None) -> PendingLoad:
+        with self._lock:
+            if self._closed:
+                raise APIError(503, "server is shutting down", code="shutting_down")
+            for load in self._pending:
+                if (key is not None and load.key == key) or names & load.names:
+                    return load
+            served = self._models.get(key) if key else None
+            if served is not None:  # loaded between the caller's look and now
+                load = PendingLoad(spec, names, key, False, keep_alive, 1.0, served=served)
+                load.done.set()
+                return load
+            load = PendingLoad(spec, names, key, False, keep_alive)
+            self._pending.append(load)
+        self._start(load)
+        return load
+
+    async def _wait(self, load: PendingLoad) -> ServedModel:
+        if self._waiting >= self.admission.max_queue:
+            raise APIError(503, f"server busy: {self._waiting} requests are waiting for models to load",
+                           code="queue_full", retry_after=RETRY_AFTER_SECONDS)
+        self._waiting += 1
+        try:
+            deadline = time.monotonic() + self.policy.wait_timeout
+            while not load.done.is_set():
+                if time.monotonic() > deadline:
+                    raise APIError(503, f"model {load.spec.model!r} is still loading", code="model_loading",
+                                   retry_after=RETRY_AFTER_SECONDS)
+                await asyncio.sleep(0.02)
+        finally:
+            self._waiting -= 1
+        if load.no_room:
+            raise APIError(503, load.error or "no room to load the model", code="no_room",
+                           retry_after=RETRY_AFTER_SECONDS)
+        if load.error is not None or load.served is None:
+            if load.default:
+                raise APIError(503, f"no model is loaded: the last load failed: {load.error}",
+                               code="model_load_failed")
+            raise APIError(500, f"loading {load.spec.model} failed: {load.error}", code="model_load_failed")
+        return load.served
+
+    # --- loading ---------------------------------------------------------------------------------
+    def _start(self, load: PendingLoad) -> None:
+        with self._lock:
+            if not self._reaper.is_alive() and not self._closed:
+                self._reaper.start()  # with the first load: a host that never loads needs no thread
+        threading.Thread(target=self._run_load, args=(load,), name="tokenmill-load", daemon=True).start()
+
+    def _report(self, load: PendingLoad, progress: float) -> None:
+        load.progress = max(load.progress, min(progress, 1.0))
+
+    def _run_load(self, load: PendingLoad) -> None:
         start = time.monotonic()
         try:
-            loaded = self._loader(spec, self._report)
-        except BaseException as exc:  # noqa: BLE001 - any failure becomes the error status
+            with self._load_lock:
+                max_kv = self._make_room(load)
+                loaded = self._loader(replace(load.spec, max_kv_bytes=max_kv), lambda p: self._report(load, p))
+                served = self._serve(load, loaded)
+        except BaseException as exc:  # noqa: BLE001 - any failure fails this load, never the server
             message = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
-            log.error("loading %s failed: %s", spec.model, message)
+            log.error("loading %s failed: %s", load.spec.model, message)
             with self._lock:
-                self.loading, self.error = None, message
-            self._ready.set()
+                load.error, load.no_room = message, isinstance(exc, NoRoomError)
+                if load.default:
+                    self.error = message
+                self._pending.remove(load)
+            load.done.set()
             return
+        log.info("model %s ready (%s) in %.1fs, %.0f MiB", served.name, served.path, time.monotonic() - start,
+                 served.size_bytes / 2**20)
+
+    def _serve(self, load: PendingLoad, loaded: Loaded) -> ServedModel:
+        from tokenmill.engine.memory import engine_bytes
+
         aengine = AsyncEngine(loaded.engine).start()
-        names = {normalize_name(n) for n in (loaded.name, *loaded.aliases, spec.model, loaded.path.stem,
+        key = path_key(loaded.path)
+        names = {normalize_name(n) for n in (loaded.name, *loaded.aliases, load.spec.model, loaded.path.stem,
                                              loaded.path.name, str(loaded.path))}
-        served = ServedModel(loaded.name, loaded.path, aengine, spec, time.time(), frozenset(names))
+        served = ServedModel(loaded.name, loaded.path, aengine, load.spec, time.time(), frozenset(names),
+                             engine_bytes(loaded.engine), load.keep_alive)
+        retire = None
         with self._lock:
-            old, self.current = self.current, served
-            self.loading, self.progress = None, 1.0
             closed = self._closed
-        self._ready.set()
-        log.info("model %s ready (%s) in %.1fs", served.name, served.path, time.monotonic() - start)
+            if load.default:
+                old_key, self._default_key = self._default_key, key
+                if old_key is not None and old_key != key:
+                    retire = self._models.pop(old_key, None)
+            replaced = self._models.get(key)
+            if replaced is not None and replaced is not retire:
+                retire = retire or replaced  # /load of a loaded file with new settings
+            self._models[key] = served
+            load.served, load.progress = served, 1.0
+            self._pending.remove(load)
+        load.done.set()
         if closed:  # shut down while we were loading
             aengine.shutdown()
-        if old is not None:
-            threading.Thread(target=self._retire, args=(old,), name="tokenmill-retire", daemon=True).start()
+        if retire is not None:
+            threading.Thread(target=self._retire, args=(retire,), name="tokenmill-retire", daemon=True).start()
+        return served
+
+    def _make_room(self, load: PendingLoad) -> int:
+        """Unload idle models (least recently used first) until `load` fits; the KV bytes it may use."""
+        # The weights as the file holds them, plus a margin for what loading adds (dense copies, buffers).
+        need = int(file_size(load.spec.model) * 1.1)
+        deadline = time.monotonic() + self.policy.wait_timeout
+        while True:
+            with self._lock:
+                others = [m for k, m in self._models.items() if k != load.key]
+                used = sum(m.size_bytes for m in others)
+                fits = len(others) < self.policy.max_loaded_models and used + need <= self.policy.memory_budget
+                victim = None if fits else min((m for m in others if m.idle), key=lambda m: m.last_used, default=None)
+                if victim is not None:
+                    self._forget(victim)
+            if fits:
+                return self.policy.memory_budget - used - need
+            if victim is not None:
+                log.info("unloading %s to make room for %s", victim.name, load.spec.model)
+                self._shutdown(victim)
+                continue
+            if not others:
+                raise NoRoomError(f"model {load.spec.model} needs {need / 1e9:.2f} GB, more than the memory "
+                                  f"budget of {self.policy.memory_budget / 1e9:.2f} GB")
+            if time.monotonic() > deadline or self._closed:
+                raise NoRoomError(f"no room to load {load.spec.model}: {len(others)} model(s) loaded and busy "
+                                  f"(max_loaded_models {self.policy.max_loaded_models}, memory budget "
+                                  f"{self.policy.memory_budget / 1e9:.2f} GB)")
+            time.sleep(0.05)
+
+    # --- unloading -------------------------------------------------------------------------------
+    def unload(self, name: str) -> bool:
+        """Unload `name` as soon as it is idle (keep_alive 0); False if it is not loaded."""
+        served = self.find_loaded(name)
+        if served is None:
+            return False
+        with self._lock:
+            served.expires_at = time.time()
+        self._wake_reaper.set()
+        return True
+
+    def _forget(self, served: ServedModel) -> None:
+        """Under the lock: take `served` out of the tables (its engine is shut down after)."""
+        for key, m in list(self._models.items()):
+            if m is served:
+                del self._models[key]
+
+    def _shutdown(self, served: ServedModel) -> None:
+        served.aengine.shutdown()
+        gc.collect()  # the engine's tensors go now, not at some later collection
+        release_free_memory()
+        log.info("unloaded model %s", served.name)
 
     def _retire(self, old: ServedModel) -> None:
         deadline = time.monotonic() + self._retire_timeout
@@ -171,29 +421,31 @@ class ModelHost:
         old.aengine.shutdown()
         log.info("retired model %s", old.name)
 
-    # --- serving ---------------------------------------------------------------------------------
-    def get(self, requested: str | None = None) -> ServedModel:
-        """The served model for a request naming `requested` (None/empty = whatever is loaded)."""
+    def _reap_loop(self) -> None:
+        while not self._closed:
+            self._wake_reaper.wait(_REAP_SECONDS)
+            self._wake_reaper.clear()
+            self._unload_expired()  # a call, so no local outlives it holding an unloaded model
+
+    def _unload_expired(self) -> None:
+        now = time.time()
         with self._lock:
-            current, loading, error = self.current, self.loading, self.error
-        if current is None:
-            if loading is not None:
-                raise APIError(503, f"model {loading.model!r} is loading", code="model_loading",
-                               retry_after=RETRY_AFTER_SECONDS)
-            if error is not None:
-                raise APIError(503, f"no model is loaded: the last load failed: {error}", code="model_load_failed")
-            raise APIError(503, "no model is loaded; POST /load first", code="no_model")
-        health = current.aengine.health()
-        if health.status == "dead":  # fail fast: nothing would ever run the request
-            raise APIError(503, f"the engine is not running: {health.reason}", code="engine_dead")
-        if requested and not current.matches(requested):
-            raise APIError(404, f"model {requested!r} not found; this server serves {current.name!r}",
-                           param="model", code="model_not_found")
-        return current
+            expired = [m for m in self._models.values() if m.expires_at is not None and m.expires_at <= now and m.idle]
+            for m in expired:
+                self._forget(m)
+        for m in expired:
+            log.info("model %s expired (keep_alive)", m.name)
+            self._shutdown(m)
 
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
-            current, self.current = self.current, None
-        if current is not None:
-            current.aengine.shutdown()
+            models, self._models = list(self._models.values()), {}
+        self._wake_reaper.set()
+        for m in models:
+            m.aengine.shutdown()
+
+
+async def model_for(request, name: str | None, keep_alive: object = KEEP_DEFAULT) -> ModelLease:
+    """The model a request names, held until its response has been sent (see app.ReleaseLeases)."""
+    return await request.app.state.host.acquire(name, keep_alive, scope=request.scope)

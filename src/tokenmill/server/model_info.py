@@ -3,13 +3,16 @@ installed ones from the store, plus the served one, which may be a GGUF outside 
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from tokenmill.server.model_host import ModelHost, ServedModel, normalize_name
 from tokenmill.store import list_models
+from tokenmill.store.derived import DerivedModel, list_derived
 from tokenmill.store.catalog import spec_for_filename
 from tokenmill.tokenizer.tokenizer import chat_template_source
 
@@ -29,6 +32,7 @@ class ModelEntry:
     quantization: str
     context_length: int | None
     parameter_size: str = ""
+    derived: DerivedModel | None = None   # a name made by `create` or `cp`
 
 
 def iso_time(ts: float) -> str:
@@ -49,31 +53,45 @@ def parameter_size(served: ServedModel) -> str:
 
 
 def served_entry(served: ServedModel) -> ModelEntry:
-    st = served.path.stat()
+    try:
+        size, mtime = served.path.stat().st_size, served.path.stat().st_mtime
+    except OSError:  # deleted while loaded: the engine still holds the weights
+        size, mtime = served.size_bytes, served.loaded_at
     loaded = served.engine.loaded
-    return ModelEntry(served.name, served.path, st.st_size, st.st_mtime, _digest(served.path),
+    return ModelEntry(served.name, served.path, size, mtime, _digest(served.path),
                       loaded.config.architecture, loaded.gguf.quantization_summary(),
                       loaded.config.context_length, parameter_size(served))
 
 
-def installed_entries(host: ModelHost) -> list[ModelEntry]:
-    """Blocking (may read GGUF headers): call from a worker thread."""
-    served = host.current
-    entries = []
+def installed_entries(host: ModelHost | None) -> list[ModelEntry]:
+    """Loaded models first, then every installed and derived one. Blocking (may read GGUF headers):
+    call from a worker thread."""
+    entries = [served_entry(m) for m in (host.loaded_models() if host is not None else [])]
+    loaded = {e.path.resolve() for e in entries}
+    bases = {}
     for m in list_models():
-        if served is not None and m.path.resolve() == served.path.resolve():
-            continue
-        entries.append(ModelEntry(m.name, m.path, m.size_bytes, m.path.stat().st_mtime, _digest(m.path),
-                                  m.architecture, m.quantization, m.context_length))
-    if served is not None:
-        entries.insert(0, served_entry(served))
+        entry = ModelEntry(m.name, m.path, m.size_bytes, m.path.stat().st_mtime, _digest(m.path),
+                           m.architecture, m.quantization, m.context_length)
+        bases[normalize_name(m.name)] = bases[m.path.stem.lower()] = entry
+        if m.path.resolve() not in loaded:
+            entries.append(entry)
+    for d in list_derived():
+        base = bases.get(normalize_name(d.base)) or next((e for e in entries if str(e.path) == d.base), None)
+        if base is not None:
+            entries.append(replace(base, name=d.name, modified_at=d.created_at, digest=_record_digest(d),
+                                   derived=d))
     return entries
 
 
-def find_entry(host: ModelHost, name: str) -> ModelEntry | None:
+def _record_digest(d: DerivedModel) -> str:
+    return hashlib.sha256(json.dumps(d.to_json(), sort_keys=True).encode()).hexdigest()
+
+
+def find_entry(host: ModelHost | None, name: str) -> ModelEntry | None:
+    """The entry `name` means; host None: the store only (the CLI without a server)."""
     wanted = normalize_name(name)
-    served = host.current
-    if served is not None and served.matches(name):
+    served = host.find_loaded(name) if host is not None else None
+    if served is not None:
         return served_entry(served)
     return next((e for e in installed_entries(host) if normalize_name(e.name) == wanted
                  or e.path.stem.lower() == wanted), None)
@@ -101,12 +119,41 @@ def show(e: ModelEntry, verbose: bool = False, metadata: dict | None = None) -> 
     capabilities = ["completion", "embedding"]
     if "tools" in template:
         capabilities.append("tools")
+    profile = e.derived.profile if e.derived else None
+    if profile is not None and profile.template:
+        template = profile.template
     return {
-        "modelfile": f"# tokenmill serves this GGUF directly\nFROM {e.path}\n",
-        "parameters": "",
+        "modelfile": modelfile_text(e),
+        "parameters": "\n".join(f"{k} {json.dumps(v) if isinstance(v, str) else v}"
+                                for k, v in _parameter_lines(profile)),
         "template": template,
+        **({"system": profile.system} if profile is not None and profile.system else {}),
         "details": ollama_details(e),
         "model_info": info,
         "capabilities": capabilities,
         "modified_at": iso_time(e.modified_at),
     }
+
+
+def _parameter_lines(profile) -> list[tuple[str, object]]:
+    if profile is None:
+        return []
+    lines = []
+    for k, v in profile.parameters.items():
+        lines += [(k, x) for x in v] if isinstance(v, list) else [(k, v)]
+    return lines
+
+
+def modelfile_text(e: ModelEntry) -> str:
+    """What `ollama show --modelfile` prints: enough to recreate the model."""
+    if e.derived is None:
+        return f"# tokenmill serves this GGUF directly\nFROM {e.path}\n"
+    p = e.derived.profile
+    out = [f"FROM {e.derived.base}"]
+    out += [f"PARAMETER {k} {json.dumps(v) if isinstance(v, str) else v}" for k, v in _parameter_lines(p)]
+    if p.system:
+        out.append(f'SYSTEM """{p.system}"""')
+    if p.template:
+        out.append(f'TEMPLATE """{p.template}"""')
+    out += [f'MESSAGE {m["role"]} """{m["content"]}"""' for m in p.messages]
+    return "\n".join(out) + "\n"

@@ -12,16 +12,19 @@ import datetime as dt
 import math
 import time
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tokenmill.keep_alive import KeepAliveError, parse_keep_alive
+from tokenmill.server import profiles
 from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat, render_prompt
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
-from tokenmill.server.errors import bad_request
+from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation, Result, Timings
 from tokenmill.server.logprobs import chat_entries
-from tokenmill.server.model_host import ModelHost, ServedModel
+from tokenmill.server.model_host import KEEP_DEFAULT, ModelHost, ServedModel, model_for
 from tokenmill.server.ollama_params import FIELD_NAMES, OllamaOptions, parse_options
 from tokenmill.server.streaming import ndjson_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, ollama_spec
@@ -160,21 +163,24 @@ async def generate(request: Request) -> Response:
     timings = Timings()
     body = await read_json(request)
     warn_unknown(body, GENERATE_FIELDS, "/api/generate")
-    served = _host(request).get(_model_field(body))
-    shape = Shape(False, served.name)
+    keep_alive = keep_alive_field(body)
     prompt = get_str(body, "prompt", "")
     if body.get("images"):
         raise bad_request("images: this model accepts text only", "images")
     if get_str(body, "suffix"):
         raise bad_request("suffix: this model does not support fill-in-the-middle", "suffix")
     _ignore_unsupported(body, "/api/generate")
-    tok = served.engine.tokenizer
+    if not prompt and not body.get("context"):
+        return await _load_or_unload(request, body, keep_alive, chat=False)
+    served = await model_for(request, _model_field(body), keep_alive)
+    body = profiles.ollama_body(body, served.profile)
+    shape = Shape(False, served.name)
+    tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
     context = check_token_ids(body["context"], tok.vocab_size, "context") if body.get("context") else []
-    if not prompt and not context:
-        return JSONResponse(shape.loaded())
     opts = parse_options(body, "/api/generate")
     constraint = ollama_spec(body)
-    ids = context + render_prompt(tok, prompt, system=get_str(body, "system"), raw=bool(get_bool(body, "raw")))
+    system = profiles.system_prompt(get_str(body, "system"), served.profile)
+    ids = context + render_prompt(tok, prompt, system=system, raw=bool(get_bool(body, "raw")))
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "prompt")
 
@@ -183,19 +189,55 @@ async def chat(request: Request) -> Response:
     timings = Timings()
     body = await read_json(request)
     warn_unknown(body, CHAT_FIELDS, "/api/chat")
-    served = _host(request).get(_model_field(body))
+    keep_alive = keep_alive_field(body)
     tool_use = parse_tool_use(body, allow_choice=False)  # Ollama has no tool_choice: the model decides
-    shape = Shape(True, served.name, tool_use)
     messages = normalize_messages(body.get("messages") or [])
     _ignore_unsupported(body, "/api/chat")
     if not messages:
-        return JSONResponse(shape.loaded())
+        return await _load_or_unload(request, body, keep_alive, chat=True)
+    served = await model_for(request, _model_field(body), keep_alive)
+    body = profiles.ollama_body(body, served.profile)
+    shape = Shape(True, served.name, tool_use)
     opts = parse_options(body, "/api/chat")
     constraint = ollama_spec(body)
-    messages, tools = prepare_messages(served.engine.tokenizer, messages, tool_use)
-    ids = render_chat(served.engine.tokenizer, messages, tools=tools)
-    await add_constraint(opts.params, served.engine.tokenizer, constraint)
+    tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
+    messages, tools = prepare_messages(tok, profiles.chat_messages(messages, served.profile), tool_use)
+    ids = render_chat(tok, messages, tools=tools)
+    await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "messages")
+
+
+def keep_alive_field(body: dict) -> object:
+    if body.get("keep_alive") is None:
+        return KEEP_DEFAULT
+    try:
+        return parse_keep_alive(body["keep_alive"])
+    except KeepAliveError as exc:
+        raise bad_request(str(exc), "keep_alive") from None
+
+
+async def _load_or_unload(request: Request, body: dict, keep_alive: object, *, chat: bool) -> Response:
+    """An empty prompt (or no messages) loads the model, or with keep_alive 0 unloads it (Ollama)."""
+    name = _model_field(body)
+    if keep_alive == 0:
+        host = _host(request)
+        if not host.unload(name):
+            await run_in_threadpool(_check_installed, name)
+        obj = Shape(chat, name).chunk("")
+        obj.update(done=True, done_reason="unload")
+        return JSONResponse(obj)
+    served = await model_for(request, name, keep_alive)
+    return JSONResponse(Shape(chat, served.name).loaded())
+
+
+def _check_installed(name: str) -> None:
+    from tokenmill.store import StoreError
+    from tokenmill.store.names import resolve_named
+
+    try:
+        resolve_named(name)
+    except StoreError:
+        raise APIError(404, f"model \"{name}\" not found, try pulling it first", param="model") from None
 
 
 def _inputs(value, field: str) -> list[str]:
@@ -235,7 +277,7 @@ async def embed_endpoint(request: Request) -> Response:
     start = time.perf_counter()
     body = await read_json(request)
     warn_unknown(body, EMBED_FIELDS, "/api/embed")
-    served = _host(request).get(_model_field(body))
+    served = await model_for(request, _model_field(body), keep_alive_field(body))
     texts = _inputs(body.get("input"), "input")
     dims = get_int(body, "dimensions", lo=1)
     num_ctx = get_int(get_dict(body, "options"), "num_ctx", lo=2, label="options.num_ctx")
@@ -249,7 +291,7 @@ async def embed_endpoint(request: Request) -> Response:
 async def embeddings_legacy(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, EMBEDDINGS_FIELDS, "/api/embeddings")
-    served = _host(request).get(_model_field(body))
+    served = await model_for(request, _model_field(body), keep_alive_field(body))
     prompt = get_str(body, "prompt", "")
     if not prompt:
         return JSONResponse({"embedding": []})

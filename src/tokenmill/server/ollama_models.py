@@ -1,6 +1,7 @@
 """Ollama's model-management endpoints: /, /api/version, /api/tags, /api/show, /api/ps, /api/pull."""
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import time
 
@@ -16,7 +17,10 @@ from tokenmill import kernels
 from tokenmill.server.streaming import ndjson_response
 from tokenmill.server.validation import get_bool, get_str, read_json, warn_unknown
 from tokenmill.store import StoreError
-from tokenmill.store.catalog import lookup
+from tokenmill.store.catalog import UnknownModelError, lookup
+from tokenmill.store.derived import ModelInUseError, save_derived
+from tokenmill.store.names import copy_model, delete_model, resolve_named
+from tokenmill.server.model_create import CREATE_FIELDS, create_request
 
 # Clients gate features on the Ollama version they talk to; this is the API level we implement.
 OLLAMA_API_VERSION = "0.12.6"
@@ -54,24 +58,83 @@ async def show(request: Request) -> Response:
     entry = await run_in_threadpool(model_info.find_entry, host, name)
     if entry is None:
         raise APIError(404, f"model {name!r} not found", param="model")
-    served = host.current
-    metadata = served.engine.loaded.gguf.metadata if served is not None and served.matches(name) else None
+    served = host.find_loaded(name) if entry.derived is None else host.find_loaded(entry.derived.base)
+    metadata = served.engine.loaded.gguf.metadata if served is not None else None
     verbose = bool(get_bool(body, "verbose", False))
     return JSONResponse(await run_in_threadpool(model_info.show, entry, verbose, metadata))
 
 
 async def ps(request: Request) -> Response:
-    served = request.app.state.host.current
-    if served is None:
-        return JSONResponse({"models": []})
-    e = await run_in_threadpool(model_info.served_entry, served)
-    # Loaded until the server stops; Ollama clients expect some expiry, so give a far one.
-    expires = model_info.iso_time(time.time() + 10 * 365 * 86400)
-    return JSONResponse({"models": [{
-        "name": e.name, "model": e.name, "size": e.size, "digest": e.digest,
-        "details": model_info.ollama_details(e), "expires_at": expires, "size_vram": 0,
-        "context_length": served.engine.max_model_len,
-    }]})
+    """Each loaded model with its size in memory (weights + KV cache) and when it will unload."""
+    models = []
+    for served in request.app.state.host.loaded_models():
+        e = await run_in_threadpool(model_info.served_entry, served)
+        # Kept forever (keep_alive < 0): Ollama shows a far-future expiry too.
+        expires = served.expires_at if served.expires_at is not None else time.time() + 10 * 365 * 86400
+        models.append({"name": e.name, "model": e.name, "size": served.size_bytes, "digest": e.digest,
+                       "details": model_info.ollama_details(e), "expires_at": model_info.iso_time(expires),
+                       "size_vram": 0, "context_length": served.engine.max_model_len})
+    return JSONResponse({"models": models})
+
+
+async def delete(request: Request) -> Response:
+    body = await read_json(request)
+    warn_unknown(body, {"model", "name"}, "/api/delete")
+    name = get_str(body, "model") or get_str(body, "name", required=True, label="model")
+    host = request.app.state.host
+    try:
+        resolved = await run_in_threadpool(resolve_named, name)
+        if not resolved.derived and host.unload(name):
+            await _unloaded(host, name)  # as Ollama: a deleted model stops being served
+        await run_in_threadpool(delete_model, name)
+    except UnknownModelError:
+        raise APIError(404, f"model \"{name}\" not found", param="model") from None
+    except ModelInUseError as exc:
+        raise APIError(409, str(exc), param="model") from None
+    except StoreError as exc:
+        raise APIError(400, str(exc), param="model") from None
+    return JSONResponse({})
+
+
+async def _unloaded(host, name: str, timeout: float = 10.0) -> None:
+    """Wait (without blocking the loop) for an unload the host started; requests in flight finish first."""
+    deadline = time.monotonic() + timeout
+    while host.find_loaded(name) is not None and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+async def copy(request: Request) -> Response:
+    body = await read_json(request)
+    warn_unknown(body, {"source", "destination"}, "/api/copy")
+    source = get_str(body, "source", required=True)
+    destination = get_str(body, "destination", required=True)
+    try:
+        await run_in_threadpool(copy_model, source, destination)
+    except UnknownModelError:
+        raise APIError(404, f"model \"{source}\" not found", param="source") from None
+    except StoreError as exc:
+        raise APIError(400, str(exc), param="destination") from None
+    return JSONResponse({})
+
+
+async def create(request: Request) -> Response:
+    body = await read_json(request)
+    warn_unknown(body, CREATE_FIELDS, "/api/create")
+    name = get_str(body, "model") or get_str(body, "name", required=True, label="model")
+    try:
+        base, profile = create_request(body)
+        await run_in_threadpool(save_derived, name, base, profile)
+    except UnknownModelError as exc:
+        raise APIError(404, f"base model not found: {exc}", param="from") from None
+    except StoreError as exc:
+        raise APIError(400, str(exc), param="modelfile" if body.get("modelfile") else "from") from None
+    statuses = [{"status": "using existing layers"}, {"status": "writing manifest"}, {"status": "success"}]
+    if get_bool(body, "stream", True):
+        async def events():
+            for s in statuses:
+                yield s
+        return ndjson_response(events())
+    return JSONResponse(statuses[-1])
 
 
 async def pull(request: Request) -> Response:
@@ -107,4 +170,7 @@ def routes() -> list[Route]:
         Route("/api/show", show, methods=["POST"]),
         Route("/api/ps", ps, methods=["GET"]),
         Route("/api/pull", pull, methods=["POST"]),
+        Route("/api/delete", delete, methods=["DELETE"]),
+        Route("/api/copy", copy, methods=["POST"]),
+        Route("/api/create", create, methods=["POST"]),
     ]

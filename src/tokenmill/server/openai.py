@@ -11,12 +11,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tokenmill.server import model_info
+from tokenmill.server import model_info, profiles
 from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation, Result, all_deltas, collect_all
 from tokenmill.server.logprobs import chat_entries, completion_logprobs
-from tokenmill.server.model_host import ModelHost, ServedModel
+from tokenmill.server.model_host import ModelHost, ServedModel, model_for
 from tokenmill.server.openai_embeddings import embeddings
 from tokenmill.server.openai_params import OpenAIOptions, parse_options, truncate_prompt
 from tokenmill.server.streaming import sse_response, unless_disconnected
@@ -92,15 +92,16 @@ def _by_choice(gens: list[Generation]) -> list[Generation]:
 # --- /v1/chat/completions -------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
+    served = await model_for(request, get_str(body, "model"))
+    body = profiles.openai_body(body, served.profile)
     opts = parse_options(body, chat=True)
-    served = _host(request).get(get_str(body, "model"))
-    tok = served.engine.tokenizer
+    tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
     tool_use = parse_tool_use(body)
     constraint = _one_constraint(openai_spec(body), tool_use)
     messages = normalize_messages(body.get("messages"))
     if not messages:
         raise bad_request("messages must not be empty", "messages")
-    messages, tools = prepare_messages(tok, messages, tool_use)
+    messages, tools = prepare_messages(tok, profiles.chat_messages(messages, served.profile), tool_use)
     ids = render_chat(tok, messages, tools=tools)
     await add_constraint(opts.params, tok, constraint)
     env = Envelope("chat.completion", served.name, opts.include_usage)
@@ -193,8 +194,9 @@ def _prompts(value, served: ServedModel) -> list[list[int]]:
 
 async def completions(request: Request) -> Response:
     body = await read_json(request)
+    served = await model_for(request, get_str(body, "model"))
+    body = profiles.openai_body(body, served.profile)
     opts = parse_options(body, chat=False)
-    served = _host(request).get(get_str(body, "model"))
     if get_str(body, "suffix"):
         raise bad_request("suffix: this model does not support fill-in-the-middle", "suffix")
     if body.get("best_of") is not None and body["best_of"] != opts.n:
@@ -245,9 +247,10 @@ async def completions(request: Request) -> Response:
 
 
 # --- /v1/models -----------------------------------------------------------------------------------
-def _model_card(e: model_info.ModelEntry, served: ServedModel | None) -> dict:
+def _model_card(e: model_info.ModelEntry, host: ModelHost) -> dict:
     card = {"id": e.name, "object": "model", "created": int(e.modified_at), "owned_by": "tokenmill"}
-    if served is not None and e.path == served.path:
+    served = next((m for m in host.loaded_models() if m.path == e.path), None)
+    if served is not None:
         card["max_model_len"] = served.engine.max_model_len
     return card
 
@@ -255,7 +258,7 @@ def _model_card(e: model_info.ModelEntry, served: ServedModel | None) -> dict:
 async def list_models(request: Request) -> Response:
     host = _host(request)
     entries = await run_in_threadpool(model_info.installed_entries, host)
-    return JSONResponse({"object": "list", "data": [_model_card(e, host.current) for e in entries]})
+    return JSONResponse({"object": "list", "data": [_model_card(e, host) for e in entries]})
 
 
 async def get_model(request: Request) -> Response:
@@ -264,7 +267,7 @@ async def get_model(request: Request) -> Response:
     entry = await run_in_threadpool(model_info.find_entry, host, name)
     if entry is None:
         raise APIError(404, f"model {name!r} not found", param="model", code="model_not_found")
-    return JSONResponse(_model_card(entry, host.current))
+    return JSONResponse(_model_card(entry, host))
 
 
 def routes() -> list[Route]:

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from tokenmill.server.chat import check_token_ids, encode_prompt
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
+from tokenmill.server.model_host import model_for
 from tokenmill.server.errors import bad_request
 from tokenmill.server.openai_params import truncate_prompt
 from tokenmill.server.validation import get_int, get_str, read_json, warn_unknown
@@ -48,7 +49,7 @@ async def embeddings(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, FIELDS, "/v1/embeddings")
     host = request.app.state.host
-    served = host.get(get_str(body, "model"))
+    served = await model_for(request, get_str(body, "model"))
     fmt = get_str(body, "encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise bad_request(f"encoding_format must be float or base64, got {fmt!r}", "encoding_format")

@@ -44,7 +44,7 @@ FIELDS: dict[str, dict] = {
     "name": described(STRING, "older spelling of `model`"),
     "stream": BOOLEAN,
     "stream_options": {"type": "object", "properties": {"include_usage": BOOLEAN}},
-    "keep_alive": {"oneOf": [STRING, NUMBER], "description": "accepted; the model stays loaded"},
+    "keep_alive": {"oneOf": [STRING, NUMBER], "description": "how long the model stays loaded after this request: a duration (\"5m\") or seconds; 0 unloads, negative keeps it loaded"},
     "format": {"oneOf": [STRING, OBJECT], "description": "`json` or a JSON schema"},
     "response_format": OBJECT,
     # Structured output (server/structured_params.py): vLLM's guided_* and structured_outputs,
@@ -119,6 +119,16 @@ FIELDS: dict[str, dict] = {
     "insecure": BOOLEAN,
     "username": STRING,
     "password": STRING,
+    # /api/copy, /api/create
+    "source": STRING,
+    "destination": STRING,
+    "modelfile": described(STRING, "Modelfile text: FROM, PARAMETER, SYSTEM, TEMPLATE, MESSAGE"),
+    "from": described(STRING, "the installed model the new one is made from"),
+    "parameters": described(OBJECT, "default options (Ollama option names)"),
+    **{k: described(v, "not supported: a 400 when given") for k, v in {
+        "quantize": STRING, "files": OBJECT, "adapters": OBJECT}.items()},
+    **{k: described(v, "accepted; no effect") for k, v in {"license": {"oneOf": [STRING, STRINGS]},
+                                                           "path": STRING}.items()},
     # accepted for compatibility, without effect
     **{k: described(v, "accepted; no effect") for k, v in {
         "store": BOOLEAN, "metadata": OBJECT, "service_tier": STRING, "parallel_tool_calls": BOOLEAN,

@@ -16,7 +16,7 @@ from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation
 from tokenmill.server.logprobs import token_text
-from tokenmill.server.model_host import LoadSpec, ModelHost
+from tokenmill.server.model_host import LoadSpec, ModelHost, model_for
 from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.structured_params import RUNNER_FIELDS, add_constraint, runner_spec
 from tokenmill.server.validation import (
@@ -165,7 +165,7 @@ async def completion(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, COMPLETION_FIELDS, "/completion")
     host = _host(request)
-    served = host.get(get_str(body, "model"))
+    served = await model_for(request, get_str(body, "model"))
     tok = served.engine.tokenizer
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -226,7 +226,7 @@ async def embedding(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, EMBEDDING_FIELDS, "/embedding")
     host = _host(request)
-    served = host.get(get_str(body, "model"))
+    served = await model_for(request, get_str(body, "model"))
     text = get_str(body, "content") if body.get("content") is not None else get_str(body, "input", label="content")
     if not text:
         raise bad_request("content is required", "content")
@@ -243,7 +243,7 @@ async def embedding(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, TOKENIZE_FIELDS, "/tokenize")
-    served = _host(request).get(get_str(body, "model"))
+    served = await model_for(request, get_str(body, "model"))
     tok = served.engine.tokenizer
     if body.get("messages") is not None:
         ids = render_chat(tok, normalize_messages(body["messages"]),
@@ -261,7 +261,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, DETOKENIZE_FIELDS, "/detokenize")
-    served = _host(request).get(get_str(body, "model"))
+    served = await model_for(request, get_str(body, "model"))
     tok = served.engine.tokenizer
     ids = check_token_ids(body.get("tokens"), tok.vocab_size, "tokens")
     text = tok.decode(ids)

@@ -1,0 +1,162 @@
+"""`tokenmill ps`, `stop`, `show`, `rm`, `cp` and `create`, with Ollama's meaning. They talk to the
+server at TOKENMILL_HOST when one answers (it may hold the model loaded); `rm`, `cp`, `create` and
+`show` work on the model store directly when none does. `ps` and `stop` need a server."""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tokenmill.server_client import ServerError, answers, call, server_url
+
+
+def user_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Expected failures (no server, unknown model, a bad Modelfile) print one line and exit 1."""
+    @functools.wraps(command)
+    def wrapper(args: argparse.Namespace) -> int:
+        from tokenmill.store import StoreError
+
+        try:
+            return command(args)
+        except (ServerError, StoreError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+
+    return wrapper
+
+
+def _human_size(n: int) -> str:
+    from tokenmill.store.commands import human_size
+
+    return human_size(n)
+
+
+def _until(expires_at: str) -> str:
+    import datetime as dt
+
+    when = dt.datetime.fromisoformat(expires_at.replace("Z", "+00:00")).timestamp()
+    left = when - time.time()
+    if left > 365 * 86400:
+        return "Forever"
+    if left < 1:
+        return "Stopping..."
+    for unit, size in (("hours", 3600), ("minutes", 60)):
+        if left >= size:
+            return f"{left / size:.0f} {unit} from now"
+    return f"{left:.0f} seconds from now"
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _need_server(base: str) -> None:
+    if not answers(base):
+        raise ServerError(f"no tokenmill server answers at {base} (start one with `tokenmill serve`, "
+                          "or set TOKENMILL_HOST)")
+
+
+@user_errors
+def cmd_ps(args: argparse.Namespace) -> int:
+    base = server_url()
+    _need_server(base)
+    rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")]
+    for m in call(base, "GET", "/api/ps")["models"]:
+        rows.append((m["name"], (m.get("digest") or "")[:12], _human_size(m["size"]), "100% CPU",
+                     str(m.get("context_length", "")), _until(m["expires_at"])))
+    _table(rows)
+    return 0
+
+
+@user_errors
+def cmd_stop(args: argparse.Namespace) -> int:
+    base = server_url()
+    _need_server(base)
+    call(base, "POST", "/api/generate", {"model": args.model, "keep_alive": 0})
+    return 0
+
+
+@user_errors
+def cmd_rm(args: argparse.Namespace) -> int:
+    base = server_url()
+    for name in args.models:
+        if answers(base):
+            call(base, "DELETE", "/api/delete", {"model": name})
+        else:
+            from tokenmill.store.names import delete_model
+
+            delete_model(name)
+        print(f"deleted '{name}'")
+    return 0
+
+
+@user_errors
+def cmd_cp(args: argparse.Namespace) -> int:
+    base = server_url()
+    if answers(base):
+        call(base, "POST", "/api/copy", {"source": args.source, "destination": args.destination})
+    else:
+        from tokenmill.store.names import copy_model
+
+        copy_model(args.source, args.destination)
+    print(f"copied '{args.source}' to '{args.destination}'")
+    return 0
+
+
+@user_errors
+def cmd_create(args: argparse.Namespace) -> int:
+    text = Path(args.file).read_text()
+    base = server_url()
+    if answers(base):
+        call(base, "POST", "/api/create", {"model": args.model, "modelfile": text, "stream": False})
+    else:
+        from tokenmill.server.errors import APIError
+        from tokenmill.server.model_create import create_request
+        from tokenmill.store.derived import save_derived
+
+        try:
+            base_model, profile = create_request({"modelfile": text})
+        except APIError as exc:
+            raise ServerError(exc.message) from None
+        save_derived(args.model, base_model, profile)
+    print("success")
+    return 0
+
+
+@user_errors
+def cmd_show(args: argparse.Namespace) -> int:
+    base = server_url()
+    if answers(base):
+        info = call(base, "POST", "/api/show", {"model": args.model})
+    else:
+        info = _show_local(args.model)
+    if args.modelfile:
+        print(info.get("modelfile", ""), end="")
+        return 0
+    details = info.get("details", {})
+    model_info = info.get("model_info", {})
+    arch = model_info.get("general.architecture", details.get("family", ""))
+    rows = [("  Model", ""), ("    architecture", arch),
+            ("    parameters", details.get("parameter_size", "")),
+            ("    context length", str(model_info.get(f"{arch}.context_length", ""))),
+            ("    quantization", details.get("quantization_level", ""))]
+    if info.get("system"):
+        rows += [("  System", ""), ("    " + info["system"], "")]
+    if info.get("parameters"):
+        rows += [("  Parameters", "")] + [("    " + line, "") for line in info["parameters"].splitlines()]
+    _table([("", "")] + rows)
+    return 0
+
+
+def _show_local(name: str) -> dict:
+    from tokenmill.server import model_info
+
+    entry = model_info.find_entry(None, name)
+    if entry is None:
+        raise ServerError(f"model \"{name}\" not found")
+    return model_info.show(entry)

@@ -1,0 +1,74 @@
+"""/api/create's body, in either of Ollama's forms: a `modelfile` text (older clients) or the fields
+newer clients send (`from`, `system`, `template`, `parameters`, `messages`), turned into the base
+model's name and the derived model's profile, checked before anything is stored."""
+from __future__ import annotations
+
+from tokenmill.server.errors import bad_request
+from tokenmill.server.profiles import jinja_template
+from tokenmill.server.validation import get_dict, get_str
+from tokenmill.store.derived import Profile
+from tokenmill.store.modelfile import PARAMETER_TYPES, ModelfileError, parse_modelfile
+from tokenmill.tokenizer import ChatTemplateError
+from tokenmill.tokenizer.chat_template import ChatTemplate
+
+CREATE_FIELDS = {"model", "name", "modelfile", "from", "system", "template", "parameters", "messages", "stream",
+                 "quantize", "license", "files", "adapters", "path"}
+_ROLES = ("system", "user", "assistant")
+
+
+def create_request(body: dict) -> tuple[str, Profile]:
+    for unsupported in ("quantize", "files", "adapters"):
+        if body.get(unsupported):
+            raise bad_request(f"{unsupported}: tokenmill creates models from installed ones only "
+                              "(FROM, PARAMETER, SYSTEM, TEMPLATE, MESSAGE)", unsupported)
+    text = get_str(body, "modelfile")
+    if text:
+        try:
+            parsed = parse_modelfile(text)
+        except ModelfileError as exc:
+            raise bad_request(f"modelfile: {exc}", "modelfile") from None
+        base, profile = parsed.base, parsed.profile
+    else:
+        base = get_str(body, "from", required=True)
+        profile = Profile(get_str(body, "system"), get_str(body, "template"), _parameters(body),
+                          _messages(body.get("messages")))
+    if profile.template:
+        try:
+            ChatTemplate(jinja_template(profile.template))
+        except ChatTemplateError as exc:
+            raise bad_request(f"template: {exc}", "template") from None
+    return base, profile
+
+
+def _parameters(body: dict) -> dict:
+    params = get_dict(body, "parameters") or {}
+    out = {}
+    for name, value in params.items():
+        kind = PARAMETER_TYPES.get(name)
+        if kind is None:
+            raise bad_request(f"parameters: unknown parameter {name!r}", f"parameters.{name}")
+        if name == "stop":
+            stops = [value] if isinstance(value, str) else value
+            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                raise bad_request("parameters.stop must be a string or a list of strings", "parameters.stop")
+            out[name] = stops
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise bad_request(f"parameters.{name} must be {'an integer' if kind is int else 'a number'}",
+                              f"parameters.{name}")
+        else:
+            out[name] = kind(value)
+    return out
+
+
+def _messages(value) -> tuple[dict, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad_request("messages must be a list", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
+            raise bad_request(f"messages[{i}] must have a role ({', '.join(_ROLES)}) and a string content",
+                              f"messages[{i}]")
+        out.append({"role": m["role"], "content": m["content"]})
+    return tuple(out)

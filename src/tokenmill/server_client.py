@@ -1,0 +1,85 @@
+"""The CLI's side of talking to a running tokenmill (or Ollama) server: where it is
+(TOKENMILL_HOST, as OLLAMA_HOST), whether one answers, and JSON calls that turn HTTP errors into
+one-line messages."""
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+from tokenmill.config import DEFAULT_PORT, split_host_port
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error (the message is the server's), or could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def server_url(explicit: str | None = None) -> str:
+    value = explicit or os.environ.get("TOKENMILL_HOST") or os.environ.get("OLLAMA_HOST") or ""
+    host, port = split_host_port(value) if value else ("127.0.0.1", None)
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"  # a server listening everywhere is reached on loopback
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port or DEFAULT_PORT}"
+
+
+def _request(url: str, method: str, body: dict | None) -> urllib.request.Request:
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get("TOKENMILL_API_KEY")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return urllib.request.Request(url, data, headers, method=method)
+
+
+def _error(exc: urllib.error.HTTPError) -> ServerError:
+    detail = exc.read().decode(errors="replace")
+    try:
+        obj = json.loads(detail)
+        err = obj.get("error")
+        detail = err.get("message") if isinstance(err, dict) else (err or detail)
+    except (ValueError, AttributeError):
+        pass
+    return ServerError(f"server answered {exc.code}: {detail}", exc.code)
+
+
+def call(base: str, method: str, path: str, body: dict | None = None, timeout: float = 600) -> dict:
+    try:
+        with urllib.request.urlopen(_request(base + path, method, body), timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        raise _error(exc) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ServerError(f"cannot reach {base}: {getattr(exc, 'reason', exc)}") from None
+    return json.loads(raw) if raw.strip() else {}
+
+
+def stream(base: str, path: str, body: dict) -> Iterator[dict]:
+    """NDJSON objects of a streaming Ollama response; an `error` object raises."""
+    try:
+        with urllib.request.urlopen(_request(base + path, "POST", body)) as resp:
+            for line in resp:
+                if line.strip():
+                    obj = json.loads(line)
+                    if "error" in obj:
+                        raise ServerError(str(obj["error"]))
+                    yield obj
+    except urllib.error.HTTPError as exc:
+        raise _error(exc) from None
+    except urllib.error.URLError as exc:
+        raise ServerError(f"cannot reach {base}: {exc.reason}") from None
+
+
+def answers(base: str, timeout: float = 0.5) -> bool:
+    """True if something speaking the Ollama API listens at `base`."""
+    try:
+        with urllib.request.urlopen(_request(base + "/api/version", "GET", None), timeout=timeout) as resp:
+            return "version" in json.loads(resp.read())
+    except (OSError, ValueError, urllib.error.URLError):
+        return False

@@ -1,0 +1,95 @@
+"""The CLI as a client, as Ollama's is: `run` goes through a running server when one answers (the
+server's request counter proves the answer came from it) and runs in-process when none does; `ps`,
+`stop`, `cp`, `rm`, `create` and `show` act through the server, or on the store without one."""
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from server_helpers import start_server
+from tiny_model import TinyLlamaSpec, write_tiny_llama
+from tokenmill.cli import main
+from tokenmill.server.commands import bind_socket
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
+    models = tmp_path / "home" / "models"
+    models.mkdir(parents=True)
+    write_tiny_llama(models / "tiny-a.gguf", TinyLlamaSpec(seed=1))
+    write_tiny_llama(models / "tiny-b.gguf", TinyLlamaSpec(seed=2))
+    return models
+
+
+@pytest.fixture
+def nobody_listens(monkeypatch):
+    sock = bind_socket("127.0.0.1", 0)  # a port that is bound (so nobody else takes it) but never answers
+    port = sock.getsockname()[1]
+    sock.close()
+    monkeypatch.setenv("TOKENMILL_HOST", f"127.0.0.1:{port}")
+
+
+def finished_requests(c: httpx.Client) -> float:
+    text = c.get("/metrics").text
+    return sum(float(v) for v in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$', text, re.M))
+
+
+def test_run_ps_stop_go_through_a_running_server(store, monkeypatch, capsys):
+    server, host = start_server("tiny-a", kv_size=2048)
+    monkeypatch.setenv("TOKENMILL_HOST", f"127.0.0.1:{server.port}")
+    try:
+        assert host.wait_ready(30)
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            before = finished_requests(c)
+            assert main(["run", "tiny-a", "hello", "--max-tokens", "3"]) == 0
+            out, err = capsys.readouterr()
+            assert f"using the server at http://127.0.0.1:{server.port}" in err and out.strip()
+            assert finished_requests(c) == before + 1
+            assert main(["run", "tiny-b", "hello", "--max-tokens", "2"]) == 0  # loads tiny-b on the server
+            capsys.readouterr()
+            assert main(["ps"]) == 0
+            out = capsys.readouterr().out
+            assert out.startswith("NAME") and "tiny-a" in out and "tiny-b" in out and "Forever" in out
+            assert main(["stop", "tiny-b"]) == 0
+            deadline_ok = any(_gone(c, "tiny-b") for _ in _tries())
+            assert deadline_ok
+            assert main(["run", "nope", "hi"]) == 1
+            assert 'model "nope" not found' in capsys.readouterr().err
+    finally:
+        server.stop()
+
+
+def _tries(n: int = 100):
+    import time
+
+    for _ in range(n):
+        yield
+        time.sleep(0.05)
+
+
+def _gone(c: httpx.Client, name: str) -> bool:
+    return name not in {m["name"] for m in c.get("/api/ps").json()["models"]}
+
+
+def test_run_in_process_and_store_commands_without_a_server(store, nobody_listens, capsys, tmp_path):
+    assert main(["run", "tiny-a", "hello", "--max-tokens", "3", "--dtype", "fp32"]) == 0
+    out, err = capsys.readouterr()
+    assert "in-process (no server answers at" in err and out.strip()
+    assert main(["ps"]) == 1 and "no tokenmill server answers" in capsys.readouterr().err
+    assert main(["cp", "tiny-a", "mine"]) == 0 and "copied 'tiny-a' to 'mine'" in capsys.readouterr().out
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text('FROM mine\nSYSTEM """Answer in French."""\nPARAMETER temperature 0.2\n')
+    assert main(["create", "french", "-f", str(modelfile)]) == 0
+    capsys.readouterr()
+    assert main(["show", "french"]) == 0
+    out = capsys.readouterr().out
+    assert "Answer in French." in out and "temperature 0.2" in out and "llama" in out
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert main(["rm", "tiny-a"]) == 1 and "base of" in capsys.readouterr().err  # mine and french use it
+    assert main(["rm", "french", "mine"]) == 0
+    assert main(["rm", "tiny-a"]) == 0 and not (store / "tiny-a.gguf").exists()
+    assert "tiny-b" in listed
