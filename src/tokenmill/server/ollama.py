@@ -16,7 +16,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat, render_prompt
+from tokenmill.server.chat import (
+    chars_in,
+    check_token_ids,
+    encode_prompt,
+    normalize_messages,
+    off_loop,
+    render_chat,
+    render_prompt,
+)
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.errors import bad_request
 from tokenmill.server.generation import Generation, Result, Timings
@@ -174,7 +182,8 @@ async def generate(request: Request) -> Response:
         return JSONResponse(shape.loaded())
     opts = parse_options(body, "/api/generate")
     constraint = ollama_spec(body)
-    ids = context + render_prompt(tok, prompt, system=get_str(body, "system"), raw=bool(get_bool(body, "raw")))
+    system, raw = get_str(body, "system"), bool(get_bool(body, "raw"))
+    ids = context + await off_loop(lambda: render_prompt(tok, prompt, system=system, raw=raw), len(prompt))
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "prompt")
 
@@ -193,7 +202,7 @@ async def chat(request: Request) -> Response:
     opts = parse_options(body, "/api/chat")
     constraint = ollama_spec(body)
     messages, tools = prepare_messages(served.engine.tokenizer, messages, tool_use)
-    ids = render_chat(served.engine.tokenizer, messages, tools=tools)
+    ids = await off_loop(lambda: render_chat(served.engine.tokenizer, messages, tools=tools), chars_in(messages))
     await add_constraint(opts.params, served.engine.tokenizer, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "messages")
 
@@ -222,7 +231,8 @@ async def _embed_all(request: Request, served: ServedModel, texts: list[str], tr
                      field: str) -> tuple[list[list[float]], int]:
     tok = served.engine.tokenizer
     limit = embedding_limit(served) if num_ctx is None else min(num_ctx, embedding_limit(served))
-    id_lists = [fit_to_context(encode_prompt(tok, t), limit, truncate, field) for t in texts]
+    encoded = await off_loop(lambda: [encode_prompt(tok, t) for t in texts], chars_in(texts))
+    id_lists = [fit_to_context(ids, limit, truncate, field) for ids in encoded]
     slot = _host(request).admission.enter()
     try:
         vectors = [await embed(served, ids) for ids in id_lists]

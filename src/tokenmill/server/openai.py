@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tokenmill.server import model_info
-from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat
+from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, normalize_messages, off_loop, render_chat
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation, Result, all_deltas, collect_all
 from tokenmill.server.logprobs import chat_entries, completion_logprobs
@@ -102,7 +102,7 @@ async def chat_completions(request: Request) -> Response:
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     messages, tools = prepare_messages(tok, messages, tool_use)
-    ids = render_chat(tok, messages, tools=tools)
+    ids = await off_loop(lambda: render_chat(tok, messages, tools=tools), chars_in(messages))
     await add_constraint(opts.params, tok, constraint)
     env = Envelope("chat.completion", served.name, opts.include_usage)
 
@@ -207,7 +207,7 @@ async def completions(request: Request) -> Response:
     if body.get("prompt") is None:
         raise bad_request("prompt is required", "prompt")
     constraint = openai_spec(body)
-    prompts = _prompts(body["prompt"], served)
+    prompts = await off_loop(lambda: _prompts(body["prompt"], served), chars_in(body["prompt"]))
     tok = served.engine.tokenizer
     await add_constraint(opts.params, tok, constraint)
     env = Envelope("text_completion", served.name, opts.include_usage)
