@@ -7,6 +7,8 @@ import json
 import jsonschema
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server_helpers import model_name, start_server, stream_calls, wait_idle
 from tiny_model import TinyLlamaSpec, write_tiny_llama
@@ -74,6 +76,20 @@ def test_the_stream_parser_finds_the_same_calls_piece_by_piece(text, content, ca
     assert got_content.strip() == (content or "").strip()
     if cut == "chars" and calls:  # arguments go out as they are written, not at the end
         assert sum(1 for p in pieces if p.content is None and p.name is None) > 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(['<tool_call>', '</tool_call>', '<tool', '{', '}', '[', ']', '"', '\\', ',', ':', ' ',
+                                 '"name"', '"get_time"', '"arguments"', '{"zone": "UTC"}', '```json\n', '```', 'x',
+                                 '\n', '"nope"']), max_size=30),
+       st.integers(1, 9))
+def test_the_stream_parser_never_fails_and_loses_no_text_that_is_not_a_call(parts, step):
+    text = "".join(parts)
+    content, calls, _ = streamed(USE.stream(), [text[i:i + step] for i in range(0, len(text), step)])
+    assert (content, calls) == streamed(USE.stream(), [text])[:2]  # however the text is cut
+    if not calls:
+        assert content == text
+    assert all(name == "get_time" for name, _ in calls)
 
 
 def test_without_parallel_calls_only_the_first_is_kept():

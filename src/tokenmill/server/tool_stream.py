@@ -45,8 +45,9 @@ class CallScanner:
 
     def __init__(self) -> None:
         self.phase = "open"  # open, key, key_string, colon, value_start, value, after_value, done
-        self.key = ""
-        self.value = ""
+        self.key = ""  # the current member's key as written (JSON string syntax)
+        self.member: str | None = None  # ... and as a string, once complete
+        self.value: list[str] = []  # the current member's value as written, a character each
         self.depth = 0  # nesting inside the current member value
         self.in_string = False
         self.escaped = False
@@ -88,6 +89,10 @@ class CallScanner:
                 self.escaped = True
             elif c == '"':
                 self.phase = "colon"
+                try:
+                    self.member = json.loads(self.key)
+                except json.JSONDecodeError:
+                    self.bad = True
         elif phase == "colon":
             if c == ":":
                 self.phase = "value_start"
@@ -95,7 +100,7 @@ class CallScanner:
                 self.bad = True
         elif phase == "value_start":
             if not c.isspace():
-                self.phase, self.value, self.depth, self.in_string, self.escaped = "value", "", 0, False, False
+                self.phase, self.value, self.depth, self.in_string, self.escaped = "value", [], 0, False, False
                 self._value_char(c)
         elif phase == "value":
             self._value_char(c)
@@ -111,12 +116,12 @@ class CallScanner:
             self.bad = True
 
     def _value_char(self, c: str) -> None:
-        scalar = self.value[:1] not in ("{", "[", '"') if self.value else c not in "{[\""
+        scalar = (self.value[0] if self.value else c) not in "{[\""
         if scalar and self.value and (c in ",}" or c.isspace()):
             self._value_end()
             self._after_value(c)
             return
-        self.value += c
+        self.value.append(c)
         if self.in_string:
             if self.escaped:
                 self.escaped = False
@@ -130,7 +135,7 @@ class CallScanner:
             self.depth += 1
         elif c in "}]":
             self.depth -= 1
-        if self._member() in _ARGUMENT_KEYS:
+        if self.member in _ARGUMENT_KEYS:
             if self.arguments_kind is None:
                 self.arguments_kind = "object" if c == "{" else "string" if c == '"' else "other"
             if self.arguments_kind == "object":
@@ -139,17 +144,11 @@ class CallScanner:
         if complete:
             self._value_end()
 
-    def _member(self) -> str | None:
-        try:
-            return json.loads(self.key)
-        except json.JSONDecodeError:
-            return None
-
     def _value_end(self) -> None:
         self.phase = "after_value"
-        key = self._member()
+        key = self.member
         try:
-            value = json.loads(self.value)
+            value = json.loads("".join(self.value))
         except json.JSONDecodeError:
             value = None
         if key == "name":
@@ -180,7 +179,7 @@ class ToolCallStream:
         self.mode = "start"  # start, fence, text, region, tail
         self.held = ""  # text not sent yet: the start, a partial tag, or a region that may not be a call
         self.in_block = False  # the region is a <tool_call> block (else the whole text)
-        self.list_depth = 0  # inside a [...] of calls
+        self.in_list = False  # the region is a [...] of calls
         self.scanner: CallScanner | None = None
         self.announced = False  # the current scanner's call header is out
         self.muted = False  # the current call is dropped (over max_calls, or bad after the region committed)
@@ -257,14 +256,14 @@ class ToolCallStream:
             self._text(c)
 
     def _text(self, c: str) -> None:
+        """Content goes out at once, but for an end that may be the start of a <tool_call> tag."""
         held = self.held + c
         if held == OPEN_TAG:
-            self.held = ""
             self._open_region(in_block=True)
             self.held = OPEN_TAG
             return
-        keep = next(k for k in range(min(len(held), len(OPEN_TAG) - 1), -1, -1)
-                    if OPEN_TAG.startswith(held[len(held) - k:]) or k == 0)
+        keep = next((k for k in range(min(len(held), len(OPEN_TAG) - 1), 0, -1) if OPEN_TAG.startswith(held[-k:])),
+                    0)
         self._content(held[:len(held) - keep])
         self.held = held[len(held) - keep:]
 
@@ -272,19 +271,20 @@ class ToolCallStream:
         # In a bare region the held whitespace and fence stay held: released with it if it is no call.
         self.mode = "region"
         self.in_block = in_block
-        self.list_depth = 0
+        self.in_list = False
         self.scanner = None
         self.region_committed = False
 
     def _region(self, c: str) -> None:
-        self.held += c
+        if not self.region_committed:  # kept to be released as content if this is no call after all
+            self.held += c
         if self.scanner is None:
-            if c.isspace() or (self.list_depth and c == ","):
+            if c.isspace() or (self.in_list and c == ","):
                 return
-            if c == "[" and not self.list_depth:
-                self.list_depth = 1
+            if c == "[" and not self.in_list:
+                self.in_list = True
                 return
-            if c == "]" and self.list_depth:
+            if c == "]" and self.in_list:
                 self._close_region()
                 return
             self.scanner, self.announced = CallScanner(), False
@@ -309,7 +309,7 @@ class ToolCallStream:
             if self.announced and not self.muted and not s.saw_arguments:
                 self.out.append(Piece(index=self.num_calls - 1, arguments="{}"))
             self.scanner = None
-            if not self.list_depth:
+            if not self.in_list:
                 self._close_region()
 
     def _release(self) -> None:
