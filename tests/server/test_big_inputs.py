@@ -45,12 +45,17 @@ def health_during(url: str, path: str, body: dict) -> tuple[httpx.Response, floa
 ])
 def test_health_answers_fast_while_a_huge_prompt_is_tokenized(tiny, path, body):
     url, host = tiny
-    for _ in range(2):  # a second try only for a scheduling hiccup of a loaded CI machine
+    for _ in range(2):  # a second try only for a loaded CI machine
         response, duration, during = health_during(url, path, {**body, "model": model_name(host)})
         # Too long for the tiny model's context: refused, but only once it has been tokenized.
         assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
-        # Blocked, the loop would answer no probe at all while the prompt is tokenized.
+        # Blocked, the loop would answer no probe at all until the prompt is tokenized.
         assert duration > 0.3 and len(during) >= 5, (duration, len(during))
-        if max(during) < 0.1:
+        # On a machine shared with other work (2 cores) the OS may pause the process now and then, so a
+        # rare probe may be slow for reasons of its own; a blocked loop would make them all slow.
+        slow = [x for x in during if x >= 0.1]
+        if len(slow) <= len(during) // 10 and max(during) < duration / 3:
             break
-    assert max(during) < 0.1, f"/health took {max(during) * 1000:.0f} ms while the prompt was tokenized"
+    assert len(slow) <= len(during) // 10 and max(during) < duration / 3, \
+        f"{len(slow)} of {len(during)} /health probes took >= 100 ms (slowest {max(during) * 1000:.0f} ms) " \
+        f"while the prompt was tokenized for {duration:.1f} s"
