@@ -84,6 +84,8 @@ OPTIONS: tuple[Option, ...] = (
            group="server"),
     Option("header_timeout", float, 10.0, "seconds a new connection gets to send its request headers; slower "
            "ones are closed (slowloris)", ("--header-timeout",), lo=0.1, group="server"),
+    Option("body_timeout", float, 30.0, "seconds a request gets to send its whole body once its headers are in; "
+           "slower ones get 408 (slowloris)", ("--body-timeout",), lo=0.1, group="server"),
     Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body accepted; larger ones get 413",
            ("--max-body-bytes",), lo=1024, group="server"),
     # --- engine ---------------------------------------------------------------------------------
@@ -144,6 +146,7 @@ class Config:
     api_key: str = ""
     origins: str = ""
     header_timeout: float = 10.0
+    body_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
     dtype: str = "auto"
     kv_dtype: str = "auto"

@@ -67,3 +67,19 @@ def wait_idle(host: ModelHost, timeout: float = 10.0) -> None:
 
 def model_name(host: ModelHost) -> str:
     return host.current.name
+
+
+def stream_calls(chunks) -> tuple[str, list[dict], list[str]]:
+    """(content, calls, finish reasons) assembled from streamed chunks as the openai SDK's users do."""
+    content, calls, reasons = "", {}, []
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for tc in choice.delta.tool_calls or []:
+            if tc.id is not None:  # a call's header comes first, with its id, type and name
+                assert tc.index not in calls and tc.type == "function"
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+            calls[tc.index]["arguments"] += tc.function.arguments or ""
+        reasons += [choice.finish_reason] if choice.finish_reason else []
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[i] for i in sorted(calls)], reasons

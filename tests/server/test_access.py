@@ -2,6 +2,7 @@
 size limit. No model is needed: all of this happens before a handler runs."""
 from __future__ import annotations
 
+import httpx
 import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
@@ -136,5 +137,38 @@ def test_slow_or_huge_headers_cannot_hold_a_connection():
                 time.sleep(0.6)
         finally:
             ok.close()
+    finally:
+        server.stop()
+
+
+def test_a_body_dribbled_too_slowly_gets_408_json_and_the_connection_closes():
+    import json
+    import socket
+    import time
+
+    from server_helpers import LiveServer
+
+    server = LiveServer(app_with(body_timeout=0.5)).start()
+    try:
+        for path in ("/api/generate", "/v1/chat/completions"):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as slow:
+                slow.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             "Content-Length: 1000\r\n\r\n".encode())
+                start = time.monotonic()
+                reply = b""
+                for piece in (b'{"model": "m", ', b'"prompt": "a', b"aaa"):  # a few bytes now and then
+                    slow.sendall(piece)
+                    time.sleep(0.15)
+                while chunk := slow.recv(65536):  # the server answers, then closes the connection
+                    reply += chunk
+                assert 0.4 < time.monotonic() - start < 3
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower(), head
+            error = json.loads(body)["error"]
+            message = error["message"] if path.startswith("/v1/") else error
+            assert "did not arrive within 0.5 s" in message
+        # A body sent at once is not affected (503: no model is loaded in this app).
+        with httpx.Client(base_url=server.url, timeout=5) as c:
+            assert c.post("/api/generate", json={"model": "m", "prompt": "x"}).status_code == 503
     finally:
         server.stop()

@@ -10,7 +10,7 @@ import openai
 import pydantic
 import pytest
 
-from server_helpers import wait_idle
+from server_helpers import stream_calls, wait_idle
 
 pytestmark = pytest.mark.real_model
 
@@ -79,9 +79,10 @@ def test_openai_required_tool_call_streamed_and_not_then_a_second_turn_with_the_
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
 
-        chunks = list(c.chat.completions.create(**kwargs, stream=True))
-        deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
-        assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", call.function.arguments)]
+        content, calls, reasons = stream_calls(c.chat.completions.create(**kwargs, stream=True))
+        assert reasons == ["tool_calls"] and not content
+        assert [(s["name"], json.loads(s["arguments"])) for s in calls] == \
+            [("get_weather", json.loads(call.function.arguments))]
 
         history = ask + [choice.message.model_dump(exclude_none=True),
                          {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 31, "sky": "sunny"}'}]

@@ -7,10 +7,13 @@ import json
 import jsonschema
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from server_helpers import model_name, start_server, wait_idle
+from server_helpers import model_name, start_server, stream_calls, wait_idle
 from tiny_model import TinyLlamaSpec, write_tiny_llama
 from tokenmill.server.errors import APIError
+from tokenmill.server.tool_stream import ToolCallStream
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.tokenizer import ChatTemplate
 
@@ -25,7 +28,7 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, 
 USE = parse_tool_use({"tools": [WEATHER, TIME]})
 
 
-@pytest.mark.parametrize("text, content, calls", [
+CASES = [
     ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', None, [("get_time", {"zone": "UTC"})]),
     ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>'
      '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}</tool_call>', "Let me check.",
@@ -36,12 +39,75 @@ USE = parse_tool_use({"tools": [WEATHER, TIME]})
     ('{"name": "launch_rocket", "arguments": {}}', '{"name": "launch_rocket", "arguments": {}}', []),
     ('The weather is fine.', 'The weather is fine.', []),
     ('{"city": "Paris"}', '{"city": "Paris"}', []),
-])
+    ('[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"arguments": {"city": "Oslo", "unit": "F"},'
+     ' "name": "get_weather"}]', None, [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "F"})]),
+    ('a <b> <tool_call>{"name": "nope"}</tool_call>', 'a <b> <tool_call>{"name": "nope"}</tool_call>', []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", CASES)
 def test_calls_are_parsed_out_of_the_text(text, content, calls):
     got_content, got = USE.extract(text)
     assert got_content == content
     assert [(c.name, c.arguments) for c in got] == calls
     assert all(c.id.startswith("call_") for c in got) and len({c.id for c in got}) == len(got)
+
+
+def streamed(parser: ToolCallStream, chunks: list[str]) -> tuple[str, list[tuple[str, str]], list]:
+    """(content, [(name, raw arguments)], pieces) as a client would assemble them from the deltas."""
+    pieces = [p for c in chunks for p in parser.feed(c)] + parser.finish()
+    calls: dict[int, list[str]] = {}
+    for p in pieces:
+        if p.content is None:
+            if p.name is not None:
+                assert p.index not in calls and p.call_id.startswith("call_")
+                calls[p.index] = [p.name, ""]
+            calls[p.index][1] += p.arguments
+    return "".join(p.content for p in pieces if p.content is not None), [tuple(c) for c in calls.values()], pieces
+
+
+@pytest.mark.parametrize("text, content, calls", CASES)
+@pytest.mark.parametrize("cut", ["whole", "chars", "chunks"])
+def test_the_stream_parser_finds_the_same_calls_piece_by_piece(text, content, calls, cut):
+    chunks = {"whole": [text], "chars": list(text), "chunks": [text[i:i + 7] for i in range(0, len(text), 7)]}[cut]
+    got_content, got, pieces = streamed(USE.stream(), chunks)
+    assert [(name, json.loads(args)) for name, args in got] == calls
+    # Calls take their text out of the content; text that is no call is all sent, none of it lost.
+    assert got_content.strip() == (content or "").strip()
+    if cut == "chars" and calls:  # arguments go out as they are written, not at the end
+        assert sum(1 for p in pieces if p.content is None and p.name is None) > 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(['<tool_call>', '</tool_call>', '<tool', '{', '}', '[', ']', '"', '\\', ',', ':', ' ',
+                                 '"name"', '"get_time"', '"arguments"', '{"zone": "UTC"}', '```json\n', '```', 'x',
+                                 '\n', '"nope"']), max_size=30),
+       st.integers(1, 9))
+def test_the_stream_parser_never_fails_and_loses_no_text_that_is_not_a_call(parts, step):
+    text = "".join(parts)
+    content, calls, _ = streamed(USE.stream(), [text[i:i + step] for i in range(0, len(text), step)])
+    assert (content, calls) == streamed(USE.stream(), [text])[:2]  # however the text is cut
+    if not calls:
+        assert content == text
+    assert all(name == "get_time" for name, _ in calls)
+
+
+def test_without_parallel_calls_only_the_first_is_kept():
+    text = CASES[1][0]
+    one = parse_tool_use({"tools": [WEATHER, TIME], "parallel_tool_calls": False})
+    assert [c.name for c in one.extract(text)[1]] == ["get_weather"]
+    assert [name for name, _ in streamed(one.stream(), list(text))[1]] == ["get_weather"]
+    assert len(USE.extract(text)[1]) == 2
+
+
+def test_required_allows_a_list_of_calls_only_when_parallel():
+    spec, _ = parse_tool_use({"tools": [WEATHER, TIME], "tool_choice": "required"}).constraint()
+    assert spec.value["type"] == "array" and spec.value["minItems"] == 1
+    spec, _ = parse_tool_use({"tools": [WEATHER, TIME], "tool_choice": "required",
+                              "parallel_tool_calls": False}).constraint()
+    assert "anyOf" in spec.value
+    with pytest.raises(APIError, match="parallel_tool_calls must be true or false"):
+        parse_tool_use({"tools": [WEATHER], "parallel_tool_calls": "yes"})
 
 
 @pytest.mark.parametrize("body, message", [
@@ -115,7 +181,7 @@ def test_openai_tool_choice_required_and_named_always_call(oai, tiny):
     name = model_name(tiny[1])
     ask = [{"role": "user", "content": "weather?"}]
     r = oai.chat.completions.create(model=name, messages=ask, tools=[WEATHER, TIME], tool_choice="required",
-                                    max_tokens=120, temperature=1.0, seed=2, n=3)
+                                    max_tokens=120, temperature=1.0, seed=2, n=3, parallel_tool_calls=False)
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
         check_call(choice.message.tool_calls[0])
@@ -124,16 +190,62 @@ def test_openai_tool_choice_required_and_named_always_call(oai, tiny):
     check_call(r.choices[0].message.tool_calls[0], "get_time")
 
 
-def test_openai_tool_calls_stream_as_deltas(oai, tiny):
-    kwargs = dict(model=model_name(tiny[1]), messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
-                  tool_choice="required", max_tokens=120, temperature=1.0, seed=5)
+@pytest.mark.parametrize("parallel", [False, True])
+def test_openai_required_tool_calls_stream_as_deltas(oai, tiny, parallel):
+    kwargs = dict(model=model_name(tiny[1]), messages=[{"role": "user", "content": "weather?"}],
+                  tools=[WEATHER, TIME], tool_choice="required", max_tokens=400, temperature=1.0, seed=5,
+                  parallel_tool_calls=parallel)
     full = oai.chat.completions.create(**kwargs)
     chunks = list(oai.chat.completions.create(**kwargs, stream=True))
-    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].index == 0
-    assert calls[0].function.name == "get_weather"
-    assert calls[0].function.arguments == full.choices[0].message.tool_calls[0].function.arguments
-    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    content, calls, reasons = stream_calls(chunks)
+    assert reasons == ["tool_calls"] == [full.choices[0].finish_reason] and not content
+    assert (len(calls) == 1) if not parallel else (len(calls) >= 1)
+    # Same seed, same text: the streamed calls are the non-streamed ones.
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in full.choices[0].message.tool_calls]
+    for c in full.choices[0].message.tool_calls:
+        check_call(c)
+    # The arguments arrive in several pieces as they are generated, not in one delta at the end.
+    pieces = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or [] if tc.id is None]
+    assert len(pieces) > len(calls)
+
+
+def test_openai_parallel_required_calls_may_be_several(oai, tiny):
+    # Sampled lists of calls: over a few seeds some answer has more than one call, all valid.
+    counts = []
+    for seed in range(6):
+        r = oai.chat.completions.create(model=model_name(tiny[1]), messages=[{"role": "user", "content": "go"}],
+                                        tools=[WEATHER, TIME], tool_choice="required", max_tokens=400,
+                                        temperature=1.0, seed=seed)
+        if r.choices[0].finish_reason != "tool_calls":
+            continue
+        for c in r.choices[0].message.tool_calls:
+            check_call(c)
+        counts.append(len(r.choices[0].message.tool_calls))
+    assert counts and max(counts) > 1, counts
+
+
+def test_openai_auto_streams_content_then_a_call(oai, tiny):
+    # The tiny model writes noise; a regex makes it write text and then a call, as a real model would.
+    regex = r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
+    kwargs = dict(model=model_name(tiny[1]), messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, TIME],
+                  max_tokens=200, temperature=1.0, seed=3, extra_body={"guided_regex": regex})
+    content, calls, reasons = stream_calls(oai.chat.completions.create(**kwargs, stream=True))
+    assert content == "Sure. " and reasons == ["tool_calls"]
+    [call] = calls
+    assert call["name"] == "get_time" and json.loads(call["arguments"])["zone"] in ("UTC", "CET")
+    full = oai.chat.completions.create(**kwargs).choices[0]
+    assert full.message.content == "Sure." and full.finish_reason == "tool_calls"
+    assert json.loads(full.message.tool_calls[0].function.arguments) == json.loads(call["arguments"])
+
+
+def test_openai_auto_without_a_call_streams_plain_content(oai, tiny):
+    kwargs = dict(model=model_name(tiny[1]), messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
+                  max_tokens=30, temperature=0)
+    full = oai.chat.completions.create(**kwargs).choices[0]
+    content, calls, reasons = stream_calls(oai.chat.completions.create(**kwargs, stream=True))
+    assert full.message.tool_calls is None and not calls
+    assert content == full.message.content and reasons == [full.finish_reason]
 
 
 def test_openai_tool_choice_none_and_conflicts(oai, tiny, client):

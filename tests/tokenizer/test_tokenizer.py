@@ -9,12 +9,20 @@ from hypothesis import strategies as st
 
 from tokenizer.conftest import assert_parity
 from tokenmill.tokenizer import Tokenizer, TokenizerError
+from tokenmill.tokenizer import tokenizer as tokenizer_module
 
 CONTROL, USER_DEFINED, NORMAL = 3, 4, 1
 
 
 def test_tiny_parity_with_transformers(tiny_tokenizer, tiny_reference, corpus):
     assert_parity(tiny_tokenizer, tiny_reference, corpus)
+
+
+def test_long_texts_match_transformers_on_the_gil_free_path(tiny_tokenizer, tiny_reference, corpus):
+    # Past GIL_FREE_CHARS the backend's batch encoder is used (it releases the GIL); same ids.
+    text = "\n<|im_start|>".join(corpus) * 8
+    assert len(text) > tokenizer_module.GIL_FREE_CHARS
+    assert tiny_tokenizer.encode(text) == tiny_reference.encode(text)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,11 +1,13 @@
 """Who may call the server and how much they may send: an API key (Bearer, as vLLM and llama-server
 take it) on every route but /health, CORS origins as Ollama's OLLAMA_ORIGINS (localhost origins by
-default, so a web page elsewhere cannot drive a local server), and a request body size limit.
+default, so a web page elsewhere cannot drive a local server), a request body size limit, and a
+time limit on receiving the body (a client that sends headers then dribbles the body gets 408).
 
 Plain ASGI middleware, outside the routes: a rejected request never reaches a handler, and a
 handler never has to remember to check."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 
@@ -94,12 +96,45 @@ class BodyLimitMiddleware:
         await self.app(scope, limited, send)
 
 
-def middleware(api_key: str, origins: str, max_body_bytes: int) -> list[Middleware]:
+class BodyTimeoutMiddleware:
+    """408 when a request's body has not fully arrived `seconds` after its headers. One deadline for
+    the whole body, not per piece: a byte every few seconds would otherwise hold a connection and
+    a handler forever. Once the body is in, receive() (a disconnect watch) is left alone."""
+
+    def __init__(self, app: ASGIApp, seconds: float):
+        self.app = app
+        self.seconds = seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.seconds
+        body_done = False
+
+        async def timed() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                # Raised inside the handler that reads the body: the app's handler renders it.
+                raise APIError(408, f"the request body did not arrive within {self.seconds:g} s",
+                               code="body_timeout") from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, timed, send)
+
+
+def middleware(api_key: str, origins: str, max_body_bytes: int, body_timeout: float = 30.0) -> list[Middleware]:
     """Outermost first: CORS answers preflights (which carry no key) and adds its headers to every
-    response, 401s included; then the key; then the body limit."""
+    response, 401s included; then the key; then the body deadline and size limit."""
     stack = [Middleware(CORSMiddleware, allow_origin_regex=origin_regex(parse_origins(origins)),
                         allow_methods=["*"], allow_headers=["*"])]
     if api_key:
         stack.append(Middleware(APIKeyMiddleware, api_key=api_key))
+    stack.append(Middleware(BodyTimeoutMiddleware, seconds=body_timeout))
     stack.append(Middleware(BodyLimitMiddleware, max_bytes=max_body_bytes))
     return stack

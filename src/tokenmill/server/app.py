@@ -59,7 +59,8 @@ def create_app(host: ModelHost, settings: Config | None = None, *, fetcher: Fetc
             ClientGone: _client_gone,
             Exception: handle_unexpected,
         },
-        middleware=[*access.middleware(settings.api_key, settings.origins, settings.max_body_bytes),
+        middleware=[*access.middleware(settings.api_key, settings.origins, settings.max_body_bytes,
+                                       settings.body_timeout),
                     Middleware(ReleaseLeases)],
         lifespan=lifespan,
     )

@@ -16,6 +16,7 @@ _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "not_found_error",
+    408: "timeout_error",
     409: "conflict_error",
     413: "invalid_request_error",
     503: "service_unavailable_error",
@@ -34,6 +35,8 @@ class APIError(Exception):
 
     @property
     def headers(self) -> dict[str, str] | None:
+        if self.status == 408:  # the rest of the body may still come: the connection cannot be reused
+            return {"Connection": "close"}
         return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
 
     def openai_body(self) -> dict:

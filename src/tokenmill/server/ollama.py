@@ -19,7 +19,15 @@ from starlette.routing import Route
 
 from tokenmill.keep_alive import KeepAliveError, parse_keep_alive
 from tokenmill.server import profiles
-from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat, render_prompt
+from tokenmill.server.chat import (
+    chars_in,
+    check_token_ids,
+    encode_prompt,
+    normalize_messages,
+    off_loop,
+    render_chat,
+    render_prompt,
+)
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation, Result, Timings
@@ -179,8 +187,8 @@ async def generate(request: Request) -> Response:
     context = check_token_ids(body["context"], tok.vocab_size, "context") if body.get("context") else []
     opts = parse_options(body, "/api/generate")
     constraint = ollama_spec(body)
-    system = profiles.system_prompt(get_str(body, "system"), served.profile)
-    ids = context + render_prompt(tok, prompt, system=system, raw=bool(get_bool(body, "raw")))
+    system, raw = profiles.system_prompt(get_str(body, "system"), served.profile), bool(get_bool(body, "raw"))
+    ids = context + await off_loop(lambda: render_prompt(tok, prompt, system=system, raw=raw), len(prompt))
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "prompt")
 
@@ -202,7 +210,7 @@ async def chat(request: Request) -> Response:
     constraint = ollama_spec(body)
     tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
     messages, tools = prepare_messages(tok, profiles.chat_messages(messages, served.profile), tool_use)
-    ids = render_chat(tok, messages, tools=tools)
+    ids = await off_loop(lambda: render_chat(tok, messages, tools=tools), chars_in(messages))
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "messages")
 
@@ -264,7 +272,8 @@ async def _embed_all(request: Request, served: ServedModel, texts: list[str], tr
                      field: str) -> tuple[list[list[float]], int]:
     tok = served.engine.tokenizer
     limit = embedding_limit(served) if num_ctx is None else min(num_ctx, embedding_limit(served))
-    id_lists = [fit_to_context(encode_prompt(tok, t), limit, truncate, field) for t in texts]
+    encoded = await off_loop(lambda: [encode_prompt(tok, t) for t in texts], chars_in(texts))
+    id_lists = [fit_to_context(ids, limit, truncate, field) for ids in encoded]
     slot = _host(request).admission.enter()
     try:
         vectors = [await embed(served, ids) for ids in id_lists]

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tokenmill.server import model_info, profiles
-from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat
+from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, normalize_messages, off_loop, render_chat
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation, Result, all_deltas, collect_all
 from tokenmill.server.logprobs import chat_entries, completion_logprobs
@@ -21,6 +21,7 @@ from tokenmill.server.openai_embeddings import embeddings
 from tokenmill.server.openai_params import OpenAIOptions, parse_options, truncate_prompt
 from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, openai_spec
+from tokenmill.server.tool_stream import Piece
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.server.validation import get_bool, get_str, read_json
 
@@ -102,7 +103,7 @@ async def chat_completions(request: Request) -> Response:
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     messages, tools = prepare_messages(tok, profiles.chat_messages(messages, served.profile), tool_use)
-    ids = render_chat(tok, messages, tools=tools)
+    ids = await off_loop(lambda: render_chat(tok, messages, tools=tools), chars_in(messages))
     await add_constraint(opts.params, tok, constraint)
     env = Envelope("chat.completion", served.name, opts.include_usage)
 
@@ -115,24 +116,25 @@ async def chat_completions(request: Request) -> Response:
             yield env.wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}], "chat.completion.chunk")
         counts = [0] * num_choices
-        # With tools, a choice's text is held back until it ends: only then is it known to be a call.
-        held = [Result() for _ in range(num_choices)]
+        # With tools, each choice's text goes through a parser that sends calls as they are written.
+        parsers = [tool_use.stream() for _ in range(num_choices)] if tool_use.active else None
         async for i, d in all_deltas(gens):
             counts[i] += len(d.token_ids)
-            if tool_use.active:
-                held[i].add(d)
-                if d.finished:
-                    for delta, reason in _tool_deltas(tool_use, held[i]):
-                        lp = logprobs_of(held[i].token_ids, held[i].logprobs, held[i].top_logprobs) if delta else None
-                        yield env.wrap([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],
-                                       "chat.completion.chunk")
-                continue
             lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs)
-            if d.text or lp:
-                yield env.wrap([{"index": i, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": None}],
-                               "chat.completion.chunk")
+            if parsers is None:
+                deltas = [{"content": d.text}] if d.text else []
+            else:
+                pieces = parsers[i].feed(d.text) + (parsers[i].finish() if d.finished else [])
+                deltas = [_tool_delta(p) for p in pieces]
+            if lp and not deltas:
+                deltas = [{}]
+            for j, delta in enumerate(deltas):
+                yield env.wrap([{"index": i, "delta": delta, "logprobs": lp if j == 0 else None,
+                                 "finish_reason": None}], "chat.completion.chunk")
             if d.finished:
-                yield env.wrap([{"index": i, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}],
+                called = parsers is not None and parsers[i].num_calls > 0
+                reason = "tool_calls" if called and d.finish_reason == "stop" else d.finish_reason
+                yield env.wrap([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}],
                                "chat.completion.chunk")
         if opts.include_usage:
             yield env.wrap([], "chat.completion.chunk", _total_usage(gens, counts))
@@ -165,15 +167,15 @@ def _message(tool_use: ToolUse, r: Result) -> tuple[dict, str | None]:
     return {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}, reason
 
 
-def _tool_deltas(tool_use: ToolUse, r: Result) -> list[tuple[dict, str | None]]:
-    """The deltas a held-back choice is streamed as: its text, or its calls (one delta each)."""
-    message, reason = _message(tool_use, r)
-    deltas: list[tuple[dict, str | None]] = []
-    if message.get("content"):
-        deltas.append(({"content": message["content"]}, None))
-    for j, call in enumerate(message.get("tool_calls", [])):
-        deltas.append(({"tool_calls": [{"index": j, **call}]}, None))
-    return deltas + [({}, reason)]
+def _tool_delta(p: Piece) -> dict:
+    """A parser piece as an OpenAI chunk delta: content, a call's header, or a piece of its arguments."""
+    if p.content is not None:
+        return {"content": p.content}
+    call: dict = {"index": p.index, "function": {"arguments": p.arguments or ""}}
+    if p.name is not None:
+        call = {"index": p.index, "id": p.call_id, "type": "function",
+                "function": {"name": p.name, "arguments": p.arguments or ""}}
+    return {"tool_calls": [call]}
 
 
 # --- /v1/completions ------------------------------------------------------------------------------
@@ -207,7 +209,7 @@ async def completions(request: Request) -> Response:
     if body.get("prompt") is None:
         raise bad_request("prompt is required", "prompt")
     constraint = openai_spec(body)
-    prompts = _prompts(body["prompt"], served)
+    prompts = await off_loop(lambda: _prompts(body["prompt"], served), chars_in(body["prompt"]))
     tok = served.engine.tokenizer
     await add_constraint(opts.params, tok, constraint)
     env = Envelope("text_completion", served.name, opts.include_usage)

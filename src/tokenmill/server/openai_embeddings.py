@@ -9,7 +9,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenmill.server.chat import check_token_ids, encode_prompt
+from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, off_loop
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.model_host import model_for
 from tokenmill.server.errors import bad_request
@@ -56,8 +56,8 @@ async def embeddings(request: Request) -> Response:
     dims = get_int(body, "dimensions", lo=1)
     truncate = get_int(body, "truncate_prompt_tokens", lo=-1)
     limit = embedding_limit(served)
-    id_lists = [fit_to_context(truncate_prompt(ids, truncate, limit + 1), limit, False, "input")
-                for ids in _inputs(body.get("input"), served.engine.tokenizer)]
+    inputs = await off_loop(lambda: _inputs(body.get("input"), served.engine.tokenizer), chars_in(body.get("input")))
+    id_lists = [fit_to_context(truncate_prompt(ids, truncate, limit + 1), limit, False, "input") for ids in inputs]
     slot = host.admission.enter()
     try:
         vectors = [await embed(served, ids) for ids in id_lists]

@@ -29,11 +29,11 @@ SAMPLING_FIELDS = {
     *OPENAI_FIELDS,  # response_format, vLLM's guided_* and structured_outputs
 }
 # Accepted without effect: they change nothing about the text a model can produce here.
-HARMLESS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "safety_identifier",
+HARMLESS = {"user", "store", "metadata", "service_tier", "safety_identifier",
             "prompt_cache_key", "modalities", "verbosity", "reasoning_effort",
             "add_generation_prompt", "chat_template_kwargs"}
 CHAT_FIELDS = SAMPLING_FIELDS | HARMLESS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                            "tool_choice"}
+                                            "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | HARMLESS | {"prompt", "echo", "suffix", "best_of"}
 
 

@@ -11,7 +11,7 @@ from starlette.routing import Route
 from tokenmill import kernels
 from tokenmill.config import Config
 from tokenmill.engine import ConfigError, SamplingParams
-from tokenmill.server.chat import check_token_ids, encode_prompt, normalize_messages, render_chat
+from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, normalize_messages, off_loop, render_chat
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation
@@ -169,7 +169,7 @@ async def completion(request: Request) -> Response:
     tok = served.engine.tokenizer
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        ids = encode_prompt(tok, prompt)
+        ids = await off_loop(lambda: encode_prompt(tok, prompt), len(prompt))
     elif isinstance(prompt, list):
         ids = check_token_ids(prompt, tok.vocab_size, "prompt")
     else:
@@ -230,7 +230,8 @@ async def embedding(request: Request) -> Response:
     text = get_str(body, "content") if body.get("content") is not None else get_str(body, "input", label="content")
     if not text:
         raise bad_request("content is required", "content")
-    ids = fit_to_context(encode_prompt(served.engine.tokenizer, text), embedding_limit(served),
+    encoded = await off_loop(lambda: encode_prompt(served.engine.tokenizer, text), len(text))
+    ids = fit_to_context(encoded, embedding_limit(served),
                          bool(get_bool(body, "truncate", False)), "content")
     slot = host.admission.enter()
     try:
@@ -246,15 +247,16 @@ async def tokenize(request: Request) -> Response:
     served = await model_for(request, get_str(body, "model"))
     tok = served.engine.tokenizer
     if body.get("messages") is not None:
-        ids = render_chat(tok, normalize_messages(body["messages"]),
-                          add_generation_prompt=bool(get_bool(body, "add_generation_prompt", True)))
+        messages = normalize_messages(body["messages"])
+        add_prompt = bool(get_bool(body, "add_generation_prompt", True))
+        ids = await off_loop(lambda: render_chat(tok, messages, add_generation_prompt=add_prompt), chars_in(messages))
     else:
         text = get_str(body, "content") if "content" in body else get_str(body, "prompt", label="content")
         if text is None:
             raise bad_request("content (or prompt, or messages) is required", "content")
         add = get_bool(body, "add_special", None)
         add = get_bool(body, "add_special_tokens", True) if add is None else add
-        ids = tok.encode(text, add_special_tokens=bool(add))
+        ids = await off_loop(lambda: tok.encode(text, add_special_tokens=bool(add)), len(text))
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": served.engine.max_model_len})
 
 

@@ -6,17 +6,20 @@ A template that mentions `tools` renders them itself. For one that does not (Smo
 the documented default format applies: a system message lists the functions and asks for
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; earlier calls are written back in that
 form and tool results go in as user turns wrapped in `<tool_response>`. `tool_choice` "required" or a
-named function constrains the output to one such call (as bare JSON) whose arguments match the
-function's parameters schema, so it always parses and validates."""
+named function constrains the output to such a call (as bare JSON) whose arguments match the
+function's parameters schema, so it always parses and validates; "required" with
+`parallel_tool_calls` (the default) allows a JSON list of one or more calls. With
+`parallel_tool_calls: false` at most one call is returned."""
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.server.errors import bad_request
+from tokenmill.server.tool_stream import ToolCallStream, new_call_id
+from tokenmill.server.validation import get_bool
 from tokenmill.structured import GrammarSpec
 from tokenmill.tokenizer import Tokenizer
 
@@ -44,7 +47,7 @@ class ToolCall:
     id: str = ""
 
     def __post_init__(self) -> None:
-        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+        self.id = self.id or new_call_id()
 
     def openai(self, index: int | None = None) -> dict:
         out = {"id": self.id, "type": "function",
@@ -61,6 +64,11 @@ class ToolUse:
     tools: list[Tool]
     choice: str = "auto"  # auto | none | required | function
     function: str | None = None  # the named function when choice == "function"
+    parallel: bool = True  # OpenAI's parallel_tool_calls: several calls in one answer
+
+    @property
+    def max_calls(self) -> int | None:
+        return None if self.parallel else 1
 
     @property
     def active(self) -> bool:
@@ -74,7 +82,13 @@ class ToolUse:
         calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
                   "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if self.choice == "required" and self.parallel:
+            schema = {"type": "array", "items": schema, "minItems": 1}
         return GrammarSpec("json_schema", schema), "tools"
+
+    def stream(self) -> ToolCallStream:
+        """A parser that finds this request's calls in text as it is generated."""
+        return ToolCallStream({t.name for t in self.tools}, self.max_calls)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(the text without its calls or None if nothing is left, the calls to known functions)."""
@@ -92,7 +106,7 @@ class ToolUse:
             rest = "" if calls else text
         if not calls:
             return text, []
-        return rest or None, calls
+        return rest or None, calls[:self.max_calls]
 
 
 def parse_tool_use(body: dict, *, allow_choice: bool = True) -> ToolUse:
@@ -112,7 +126,8 @@ def parse_tool_use(body: dict, *, allow_choice: bool = True) -> ToolUse:
         raise bad_request(f"tool_choice {choice if choice != 'function' else function!r} needs tools", "tool_choice")
     if choice == "function" and function not in {t.name for t in tools}:
         raise bad_request(f"tool_choice names {function!r}, which is not among the tools", "tool_choice")
-    return ToolUse([] if choice == "none" else tools, choice, function)
+    parallel = get_bool(body, "parallel_tool_calls", True) if allow_choice else True
+    return ToolUse([] if choice == "none" else tools, choice, function, parallel)
 
 
 def template_renders_tools(tokenizer: Tokenizer) -> bool:

@@ -39,6 +39,9 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
+# Texts longer than this are encoded without holding the GIL (encode_batch of one; same ids).
+GIL_FREE_CHARS = 2048
+
 _BYTE_TO_CHAR = bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 _ALPHABET = frozenset(_CHAR_TO_BYTE)
@@ -333,7 +336,12 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`. Special tokens written in the text are parsed as themselves."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if len(text) > GIL_FREE_CHARS:
+            # `tokenizers` holds the GIL through encode() but releases it in encode_batch(): a long
+            # text tokenized on a worker thread then leaves the server's event loop running.
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
             if self.add_bos and self.bos_id is not None:
                 ids.insert(0, self.bos_id)
