@@ -49,7 +49,8 @@ def test_openai_json_schema_on_gemma3_validates(gemma):
 def test_ollama_format_schema_on_gemma3_validates(gemma):
     client, host = gemma
     body = {"model": model_name(host), "stream": False, "format": LIST,
-            "prompt": "List a few colors of the rainbow.", "options": {"temperature": 0.8, "seed": 7, "num_predict": 60}}
+            "prompt": "List a few colors of the rainbow.",
+            "options": {"temperature": 0.8, "seed": 7, "num_predict": 60}}
     r = client.post("/api/generate", json=body)
     assert r.status_code == 200, r.text
     out = r.json()

@@ -71,6 +71,9 @@ FIELDS: dict[str, dict] = {
     "context": described(TOKEN_IDS, "the `context` of an earlier /api/generate answer, to continue from"),
     "messages": MESSAGES,
     "tools": {"type": "array", "items": OBJECT},
+    "tool_choice": described({"oneOf": [{"type": "string", "enum": ["auto", "none", "required"]}, OBJECT]},
+                             '"auto", "none", "required" or {"type": "function", "function": {"name": ...}}'),
+    "parallel_tool_calls": described(BOOLEAN, "several calls in one answer (default true); false: at most one"),
     "input": {"oneOf": [STRING, STRINGS]},
     "content": STRING,
     "tokens": TOKEN_IDS,
@@ -131,9 +134,9 @@ FIELDS: dict[str, dict] = {
                                                            "path": STRING}.items()},
     # accepted for compatibility, without effect
     **{k: described(v, "accepted; no effect") for k, v in {
-        "store": BOOLEAN, "metadata": OBJECT, "service_tier": STRING, "parallel_tool_calls": BOOLEAN,
-        "tool_choice": {"oneOf": [STRING, OBJECT]}, "safety_identifier": STRING, "prompt_cache_key": STRING,
-        "modalities": STRINGS, "verbosity": STRING, "reasoning_effort": STRING, "chat_template_kwargs": OBJECT,
+        "store": BOOLEAN, "metadata": OBJECT, "service_tier": STRING, "safety_identifier": STRING,
+        "prompt_cache_key": STRING, "modalities": STRINGS, "verbosity": STRING, "reasoning_effort": STRING,
+        "chat_template_kwargs": OBJECT,
     }.items()},
 }
 
