@@ -57,10 +57,12 @@ def test_loading_and_unloading_20_times_keeps_rss_flat(smollm2_path, tiny_gguf):
                     time.sleep(0.05)
 
             cycle()  # the first load brings in what stays: kernels, allocator arenas
-            start = rss_bytes()
+            samples = []
             for _ in range(20):
                 cycle()
-            end = rss_bytes()
-        assert end <= start * 1.10, f"RSS grew from {start / 2**20:.0f} MiB to {end / 2**20:.0f} MiB"
+                samples.append(rss_bytes())
+        # Medians of three: one reading swings by ~50 MB with what the allocator happens to hold.
+        start, end = sorted(samples[:3])[1], sorted(samples[-3:])[1]
+        assert end <= start * 1.10, f"RSS grew from {start / 2**20:.0f} MiB to {end / 2**20:.0f} MiB: {samples}"
     finally:
         server.stop()
