@@ -11,6 +11,7 @@ Serve pickles this module by value into each handle's process, so the process-wi
 reached through their module (pickled by reference), never bound here as a global of their own."""
 from __future__ import annotations
 
+import random
 import time
 from collections import OrderedDict
 from typing import Any
@@ -34,9 +35,9 @@ def _routing_key(pending: PendingRequest | None) -> RoutingKey:
 
 
 class PrefixAwareRouter(RequestRouter):
-    def initialize_state(self, max_imbalance: int = 8, min_match_blocks: int = 1,
+    def initialize_state(self, max_imbalance: int = 8, min_match_blocks: int = 1, min_match_fraction: float = 0.5,
                          recent_seconds: float = RECENT_SECONDS, **_: Any) -> None:
-        self.policy = PolicyConfig(max_imbalance, min_match_blocks)
+        self.policy = PolicyConfig(max_imbalance, min_match_blocks, min_match_fraction)
         self.recent_seconds = recent_seconds
         self._summaries: dict[str, tuple[bytes, frozenset[bytes]]] = {}  # replica -> (blob, keys)
         self._recent: dict[str, OrderedDict[bytes, float]] = {}             # replica -> key -> expiry
@@ -84,14 +85,15 @@ class PrefixAwareRouter(RequestRouter):
         matched = {rid: self._matched(r, key.blocks, now) for rid, r in by_id.items()}
         candidates = [Candidate(rid, self._load(r), matched[rid]) for rid, r in by_id.items()]
         session_replica = self._sessions.get(key.session) if key.session else None
-        choice = choose(candidates, session_replica, self.policy)
+        choice = choose(candidates, session_replica, self.policy, len(key.blocks))
         if pending_request is not None:
             # A request that finds every replica full comes back here; Serve backs off between rounds.
             pending_request.routing_context.should_backoff = True
             self._choices[pending_request.metadata.internal_request_id] = (choice, matched, len(key.blocks))
             while len(self._choices) > MAX_SESSIONS:
                 self._choices.popitem(last=False)
-        everyone = sorted(candidate_replicas, key=self._load)
+        # Shuffled first so equally loaded replicas share the work instead of the first taking it all.
+        everyone = sorted(random.sample(candidate_replicas, len(candidate_replicas)), key=self._load)
         if choice.preferred is None:
             return [everyone]
         preferred = by_id[choice.preferred]
