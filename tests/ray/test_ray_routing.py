@@ -161,3 +161,10 @@ def test_router_hit_rate_is_rendered():
 ])
 def test_autoscaling_follows_the_waiting_queue(current, waiting, running, want):
     assert desired_replicas(current, waiting, running, slots=64) == want
+
+
+def test_serve_ray_flag_goes_to_the_ray_launcher(capsys):
+    from tokenmill.cli import main
+
+    assert main(["serve", "--ray", "--replicas", "3", "--print-config", "--kv-size", "4096"]) == 0
+    assert "kv_size = 4096  # flag --kv-size" in capsys.readouterr().out

@@ -203,3 +203,15 @@ def test_killed_replica_loses_no_waiting_request(client):
         time.sleep(1)
     r = _chat(client, "after the recovery")
     assert r.status_code == 200
+
+
+def test_app_builder_checks_its_arguments():
+    from tokenmill.config import ConfigError
+    from tokenmill.ray.app import build_app
+
+    with pytest.raises(ConfigError, match="unknown argument"):
+        build_app({"model": "x.gguf", "replicaz": 2})
+    with pytest.raises(ConfigError, match="router must be one of"):
+        build_app({"model": "x.gguf", "router": "random"})
+    with pytest.raises(ConfigError, match="kv_size must be at least"):
+        build_app({"model": "x.gguf", "kv_size": 1})
