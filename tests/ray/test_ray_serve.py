@@ -150,6 +150,35 @@ def test_model_switching_is_refused(client):
     assert r.json()["error"].startswith("/load is not available on a Ray deployment")
 
 
+def test_bad_requests_get_the_replicas_json_errors(client):
+    r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/api/chat", json={"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and "not found" in r.json()["error"]
+    r = client.post("/v1/completions", content=b"x" * (33 * 1024 * 1024))
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+
+def test_client_leaving_a_stream_frees_the_replica(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 200,
+            "stream": True, "temperature": 1.0}
+    with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+        replica = stream.headers[REPLICA]
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+    # The replica aborted the generation and gave its KV blocks back (seen through its metrics).
+    deadline = time.monotonic() + 20
+    while True:
+        text = client.get("/metrics").text
+        if (_replica_metric(text, "vllm:num_requests_running", replica) == 0
+                and _replica_metric(text, "tokenmill:kv_cache_used_blocks", replica) == 0
+                and re.search(rf'^vllm:request_success_total{{replica="{replica}"[^}}]*finished_reason="abort"}} [1-9]',
+                              text, re.M)):
+            break
+        assert time.monotonic() < deadline, text
+        time.sleep(0.5)
+
+
 def _replica_actor(replica_id: str):
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if "tokenmill-replica" in actor["name"] and actor["name"].endswith(replica_id):
