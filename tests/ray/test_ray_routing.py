@@ -168,3 +168,13 @@ def test_serve_ray_flag_goes_to_the_ray_launcher(capsys):
 
     assert main(["serve", "--ray", "--replicas", "3", "--print-config", "--kv-size", "4096"]) == 0
     assert "kv_size = 4096  # flag --kv-size" in capsys.readouterr().out
+
+
+def test_cluster_simulation_keeps_prefixes_where_they_are_cached():
+    from tokenmill.bench.ray_sim import build_parser, simulate
+
+    args = build_parser().parse_args(["--replicas", "16", "--groups", "32", "--requests", "3000", "--load", "0.8"])
+    prefix, default = simulate(args, "prefix"), simulate(args, "default")
+    # Power of two choices scatters every prefix over all replicas; the prefix router does not.
+    assert prefix["hit_rate"] > 0.9 > default["hit_rate"] + 0.2
+    assert prefix["ttft_p50"] < default["ttft_p50"]

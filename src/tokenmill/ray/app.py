@@ -34,7 +34,7 @@ class RayOptions:
     max_replicas: int = 0            # > replicas: autoscale between min_replicas and this
     min_replicas: int = 1
     router: str = "prefix"           # prefix | default
-    max_imbalance: int = 8           # requests a prefix holder may have above the least-loaded replica
+    max_imbalance: int = 4           # requests a prefix holder may have above the least-loaded replica
     stats_period_s: float = 2.0      # how often replicas publish their prefix summary
     health_period_s: float = 10.0
     health_timeout_s: float = 30.0

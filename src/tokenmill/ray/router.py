@@ -35,7 +35,7 @@ def _routing_key(pending: PendingRequest | None) -> RoutingKey:
 
 
 class PrefixAwareRouter(RequestRouter):
-    def initialize_state(self, max_imbalance: int = 8, min_match_blocks: int = 1, min_match_fraction: float = 0.5,
+    def initialize_state(self, max_imbalance: int = 4, min_match_blocks: int = 1, min_match_fraction: float = 0.5,
                          recent_seconds: float = RECENT_SECONDS, **_: Any) -> None:
         self.policy = PolicyConfig(max_imbalance, min_match_blocks, min_match_fraction)
         self.recent_seconds = recent_seconds

@@ -32,7 +32,7 @@ class Choice:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    max_imbalance: int = 8        # requests the preferred replica may have above the least-loaded one
+    max_imbalance: int = 4        # requests the preferred replica may have above the least-loaded one
     min_match_blocks: int = 1     # shorter matches are not worth giving up balance for
     min_match_fraction: float = 0.5  # ... nor matches of less than this part of the prompt's blocks
 
