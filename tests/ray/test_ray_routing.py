@@ -178,3 +178,16 @@ def test_cluster_simulation_keeps_prefixes_where_they_are_cached():
     # Power of two choices scatters every prefix over all replicas; the prefix router does not.
     assert prefix["hit_rate"] > 0.9 > default["hit_rate"] + 0.2
     assert prefix["ttft_p50"] < default["ttft_p50"]
+
+
+def test_autoscaling_policy_reads_what_replicas_report():
+    from types import SimpleNamespace
+
+    from tokenmill.ray.autoscaling import RUNNING, WAITING, WaitingQueuePolicy
+
+    # Serve hands the policy each replica's record_autoscaling_stats values, aggregated, by name.
+    ctx = SimpleNamespace(current_num_replicas=2,
+                          aggregated_metrics={WAITING: {"r1": 30.0, "r2": 10.0}, RUNNING: {"r1": 64.0, "r2": 64.0}})
+    assert WaitingQueuePolicy(slots=64)(ctx) == (3, {})
+    # No numbers yet (replicas starting): no change.
+    assert WaitingQueuePolicy(slots=64)(SimpleNamespace(current_num_replicas=2, aggregated_metrics=None)) == (2, {})

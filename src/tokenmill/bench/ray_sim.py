@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None, prog: str = "tokenmill bench ray-sim") -
     args = build_parser(prog).parse_args(argv)
     print(f"{args.replicas} replicas, {args.groups} prefixes of {args.prefix_len} tokens (zipf {args.zipf}), "
           f"cache {args.kv_tokens} tokens/replica, load {args.load} of the no-cache capacity")
-    print(f"{'router':8} {'hit rate':>9} {'req/s':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'e2e p95':>8} {'busiest/mean':>13}")
+    print(f"{'router':8} {'hit rate':>9} {'req/s':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'e2e p95':>8} "
+          f"{'busiest/mean':>13}")
     for router in ("prefix", "default"):
         r = simulate(args, router)
         print(f"{router:8} {r['hit_rate'] * 100:>8.1f}% {r['req_per_s']:>8.2f} {r['ttft_p50']:>8.2f}s "

@@ -43,6 +43,8 @@ class WaitingQueuePolicy:
 
     def __call__(self, ctx) -> tuple[int, dict]:
         metrics = ctx.aggregated_metrics
+        if not metrics or WAITING not in metrics:  # replicas not reporting yet: no evidence to act on
+            return ctx.current_num_replicas, {}
         n = desired_replicas(ctx.current_num_replicas, _total(metrics, WAITING), _total(metrics, RUNNING),
                              waiting_per_replica=self.waiting_per_replica, idle_fraction=self.idle_fraction,
                              slots=self.slots)

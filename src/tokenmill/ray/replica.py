@@ -12,6 +12,7 @@ from ray import serve
 from tokenmill.config import Config
 from tokenmill.engine import LLMEngine
 from tokenmill.ray.asgi_bridge import ForwardedRequest, ResponseStart, replay
+from tokenmill.ray.autoscaling import RUNNING, WAITING
 from tokenmill.ray.metrics import sample_value
 from tokenmill.ray.prefix_summary import pack
 from tokenmill.server import LoadSpec, ModelHost, create_app
@@ -72,8 +73,8 @@ class TokenmillReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         text = await self.metrics_text()
-        return {"num_requests_waiting": sample_value(text, "vllm:num_requests_waiting") or 0.0,
-                "num_requests_running": sample_value(text, "vllm:num_requests_running") or 0.0}
+        return {WAITING: sample_value(text, "vllm:num_requests_waiting") or 0.0,
+                RUNNING: sample_value(text, "vllm:num_requests_running") or 0.0}
 
     def __del__(self) -> None:
         host = getattr(self, "host", None)

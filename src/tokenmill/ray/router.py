@@ -125,8 +125,8 @@ class PrefixAwareRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._forget_all_but({r.replica_id.unique_id for r in replicas})
-        router_stats.ROUTER_STATS.set_replica_metrics({r.replica_id.unique_id: (r.routing_stats or {}).get("metrics", "")
-                                          for r in replicas if (r.routing_stats or {}).get("metrics")})
+        pages = {r.replica_id.unique_id: (r.routing_stats or {}).get("metrics", "") for r in replicas}
+        router_stats.ROUTER_STATS.set_replica_metrics({rid: text for rid, text in pages.items() if text})
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
