@@ -30,6 +30,9 @@ SHARED = "You are a careful assistant. Answer briefly and cite the manual. " * 2
 def deployment(tiny_gguf, tmp_path_factory):
     from tokenmill.ray.app import build_app
 
+    # Replicas push their autoscaling numbers every 10 s by default; the autoscaling test cannot wait that long.
+    env = pytest.MonkeyPatch()
+    env.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = _free_port()
@@ -41,6 +44,7 @@ def deployment(tiny_gguf, tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+        env.undo()
 
 
 def _free_port() -> int:
@@ -186,8 +190,8 @@ def _replica_actor(replica_id: str):
     raise AssertionError(f"no actor for replica {replica_id}")
 
 
-def _running_replicas() -> int:
-    status = serve.status().applications["tokenmill"].deployments["tokenmill-replica"]
+def _running_replicas(app: str = "tokenmill") -> int:
+    status = serve.status().applications[app].deployments["tokenmill-replica"]
     return status.replica_states.get("RUNNING", 0)
 
 
@@ -244,3 +248,38 @@ def test_app_builder_checks_its_arguments():
         build_app({"model": "x.gguf", "router": "random"})
     with pytest.raises(ConfigError, match="kv_size must be at least"):
         build_app({"model": "x.gguf", "kv_size": 1})
+
+
+def test_autoscaling_adds_a_replica_when_requests_wait(deployment, tiny_gguf, client):
+    """Last: it replaces the module's deployment with one that autoscales between 1 and 2 replicas, each
+    running one sequence at a time, so concurrent requests wait in the engine's queue."""
+    from tokenmill.ray.app import build_app
+
+    serve.delete("tokenmill")
+    app = build_app({"model": str(tiny_gguf), "threads": 1, "dtype": "fp32", "compile": False, "kv_size": 4096,
+                     "parallel": 1, "replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "look_back_s": 2,
+                     "stats_period_s": 0.5})
+    serve.run(app, name="autoscaled", route_prefix="/")
+    assert _running_replicas("autoscaled") == 1
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def load() -> None:
+        while not stop.is_set():
+            r = _chat(client, f"{time.monotonic()} keep me busy", max_tokens=64)
+            if r.status_code != 200:
+                failures.append(r.text)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 90
+        while _running_replicas("autoscaled") < 2:
+            assert time.monotonic() < deadline, serve.status()
+            time.sleep(1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not failures, failures[:3]

@@ -33,6 +33,9 @@ class RayOptions:
     replicas: int = 2                # fixed replica count (the starting count when autoscaling)
     max_replicas: int = 0            # > replicas: autoscale between min_replicas and this
     min_replicas: int = 1
+    upscale_delay_s: float = 30.0    # autoscaling: how long the queue must say "more" before a replica is added
+    downscale_delay_s: float = 600.0
+    look_back_s: float = 30.0        # autoscaling: the window the replicas' queue lengths are averaged over
     router: str = "prefix"           # prefix | default
     max_imbalance: int = 4           # requests a prefix holder may have above the least-loaded replica
     stats_period_s: float = 2.0      # how often replicas publish their prefix summary
@@ -68,6 +71,9 @@ def _replica_options(settings: Config, opts: RayOptions) -> dict[str, Any]:
     if opts.max_replicas > opts.min_replicas:
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=opts.min_replicas, initial_replicas=opts.replicas, max_replicas=opts.max_replicas,
+            upscale_delay_s=opts.upscale_delay_s, downscale_delay_s=opts.downscale_delay_s,
+            # Serve wants its (deprecated) scrape interval below the window: keep it so for short windows.
+            look_back_period_s=opts.look_back_s, metrics_interval_s=min(10.0, opts.look_back_s / 2),
             policy=AutoscalingPolicy(policy_function="tokenmill.ray.autoscaling:WaitingQueuePolicy",
                                      policy_kwargs={"slots": settings.parallel}))
     else:
