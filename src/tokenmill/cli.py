@@ -20,6 +20,7 @@ COMMANDS = {
     "list": "tokenmill.store.commands:cmd_list",
     "run": "tokenmill.run:cmd_run",
     "serve": "tokenmill.server.commands:cmd_serve",
+    "serve-ray": "tokenmill.ray.launch:cmd_serve_ray",
     "bench": "tokenmill.bench:cmd_bench",
     "ps": "tokenmill.cli_models:cmd_ps",
     "stop": "tokenmill.cli_models:cmd_stop",
@@ -42,6 +43,18 @@ class _Version(argparse.Action):
 
         print(f"tokenmill {tokenmill_version()}\nkernels: {kernels.describe()}")
         parser.exit()
+
+
+def add_ray_flags(p: argparse.ArgumentParser) -> None:
+    """`serve --ray`: the same server as replicas on Ray Serve (tokenmill.ray, the `ray` extra)."""
+    g = p.add_argument_group("Ray Serve (pip install 'tokenmill[ray]')")
+    g.add_argument("--ray", action="store_true", help="serve as replicas on Ray Serve: joins the cluster at "
+                   "RAY_ADDRESS, else starts a local Ray instance")
+    g.add_argument("--replicas", type=int, default=2, metavar="N", help="tokenmill replicas (default 2)")
+    g.add_argument("--max-replicas", type=int, default=0, metavar="N", help="autoscale between 1 and N replicas "
+                   "on the engines' waiting queues (default: a fixed --replicas)")
+    g.add_argument("--router", choices=["prefix", "default"], default="prefix", help="prefix: prefix-aware "
+                   "routing (default); default: Ray Serve's power-of-two-choices")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, metavar="PATH", help="TOML config file (env TOKENMILL_CONFIG)")
     p.add_argument("--print-config", action="store_true", help="print the effective settings as TOML and exit")
     add_flags(p)  # one flag per setting of tokenmill.config
+    add_ray_flags(p)
 
     sub.add_parser("ps", help="models a running server has loaded")
     p = sub.add_parser("stop", help="unload a model from the running server")
@@ -97,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    module_name, func_name = COMMANDS[args.command].split(":")
+    command = "serve-ray" if args.command == "serve" and getattr(args, "ray", False) else args.command
+    module_name, func_name = COMMANDS[command].split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
     try:
         return int(handler(args) or 0)

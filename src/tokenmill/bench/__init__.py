@@ -17,6 +17,8 @@ BENCHMARKS = {
     "shared-prefix": ("tokenmill.bench.shared_prefix", "TTFT of a burst sharing a long prefix vs unique prefixes"),
     "quality": ("tokenmill.bench.quality", "greedy agreement and logit error of bf16/int4 vs fp32"),
     "structured": ("tokenmill.bench.structured", "a batch of JSON-schema requests vs the same batch unconstrained"),
+    "ray": ("tokenmill.bench.ray_routing", "N Ray replicas (prefix vs default router) vs 1 process of N threads"),
+    "ray-sim": ("tokenmill.bench.ray_sim", "simulated R-replica cluster: prefix router vs power of two choices"),
 }
 
 

@@ -113,6 +113,16 @@ class BlockManager:
     def prefix_stats(self) -> PrefixStats:
         return self._stats
 
+    def cached_block_hashes(self, limit: int | None = None) -> list[BlockHash]:
+        """Keys of the full blocks the prefix cache holds (in use or evictable), oldest
+        registered first, at most the newest `limit`: what a router needs to send a
+        request to the replica that already holds its prefix. The index is copied in one
+        C-level call, so another thread may ask while the engine thread runs."""
+        keys = list(self._pool.hash_index())
+        if limit is None or limit >= len(keys):
+            return keys
+        return keys[len(keys) - max(limit, 0):]
+
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
