@@ -16,6 +16,7 @@ from tokenmill.ray.autoscaling import RUNNING, WAITING
 from tokenmill.ray.metrics import sample_value
 from tokenmill.ray.prefix_summary import pack
 from tokenmill.server import LoadSpec, ModelHost, create_app
+from tokenmill.server.model_host import HostPolicy
 from tokenmill.server.model_host import Loaded, default_loader
 
 log = logging.getLogger("tokenmill.ray")
@@ -32,7 +33,7 @@ class TokenmillReplica:
         # The replica's own /metrics is behind the API key like every route but /health.
         self._auth = ((b"authorization", f"Bearer {settings.api_key}".encode()),) if settings.api_key else ()
         self.host = ModelHost(max_queue=settings.max_queue, retire_timeout=settings.drain_timeout,
-                              loader=self._load)
+                              loader=self._load, policy=HostPolicy.from_settings(settings))
         self.host.start_load(LoadSpec(settings.model, settings.engine_config()))
         if not self.host.wait_ready(LOAD_TIMEOUT_SECONDS):
             status = self.host.status
