@@ -44,7 +44,7 @@ def start_server(model: str, *, max_queue: int = 256, dtype: str = "fp32", kv_si
                  loader=None, fetcher=None, compile: bool = False, **more_settings) -> tuple[LiveServer, ModelHost]:
     settings = Config(dtype=dtype, kv_size=kv_size, max_queue=max_queue, compile=compile, **more_settings)
     host = ModelHost(max_queue=max_queue, retire_timeout=5, policy=HostPolicy.from_settings(settings),
-                     **({"loader": loader} if loader else {}))
+                     fetcher=fetcher, **({"loader": loader} if loader else {}))
     if model:
         host.start_load(LoadSpec(model, settings.engine_config()))
     server = LiveServer(create_app(host, settings, fetcher=fetcher)).start()

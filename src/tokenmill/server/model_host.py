@@ -32,6 +32,7 @@ from tokenmill.server.model_loads import (
 )
 from tokenmill.server.served_model import Loaded, LoadSpec, Loader, ModelLease, ServedModel, default_loader
 from tokenmill.store.derived import Profile, normalize_name
+from tokenmill.store.pull import Fetcher
 
 log = logging.getLogger("tokenmill.server")
 
@@ -55,8 +56,9 @@ class ModelHost:
     """Every model the server holds, loaded or loading; what handlers ask for a model to serve a request."""
 
     def __init__(self, *, max_queue: int = 256, loader: Loader = default_loader, retire_timeout: float = 30.0,
-                 policy: HostPolicy | None = None):
+                 policy: HostPolicy | None = None, fetcher: Fetcher | None = None):
         self.admission = Admission(max_queue)
+        self._fetcher = fetcher  # for pull_on_demand (None: pip)
         self.policy = policy or HostPolicy()
         self._loader = loader
         self._retire_timeout = retire_timeout
@@ -259,7 +261,7 @@ class ModelHost:
             return self._find_or_start_spec(default, spec_names(default.model), key, self._default_keep_alive())
         # Not there yet: pulled on demand, by its catalog name.
         model = str(resolved.path) if resolved.path.exists() else resolved.name
-        spec = LoadSpec(model, self.policy.engine)
+        spec = LoadSpec(model, self.policy.engine, fetcher=self._fetcher)
         return self._find_or_start_spec(spec, {normalize_name(resolved.name)}, key, self.policy.keep_alive)
 
     def _find_or_start_spec(self, spec: LoadSpec, names: set[str], key: str | None,

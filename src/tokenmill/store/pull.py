@@ -170,9 +170,9 @@ def pull(name: str, *, progress: bool = True, fetcher: Fetcher | None = None) ->
         raise StoreError(f"pull of {spec.name} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def ensure_model(name_or_path: str, *, progress: bool = True) -> Path:
+def ensure_model(name_or_path: str, *, progress: bool = True, fetcher: Fetcher | None = None) -> Path:
     """Like resolve_model, but a known model that is not installed yet is pulled first."""
     try:
         return resolve_model(name_or_path)
     except ModelNotInstalledError:
-        return pull(name_or_path, progress=progress)
+        return pull(name_or_path, progress=progress, fetcher=fetcher)
