@@ -172,3 +172,24 @@ def test_memory_budget_sizes_the_kv_cache_and_evicts_by_size(store):
         assert 1024 < host.find_loaded("tiny-b").engine.cfg.max_total_tokens < 2048
     finally:
         server.stop()
+
+
+def test_no_room_within_the_wait_is_503_with_retry_after(store):
+    server, host = start_server("tiny-a", kv_size=2048, max_loaded_models=1, model_wait_timeout=0.5)
+    try:
+        assert host.wait_ready(30)
+        host.current.engine.step_hook = lambda batch: time.sleep(0.01)  # a stream that lasts ~2.5 s
+        with httpx.Client(base_url=server.url, timeout=30) as c, httpx.stream(
+                "POST", f"{server.url}/api/generate", timeout=60,
+                json={"model": "tiny-a", "prompt": "go", "options": {"num_predict": 250}}) as busy:
+            lines = busy.iter_lines()
+            next(lines)
+            r = generate(c, "tiny-b")
+            assert r.status_code == 503 and r.headers["retry-after"] == "1" and "no room" in r.json()["error"]
+            assert set(loaded(c)) == {"tiny-a"}
+            for _ in lines:
+                pass
+            host.current.engine.step_hook = None
+            assert generate(c, "tiny-b").status_code == 200  # once idle, tiny-a makes room
+    finally:
+        server.stop()

@@ -22,7 +22,25 @@ def loaded(c: httpx.Client) -> set[str]:
     return {m["name"] for m in c.get("/api/ps").json()["models"]}
 
 
-def test_a_request_for_gemma3_loads_it_beside_smollm2(smollm2_path, gemma3_path):
+@pytest.fixture
+def linked_store(smollm2_path, gemma3_path, tmp_path, monkeypatch):
+    """A models directory of links to the real files (and their manifests): what the tests create
+    or delete stays out of the real store."""
+    models = tmp_path / "home" / "models"
+    models.mkdir(parents=True)
+    for path in (smollm2_path, gemma3_path):
+        for f in (path, path.with_name(path.name + ".json")):
+            if f.exists():
+                (models / f.name).symlink_to(f.resolve())
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
+    return models
+
+
+GEMMA_QA = ('FROM gemma3\nTEMPLATE """{{ if .System }}{{ .System }}\n\n{{ end }}Q: {{ .Prompt }}\nA:{{ .Response }}\n"""\n'
+            'PARAMETER stop "Q:"\nPARAMETER temperature 0\n')
+
+
+def test_a_request_for_gemma3_loads_it_beside_smollm2(linked_store, gemma3_path):
     server, host = start_server("smollm2", dtype="auto", kv_size=4096)
     try:
         assert host.wait_ready(120), host.error
@@ -38,6 +56,12 @@ def test_a_request_for_gemma3_loads_it_beside_smollm2(smollm2_path, gemma3_path)
             ps = {m["name"]: m for m in c.get("/api/ps").json()["models"]}
             assert set(ps) == {"smollm2:135m", "gemma3:270m"}
             assert ps["gemma3:270m"]["size"] > gemma3_path.stat().st_size
+            # The README's Modelfile gives the base model a plain question-and-answer template.
+            assert c.post("/api/create", json={"model": "gemma-qa", "modelfile": GEMMA_QA}).status_code == 200
+            r = c.post("/api/chat", json={"model": "gemma-qa", "stream": False, "options": {"num_predict": 24},
+                                          "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+            assert r.status_code == 200 and r.json()["model"] == "gemma-qa"
+            assert "Paris" in r.json()["message"]["content"], r.json()
     finally:
         server.stop()
 

@@ -290,6 +290,11 @@ class ModelHost:
         try:
             deadline = time.monotonic() + self.policy.wait_timeout
             while not load.done.is_set():
+                if time.monotonic() > deadline and load.waiting_for_room:
+                    raise APIError(503, f"no room to load {load.spec.model}: the loaded models are busy "
+                                        f"(max_loaded_models {self.policy.max_loaded_models}, memory budget "
+                                        f"{self.policy.memory_budget / 1e9:.2f} GB)", code="no_room",
+                                   retry_after=RETRY_AFTER_SECONDS)
                 if time.monotonic() > deadline:
                     raise APIError(503, f"model {load.spec.model!r} is still loading", code="model_loading",
                                    retry_after=RETRY_AFTER_SECONDS)
@@ -387,6 +392,7 @@ class ModelHost:
             if not others:
                 raise NoRoomError(f"model {load.spec.model} needs {need / 1e9:.2f} GB, more than the memory "
                                   f"budget of {self.policy.memory_budget / 1e9:.2f} GB")
+            load.waiting_for_room = True
             if time.monotonic() > deadline or self._closed:
                 raise NoRoomError(f"no room to load {load.spec.model}: {len(others)} model(s) loaded and busy "
                                   f"(max_loaded_models {self.policy.max_loaded_models}, memory budget "

@@ -52,6 +52,7 @@ class PendingLoad:
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     no_room: bool = False
+    waiting_for_room: bool = False        # every loaded model is busy: the load waits for one to idle
     served: ServedModel | None = None
 
 

@@ -52,12 +52,14 @@ def tokenizer_for(tokenizer: Tokenizer, profile: Profile) -> Tokenizer:
     if not profile.template:
         return tokenizer
     try:
-        return tokenizer.with_chat_template(jinja_template(profile.template))
+        return tokenizer.with_chat_template(jinja_template(profile.template, bos=tokenizer.add_bos))
     except ChatTemplateError as exc:
         raise bad_request(f"the model's TEMPLATE does not compile: {exc}", "model") from None
 
 
-def jinja_template(template: str) -> str:
+def jinja_template(template: str, *, bos: bool = False) -> str:
+    """A Jinja chat template for TEMPLATE. A Go template starts with the BOS token when the model's
+    tokenizer adds one (Ollama's templates leave it to the tokenizer; chat templates write it)."""
     if "{%" in template or "messages" in template:
         return template  # already a Jinja chat template
     head, marker, tail = template.partition("{{ .Response }}")
@@ -67,6 +69,7 @@ def jinja_template(template: str) -> str:
     done = turn + "{{ response }}" + _go_to_jinja(tail)
     # No whitespace control in the scaffolding: it must not eat the template's own newlines.
     return (
+        ("{{ bos_token }}" if bos else "") +
         "{% set ns = namespace(system='') %}"
         "{% for m in messages %}"
         "{% if m.role == 'system' %}{% set ns.system = m.content %}"
