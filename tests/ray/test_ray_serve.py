@@ -211,7 +211,18 @@ def test_killed_replica_loses_no_waiting_request(client):
                 results.append((r.status_code, r.text, start, r.headers.get(REPLICA, "")))
             i += 1
 
-    threads = [threading.Thread(target=worker) for _ in range(3)]
+    streams: list[str] = []
+
+    def streamer() -> None:
+        i = 0
+        while not stop.is_set():
+            body = {"model": MODEL, "messages": [{"role": "user", "content": SHARED + f"Stream {i}?"}],
+                    "max_tokens": 32, "stream": True}
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                streams.append(f"{r.status_code} {r.read().decode().strip().splitlines()[-1]}")
+            i += 1
+
+    threads = [threading.Thread(target=worker) for _ in range(3)] + [threading.Thread(target=streamer)]
     for t in threads:
         t.start()
     time.sleep(1.0)
@@ -229,6 +240,9 @@ def test_killed_replica_loses_no_waiting_request(client):
     assert after and all(r[0] == 200 and r[3] != victim for r in after), after
     for status, text, _, _ in results:
         assert status == 200 or (status == 503 and "replica" in text), (status, text)
+    # A stream ends with [DONE], or (cut by the kill) with an error event saying what happened.
+    assert streams and all(s == "200 data: [DONE]" or (s.startswith("200 data: {") and "replica_died" in s)
+                           for s in streams), streams
     # Serve replaces the dead replica; the new one serves too.
     deadline = time.monotonic() + 90
     while _running_replicas() < 2:

@@ -52,10 +52,10 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _error_tail(start: ResponseStart, path: str, message: str) -> bytes:
-    """The last chunk of a stream whose replica died: an SSE event or an NDJSON line."""
+def _error_tail(start: ResponseStart, path: str, err: APIError) -> bytes:
+    """The last chunk of a stream that broke after it began: an SSE event or an NDJSON line."""
     content_type = dict(start.headers).get(b"content-type", b"")
-    line = stream_error_line(APIError(503, message, code="replica_died"), is_openai_path(path))
+    line = stream_error_line(err, is_openai_path(path))
     return f"data: {line}\n\n".encode() if b"event-stream" in content_type else f"{line}\n".encode()
 
 
@@ -117,6 +117,9 @@ class TokenmillIngress:
             except StopAsyncIteration:
                 problem = "the replica closed the response without answering"
                 continue
+            except Exception as exc:  # noqa: BLE001 - a replica bug: a JSON 500 like the server's own, not Serve's text
+                log.exception("%s %s failed on its replica", forwarded.method, forwarded.path)
+                raise APIError(500, f"internal error: {type(exc).__name__}") from None
             if not isinstance(start, ResponseStart):
                 raise APIError(500, f"internal error: a replica answered {type(start).__name__} first")
             return stream, start
@@ -131,8 +134,12 @@ class TokenmillIngress:
         except REPLICA_GONE as exc:
             finished = True
             log.warning("replica %s died mid-response on %s: %s", start.replica, path, type(exc).__name__)
-            yield _error_tail(start, path, f"the replica serving this request died ({type(exc).__name__}); "
-                                           "send it again")
+            yield _error_tail(start, path, APIError(503, f"the replica serving this request died "
+                                                         f"({type(exc).__name__}); send it again", code="replica_died"))
+        except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels in the stream
+            finished = True
+            log.exception("the response from replica %s on %s broke", start.replica, path)
+            yield _error_tail(start, path, APIError(500, f"internal error: {type(exc).__name__}"))
         finally:
             if not finished:
                 stream.cancel()  # the client left early: stop the replica's work too
