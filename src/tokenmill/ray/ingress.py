@@ -3,9 +3,9 @@ routing key (so the prefix-aware router can place it), hands it to a tokenmill r
 deployment handle and relays the replica's response, streaming chunk by chunk. Clients see the
 same OpenAI and Ollama APIs as from `tokenmill serve`, plus an `x-tokenmill-replica` header.
 
-A replica that dies before its response started costs the client nothing: the request is sent
-again, and the router no longer offers the dead replica. One that dies mid-stream ends the stream
-with an error event in the stream's own format."""
+A replica that dies before its response is complete costs the client nothing: the request is sent
+again, and the router no longer offers the dead replica. One that dies mid-stream (after the client
+got part of it) ends the stream with an error event in the stream's own format."""
 from __future__ import annotations
 
 import hmac
@@ -30,8 +30,10 @@ log = logging.getLogger("tokenmill.ray")
 
 ATTEMPTS = 3                 # replicas tried for a request whose replica died before answering
 REPLICA_HEADER = b"x-tokenmill-replica"
-# Model management acts on one process; in a deployment the model comes from its configuration.
-PER_PROCESS_ROUTES = {("POST", "/load"), ("POST", "/api/pull")}
+# Model management acts on one process (or one node's model store); in a deployment the model comes
+# from its configuration.
+PER_PROCESS_ROUTES = {("POST", "/load"), ("POST", "/api/pull"), ("DELETE", "/api/delete"), ("POST", "/api/copy"),
+                      ("POST", "/api/create")}
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 
@@ -95,34 +97,40 @@ class TokenmillIngress:
         forwarded = ForwardedRequest(method, path, request.url.query.encode(), headers, body, client,
                                      self.keys.key(path, body, request.headers))
         try:
-            stream, start = await self._start(forwarded)
+            start, payload = await self._start(forwarded)
         except APIError as err:
             return error_response(request, err)
-        response = StreamingResponse(self._relay(stream, start, path), status_code=start.status)
+        if isinstance(payload, bytes):
+            response = Response(payload, status_code=start.status)
+        else:
+            response = StreamingResponse(self._relay(payload, start, path), status_code=start.status)
         response.raw_headers = [*start.headers, (REPLICA_HEADER, start.replica.encode())]
         return response
 
     async def _start(self, forwarded: ForwardedRequest):
-        """The response stream and its first item (status and headers), on the first replica that
-        gets that far."""
+        """The response's start (status and headers) and then its whole body, or for a stream the
+        rest of it, from the first replica that gets that far. A body of known length is read here,
+        so a replica that dies before it is complete costs a retry, not a truncated response."""
         problem = "no replica answered"
         for _ in range(ATTEMPTS):
             stream = self.replicas.handle.remote(forwarded)
             try:
                 start = await stream.__anext__()
+                if not isinstance(start, ResponseStart):
+                    raise APIError(500, f"internal error: a replica answered {type(start).__name__} first")
+                if any(name == b"content-length" for name, _ in start.headers):
+                    return start, b"".join([chunk async for chunk in stream])
+                return start, stream
             except REPLICA_GONE as exc:
                 problem = f"its replica died: {type(exc).__name__}"
                 log.warning("%s %s: %s; sending it to another replica", forwarded.method, forwarded.path, problem)
-                continue
             except StopAsyncIteration:
                 problem = "the replica closed the response without answering"
-                continue
+            except APIError:
+                raise
             except Exception as exc:  # noqa: BLE001 - a replica bug: a JSON 500 like the server's own, not Serve's text
                 log.exception("%s %s failed on its replica", forwarded.method, forwarded.path)
                 raise APIError(500, f"internal error: {type(exc).__name__}") from None
-            if not isinstance(start, ResponseStart):
-                raise APIError(500, f"internal error: a replica answered {type(start).__name__} first")
-            return stream, start
         raise APIError(503, f"the request could not be served: {problem}", code="replica_died", retry_after=1)
 
     async def _relay(self, stream, start: ResponseStart, path: str) -> AsyncIterator[bytes]:

@@ -5,6 +5,7 @@ lengths, which the autoscaling policy scales on)."""
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -29,7 +30,9 @@ LOAD_TIMEOUT_SECONDS = 1800.0  # a first pull of a large model may take this lon
 
 class TokenmillReplica:
     def __init__(self, settings: Config):
-        self.engine: LLMEngine | None = None
+        self.default_model = settings.model
+        # Weak: when keep_alive unloads the model, the engine and its KV cache must go with it.
+        self._engine: weakref.ref[LLMEngine] | None = None
         # The replica's own /metrics is behind the API key like every route but /health.
         self._auth = ((b"authorization", f"Bearer {settings.api_key}".encode()),) if settings.api_key else ()
         self.host = ModelHost(max_queue=settings.max_queue, retire_timeout=settings.drain_timeout,
@@ -47,8 +50,15 @@ class TokenmillReplica:
 
     def _load(self, spec: LoadSpec, report) -> Loaded:
         loaded = default_loader(spec, report)
-        self.engine = loaded.engine  # the prefix summary reads its block index
+        # The prefix summary reads the configured model's block index: the router keys prompts with
+        # that model's tokenizer. Models that requests load on demand are not summarized.
+        if spec.model == self.default_model:
+            self._engine = weakref.ref(loaded.engine)
         return loaded
+
+    def _cached_hashes(self) -> list[bytes]:
+        engine = self._engine() if self._engine is not None else None
+        return engine.blocks.cached_block_hashes(SUMMARY_BLOCKS) if engine is not None else []
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         async for item in replay(self.app, request, self.replica_id):
@@ -66,7 +76,7 @@ class TokenmillReplica:
 
     async def record_routing_stats(self) -> dict:
         text = await self.metrics_text()
-        hashes = self.engine.blocks.cached_block_hashes(SUMMARY_BLOCKS) if self.engine is not None else []
+        hashes = self._cached_hashes()
         waiting = sample_value(text, "vllm:num_requests_waiting") or 0
         running = sample_value(text, "vllm:num_requests_running") or 0
         return {"replica": self.replica_id, "prefix": pack(hashes), "waiting": int(waiting),
