@@ -3,6 +3,7 @@ each) behind the ingress, reached over HTTP by the real OpenAI and Ollama client
 and one deployment serve the whole module; the replica-kill test runs last since it disturbs it."""
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -195,6 +196,32 @@ def _replica_actor(replica_id: str):
 def _running_replicas(app: str = "tokenmill") -> int:
     status = serve.status().applications[app].deployments["tokenmill-replica"]
     return status.replica_states.get("RUNNING", 0)
+
+
+def _replica_ids() -> set[str]:
+    return {a["name"].rsplit("#", 1)[-1] for a in ray.util.list_named_actors(all_namespaces=True)
+            if "tokenmill-replica" in a["name"]}
+
+
+def test_unhealthy_replica_is_replaced(client, tmp_path):
+    from tokenmill.ray.asgi_bridge import ForwardedRequest
+
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    # Past the ingress (which refuses /load), straight to one replica: a model load that fails there
+    # turns its /health status to "error", which is what Serve's health check asks.
+    handle = serve.get_deployment_handle("tokenmill-replica", app_name="tokenmill").options(stream=True)
+    load = ForwardedRequest("POST", "/load", b"", ((b"content-type", b"application/json"),),
+                            json.dumps({"model": str(broken)}).encode())
+    start = next(iter(handle.handle.remote(load)))
+    assert start.status == 202
+    sick = start.replica
+    deadline = time.monotonic() + 90
+    while sick in _replica_ids() or _running_replicas() < 2:
+        assert time.monotonic() < deadline, serve.status()
+        # Meanwhile every request is served (by the healthy replica, or the sick one's old model).
+        assert _chat(client, "still there?").status_code == 200
+        time.sleep(1)
 
 
 def test_killed_replica_loses_no_waiting_request(client):
