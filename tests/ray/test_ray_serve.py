@@ -336,3 +336,32 @@ def test_autoscaling_adds_a_replica_when_requests_wait(deployment, tiny_gguf, cl
         for t in threads:
             t.join(60)
     assert not failures, failures[:3]
+
+
+def test_cli_serve_ray_joins_the_cluster(deployment, tiny_gguf, client):
+    """Last: `tokenmill serve --ray` from another process joins this Ray instance (RAY_ADDRESS),
+    deploys on its Serve endpoint, and takes its application down again on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    for name in list(serve.status().applications):
+        serve.delete(name)
+    port = deployment.rsplit(":", 1)[1]
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_gguf), "--ray", "--replicas", "1", "--threads",
+           "1", "--dtype", "fp32", "--no-compile", "--kv-size", "4096", "--port", port]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "tokenmill" not in serve.status().applications or _running_replicas() < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(1)
+        r = client.post("/api/generate", json={"model": MODEL, "prompt": "hi", "stream": False,
+                                               "options": {"num_predict": 2}})
+        assert r.status_code == 200 and r.json()["done"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert "tokenmill" not in serve.status().applications
