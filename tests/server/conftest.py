@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from server_helpers import start_server, wait_idle
+from tiny_model import TinyLlamaSpec, write_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +29,17 @@ def tiny(tiny_server):
 def client(tiny):
     with httpx.Client(base_url=tiny[0], timeout=30) as c:
         yield c
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A models directory (TOKENMILL_HOME) holding two different tiny models, tiny-a and tiny-b."""
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
+    models = tmp_path / "home" / "models"
+    models.mkdir(parents=True)
+    write_tiny_llama(models / "tiny-a.gguf", TinyLlamaSpec(seed=1))
+    write_tiny_llama(models / "tiny-b.gguf", TinyLlamaSpec(seed=2))
+    return models
 
 
 @pytest.fixture(scope="session")

@@ -9,19 +9,10 @@ import httpx
 import pytest
 
 from server_helpers import start_server
-from tiny_model import TinyLlamaSpec, write_tiny_llama
 from tokenmill.cli import main
 from tokenmill.server.commands import bind_socket
 
 
-@pytest.fixture
-def store(tmp_path, monkeypatch):
-    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
-    models = tmp_path / "home" / "models"
-    models.mkdir(parents=True)
-    write_tiny_llama(models / "tiny-a.gguf", TinyLlamaSpec(seed=1))
-    write_tiny_llama(models / "tiny-b.gguf", TinyLlamaSpec(seed=2))
-    return models
 
 
 @pytest.fixture

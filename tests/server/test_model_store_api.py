@@ -7,16 +7,11 @@ import ollama
 import pytest
 
 from server_helpers import start_server
-from tiny_model import TinyLlamaSpec, write_tiny_llama
 
 
 @pytest.fixture
-def served_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
-    models = tmp_path / "home" / "models"
-    models.mkdir(parents=True)
-    write_tiny_llama(models / "tiny-a.gguf", TinyLlamaSpec(seed=1))
-    write_tiny_llama(models / "tiny-b.gguf", TinyLlamaSpec(seed=2))
+def served_store(store):
+    models = store
     server, host = start_server("tiny-a", kv_size=2048)
     assert host.wait_ready(30)
     yield server, models

@@ -8,21 +8,10 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from server_helpers import start_server
-from tiny_model import TinyLlamaSpec, write_tiny_llama
 
 
-@pytest.fixture
-def store(tmp_path, monkeypatch):
-    """A models directory with two different tiny models, tiny-a and tiny-b."""
-    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
-    models = tmp_path / "home" / "models"
-    models.mkdir(parents=True)
-    write_tiny_llama(models / "tiny-a.gguf", TinyLlamaSpec(seed=1))
-    write_tiny_llama(models / "tiny-b.gguf", TinyLlamaSpec(seed=2))
-    return models
 
 
 def loaded(c: httpx.Client) -> dict[str, dict]:

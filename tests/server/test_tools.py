@@ -14,7 +14,7 @@ from server_helpers import model_name, start_server, stream_calls, wait_idle
 from tiny_model import TinyLlamaSpec, write_tiny_llama
 from tokenmill.server.errors import APIError
 from tokenmill.server.tool_stream import ToolCallStream
-from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
+from tokenmill.server.tools import parse_tool_use, prepare_messages
 from tokenmill.tokenizer import ChatTemplate
 
 WEATHER = {"type": "function", "function": {

@@ -10,7 +10,8 @@ import signal
 import sys
 import threading
 
-from tokenmill.config import ConfigError, load_config
+from tokenmill.config import ConfigError
+from tokenmill.server.commands import read_settings
 
 log = logging.getLogger("tokenmill.ray")
 
@@ -18,14 +19,9 @@ APP_NAME = "tokenmill"
 
 
 def cmd_serve_ray(args: argparse.Namespace) -> int:
-    try:
-        settings = load_config(args)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if getattr(args, "print_config", False):
-        print(settings.to_toml(), end="")
-        return 0
+    settings = read_settings(args)
+    if isinstance(settings, int):
+        return settings
     try:
         import ray
         from ray import serve

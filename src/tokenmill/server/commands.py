@@ -88,9 +88,9 @@ def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:
     return DrainingServer(config, host), host
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from tokenmill.store import StoreError
-
+def read_settings(args: argparse.Namespace) -> Config | int:
+    """The settings to serve with, or the exit code when there is nothing to serve (a bad setting
+    is one line on stderr; --print-config prints them)."""
     try:
         settings = load_config(args)
     except ConfigError as exc:
@@ -99,6 +99,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if getattr(args, "print_config", False):
         print(settings.to_toml(), end="")
         return 0
+    return settings
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.store import StoreError
+
+    settings = read_settings(args)
+    if isinstance(settings, int):
+        return settings
     level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = settings.model
