@@ -69,5 +69,7 @@ def test_cli_run_reports_a_bad_file_in_one_line(tmp_path, capsys):
     path = tmp_path / "bad.gguf"
     path.write_bytes(b"GGUF" + b"\x00" * 10)
     assert main(["run", str(path), "hi"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err
+    # One line says where it runs (in-process, for a path), one says what is wrong.
+    where, error = capsys.readouterr().err.strip().splitlines()
+    assert where.startswith("running ") and "in-process" in where
+    assert error.startswith("error: ") and "Traceback" not in error
