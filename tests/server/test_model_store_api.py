@@ -88,5 +88,7 @@ def test_modelfile_template_and_messages_through_the_older_create_form(served_st
         assert bad.status_code == 400 and "not supported" in bad.json()["error"]
         bad = c.post("/api/create", json={"model": "x", "from": "nope"})
         assert bad.status_code == 404
+        bad = c.post("/api/create", json={"model": "tiny-b", "from": "tiny-a"})  # would shadow an installed file
+        assert bad.status_code == 400 and "installed model file" in bad.json()["error"]
         tags = {m["name"] for m in c.get("/api/tags").json()["models"]}
         assert "plain" in tags

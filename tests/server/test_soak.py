@@ -82,7 +82,8 @@ def test_soak(tiny_gguf, tmp_path):
     try:
         asyncio.run(main())
         wait_idle(host, timeout=30)
-        host.current.aengine.call(lambda e: e.blocks.check_integrity()).result(10)
+        for served in host.loaded_models():
+            served.aengine.call(lambda e: e.blocks.check_integrity()).result(10)
     finally:
         server.stop()
     _plot(samples, Path(os.environ.get("TOKENMILL_SOAK_PNG", tmp_path / "soak.png")))

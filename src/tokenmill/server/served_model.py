@@ -106,9 +106,6 @@ class ModelLease:
     def path(self) -> Path:
         return self.served.path
 
-    def matches(self, requested: str) -> bool:
-        return normalize_name(requested) == normalize_name(self.name) or self.served.matches(requested)
-
     def release(self) -> None:
         on_release, self._on_release = self._on_release, None
         if on_release is not None:

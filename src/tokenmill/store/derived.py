@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.store.catalog import StoreError, UnknownModelError
+from tokenmill.store.catalog import StoreError, find_spec
+from tokenmill.store.local import models_dir, resolve_model
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._\-/]*(:[a-z0-9][a-z0-9._\-]*)?$")
 
@@ -63,8 +64,6 @@ class DerivedModel:
 
 
 def derived_dir() -> Path:
-    from tokenmill.store.local import models_dir
-
     return models_dir() / "derived"
 
 
@@ -101,9 +100,9 @@ def list_derived() -> list[DerivedModel]:
 
 def save_derived(name: str, base: str, profile: Profile) -> DerivedModel:
     """Create or replace `name`. `base` may itself be derived: its fields are inherited."""
-    from tokenmill.store.local import resolve_model
-
     name = check_name(name)
+    if find_spec(name) is not None or (models_dir() / f"{name}.gguf").is_file():
+        raise StoreError(f"{name!r} is the name of an installed model file; choose another name")
     parent = find_derived(base)
     if parent is not None:
         base, profile = parent.base, parent.profile.merged(profile)
@@ -131,8 +130,3 @@ def delete_derived(name: str) -> bool:
 def dependents(base_names: set[str]) -> list[str]:
     """Names of derived models made from any of `base_names` (normalized)."""
     return [d.name for d in list_derived() if normalize_name(d.base) in base_names]
-
-
-def require_known(name: str) -> None:
-    if find_derived(name) is None:
-        raise UnknownModelError(f"model {name!r} not found")

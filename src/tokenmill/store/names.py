@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenmill.store.catalog import StoreError, UnknownModelError, find_spec, spec_for_filename
+from tokenmill.store.catalog import StoreError, UnknownModelError, spec_for_filename
 from tokenmill.store.derived import (
     ModelInUseError,
     Profile,
@@ -70,8 +70,6 @@ def copy_model(source: str, destination: str) -> ResolvedModel:
     """A new name for the same weights and profile (Ollama's `cp`)."""
     resolved = resolve_named(source)
     dest = check_name(destination)
-    if find_spec(dest) is not None or (models_dir() / f"{dest}.gguf").is_file():
-        raise StoreError(f"{destination!r} is the name of an installed model file; choose another name")
     in_store = resolved.derived or resolved.path.parent.resolve() == models_dir().resolve()
     base = resolved.name if in_store else str(resolved.path)
     save_derived(dest, base, Profile())
