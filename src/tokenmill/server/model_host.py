@@ -196,17 +196,26 @@ class ModelHost:
 
     async def _load_for(self, name: str) -> tuple[ServedModel, str, Profile]:
         """Find or start the load that serves `name`, wait for it; (model, name to answer as, profile)."""
-        if not name:
-            load = self._default_reload()
-            profile = Profile()
-        elif (pending := self._pending_named(name)) is not None:
-            load, profile = pending, Profile()
-        else:
-            resolved = await asyncio.to_thread(self._resolve, name)
-            name, profile = resolved.name, resolved.profile
-            load = self._find_or_start(resolved)
-        served = await self._wait(load)
-        return served, name or served.name, profile
+        arrived = time.monotonic()
+        deadline = arrived + self.policy.wait_timeout
+        resolved = None
+        while True:
+            if not name:
+                load, profile = self._default_reload(), Profile()
+            elif (pending := self._pending_named(name)) is not None:
+                load, profile = pending, Profile()
+            else:
+                resolved = resolved or await asyncio.to_thread(self._resolve, name)
+                load, profile = self._find_or_start(resolved), resolved.profile
+            try:
+                served = await self._wait(load, deadline)
+            except APIError:
+                # A load started before this request gave up on room: this request's own wait has
+                # time left, so it tries again rather than inherit the earlier request's timeout.
+                if load.no_room and load.started < arrived and time.monotonic() < deadline:
+                    continue
+                raise
+            return served, resolved.name if resolved else served.name, profile
 
     def _resolve(self, name: str):
         from tokenmill.store import ModelNotInstalledError, UnknownModelError
@@ -282,13 +291,12 @@ class ModelHost:
         self._start(load)
         return load
 
-    async def _wait(self, load: PendingLoad) -> ServedModel:
+    async def _wait(self, load: PendingLoad, deadline: float) -> ServedModel:
         if self._waiting >= self.admission.max_queue:
             raise APIError(503, f"server busy: {self._waiting} requests are waiting for models to load",
                            code="queue_full", retry_after=RETRY_AFTER_SECONDS)
         self._waiting += 1
         try:
-            deadline = time.monotonic() + self.policy.wait_timeout
             while not load.done.is_set():
                 if time.monotonic() > deadline and load.waiting_for_room:
                     raise APIError(503, f"no room to load {load.spec.model}: the loaded models are busy "

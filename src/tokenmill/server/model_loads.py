@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ class PendingLoad:
     error: str | None = None
     no_room: bool = False
     waiting_for_room: bool = False        # every loaded model is busy: the load waits for one to idle
+    started: float = field(default_factory=time.monotonic)
     served: ServedModel | None = None
 
 
