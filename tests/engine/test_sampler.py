@@ -253,6 +253,13 @@ def test_repeat_penalty_matches_llama_cpp():
     assert x[0, 0] == 2.0  # input not modified
 
 
+def test_a_vanishing_repeat_penalty_keeps_logits_finite():
+    x = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0]])
+    out = apply_penalties(x, [SamplingParams(repeat_penalty=5e-324)], [[0, 1, 3]])
+    assert torch.isfinite(out).all()
+    assert out[0, 0] > out[0, 2] and out[0, 3] > out[0, 2]  # seen positives pushed up, as any penalty < 1 does
+
+
 def test_presence_and_frequency_penalties():
     x = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
     p = SamplingParams(presence_penalty=0.25, frequency_penalty=0.5)

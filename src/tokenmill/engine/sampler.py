@@ -154,9 +154,12 @@ def apply_penalties(
     dev, dt = logits.device, logits.dtype
     where = (_index(rows, dev), _index(toks, dev))
     v = logits[where]
-    r = torch.tensor(rep, dtype=dt, device=dev)
+    # A penalty below the dtype's smallest normal (5e-324 is a valid float64) would round to 0 and
+    # turn logits into inf and NaN: the sampler would then draw garbage ids. Keep every value finite.
+    finfo = torch.finfo(dt)
+    r = torch.tensor(rep, dtype=dt, device=dev).clamp_(min=finfo.tiny)
     # Dividing a negative logit would make the token *more* likely, so negatives are multiplied.
-    v = torch.where(v > 0, v / r, v * r)
+    v = torch.where(v > 0, v / r, v * r).clamp_(max=finfo.max)
     v = v - torch.tensor(counts, dtype=dt, device=dev) * torch.tensor(freq, dtype=dt, device=dev)
     v = v - torch.tensor(pres, dtype=dt, device=dev)
     out = logits.clone()
