@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tokenmill.server_client import ServerError, answers, call, server_url
+from tokenmill.store.commands import human_size
 
 
 def user_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -26,12 +27,6 @@ def user_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argpa
             return 1
 
     return wrapper
-
-
-def _human_size(n: int) -> str:
-    from tokenmill.store.commands import human_size
-
-    return human_size(n)
 
 
 def _until(expires_at: str) -> str:
@@ -67,7 +62,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
     _need_server(base)
     rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")]
     for m in call(base, "GET", "/api/ps")["models"]:
-        rows.append((m["name"], (m.get("digest") or "")[:12], _human_size(m["size"]), "100% CPU",
+        rows.append((m["name"], (m.get("digest") or "")[:12], human_size(m["size"]), "100% CPU",
                      str(m.get("context_length", "")), _until(m["expires_at"])))
     _table(rows)
     return 0

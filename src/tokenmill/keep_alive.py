@@ -48,7 +48,3 @@ def _parse_text(text: str) -> float:
     if not body or pos != len(body):
         raise KeepAliveError(f"keep_alive: {text!r} is not a duration (examples: \"5m\", \"1h30m\", \"30s\", \"-1\")")
     return sign * total
-
-
-def describe(seconds: float | None) -> str:
-    return "forever" if seconds is FOREVER else f"{seconds:g}s"

@@ -3,6 +3,7 @@ keep_alive unloads it, max_loaded_models and the memory budget evict the least r
 model (never one with a request in flight), and /api/ps tells the truth about all of it."""
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import threading
 import time
@@ -30,6 +31,21 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
 def generate(c: httpx.Client, model: str, n: int = 3, **extra) -> httpx.Response:
     return c.post("/api/generate", json={"model": model, "prompt": "hello", "stream": False,
                                          "options": {"num_predict": n, "temperature": 0}, **extra})
+
+
+@contextlib.contextmanager
+def busy_stream(server, engine, model: str):
+    """A 250-token stream on `model`, its engine slowed to ~3 s, open after its first line; yields
+    the rest of its lines."""
+    engine.step_hook = lambda batch: time.sleep(0.01)
+    try:
+        with httpx.stream("POST", f"{server.url}/api/generate", timeout=60, json={
+                "model": model, "prompt": "go", "options": {"num_predict": 250, "temperature": 0}}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            yield lines
+    finally:
+        engine.step_hook = None
 
 
 def expires_in(m: dict) -> float:
@@ -126,13 +142,9 @@ def test_max_loaded_models_evicts_the_idle_model_but_never_a_busy_one(store):
             assert host.wait_ready(30)
             assert generate(c, "tiny-b").status_code == 200
             assert set(loaded(c)) == {"tiny-b"}  # tiny-a was idle: unloaded to make room
-            # A stream keeps tiny-b busy (slowed to ~3 s): a request for tiny-a waits until it is done.
-            host.find_loaded("tiny-b").engine.step_hook = lambda batch: time.sleep(0.01)
+            # A stream keeps tiny-b busy: a request for tiny-a waits until it is done.
             events = []
-            with httpx.stream("POST", f"{server.url}/api/generate", timeout=60, json={
-                    "model": "tiny-b", "prompt": "go", "options": {"num_predict": 250, "temperature": 0}}) as r:
-                lines = r.iter_lines()
-                next(lines)
+            with busy_stream(server, host.find_loaded("tiny-b").engine, "tiny-b") as lines:
                 waiter = threading.Thread(target=lambda: events.append(("a", generate(c, "tiny-a"), time.monotonic())))
                 waiter.start()
                 time.sleep(0.5)
@@ -167,18 +179,13 @@ def test_no_room_within_the_wait_is_503_with_retry_after(store):
     server, host = start_server("tiny-a", kv_size=2048, max_loaded_models=1, model_wait_timeout=0.5)
     try:
         assert host.wait_ready(30)
-        host.current.engine.step_hook = lambda batch: time.sleep(0.01)  # a stream that lasts ~2.5 s
-        with httpx.Client(base_url=server.url, timeout=30) as c, httpx.stream(
-                "POST", f"{server.url}/api/generate", timeout=60,
-                json={"model": "tiny-a", "prompt": "go", "options": {"num_predict": 250}}) as busy:
-            lines = busy.iter_lines()
-            next(lines)
+        with httpx.Client(base_url=server.url, timeout=30) as c, \
+                busy_stream(server, host.current.engine, "tiny-a") as lines:
             r = generate(c, "tiny-b")
             assert r.status_code == 503 and r.headers["retry-after"] == "1" and "no room" in r.json()["error"]
             assert set(loaded(c)) == {"tiny-a"}
             for _ in lines:
                 pass
-            host.current.engine.step_hook = None
             # Once idle, tiny-a makes room. The 0.5 s wait also covers the load itself, which a busy
             # machine may overrun: a client retries after Retry-After, as the 503 tells it to.
             deadline = time.monotonic() + 15

@@ -37,6 +37,7 @@ from tokenmill.store.pull import Fetcher
 log = logging.getLogger("tokenmill.server")
 
 KEEP_DEFAULT = object()  # acquire(): the request gave no keep_alive
+DEFAULT_MODEL_KEEP_ALIVE = None  # the model the server was started with stays until a request says otherwise
 _REAP_SECONDS = 0.25
 
 __all__ = ["HostPolicy", "KEEP_DEFAULT", "LoadSpec", "Loaded", "ModelHost", "ServedModel", "default_loader",
@@ -254,20 +255,17 @@ class ModelHost:
                 raise APIError(503, "no model is loaded; name one in the request or POST /load",
                                code="no_model")
         return self._find_or_start_spec(spec, spec_names(spec.model), resolved_key(spec.model),
-                                        self._default_keep_alive())
+                                        DEFAULT_MODEL_KEEP_ALIVE)
 
     def _pending_named(self, name: str) -> PendingLoad | None:
         with self._lock:
             return next((load for load in self._pending if normalize_name(name) in load.names), None)
 
-    def _default_keep_alive(self) -> float | None:
-        return None  # the model the server was started with stays until a request says otherwise
-
     def _find_or_start(self, resolved) -> PendingLoad:
         key = path_key(resolved.path)
         default = self._default_spec
         if default is not None and key == self._default_key:
-            return self._find_or_start_spec(default, spec_names(default.model), key, self._default_keep_alive())
+            return self._find_or_start_spec(default, spec_names(default.model), key, DEFAULT_MODEL_KEEP_ALIVE)
         # Not there yet: pulled on demand, by its catalog name.
         model = str(resolved.path) if resolved.path.exists() else resolved.name
         spec = LoadSpec(model, self.policy.engine, fetcher=self._fetcher)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenmill.store.catalog import StoreError, UnknownModelError, spec_for_filename
+from tokenmill.store.catalog import StoreError, spec_for_filename
 from tokenmill.store.derived import (
     ModelInUseError,
     Profile,
@@ -74,6 +74,3 @@ def copy_model(source: str, destination: str) -> ResolvedModel:
     base = resolved.name if in_store else str(resolved.path)
     save_derived(dest, base, Profile())
     return resolve_named(dest)
-
-
-__all__ = ["ResolvedModel", "UnknownModelError", "base_name", "copy_model", "delete_model", "resolve_named"]
