@@ -210,46 +210,6 @@ void add_rms_norm(uintptr_t x_addr, int64_t x_stride, uintptr_t res_addr, int64_
     });
 }
 
-// rms_norm, then each row rounded to int8 per block of 32 in the activation format of qmatmul.cpp
-// (q [rows, dim]; per 32: d = absmax / 127 and ds = d * sum(q); per 16: s16 = sum(q)), so a norm
-// feeding a quantized matmul skips writing and re-reading fp32 activations and one dispatch. The
-// normalised row is bitwise rms_norm's and its rounding is quantize_rows' (half to even).
-constexpr int64_t kQuantBlock = 32;
-
-void rms_norm_quantized(uintptr_t x_addr, int64_t x_stride, uintptr_t w_addr, uintptr_t q_addr, uintptr_t d_addr,
-                        uintptr_t ds_addr, uintptr_t s16_addr, int64_t rows, int64_t dim, double eps) {
-    const float* x = ptr<const float>(x_addr);
-    const float* w = ptr<const float>(w_addr);
-    const int64_t blocks = dim / kQuantBlock;
-    parallel_for(rows, grain_rows(dim), [&](int64_t b, int64_t e) {
-        std::vector<float> y(static_cast<size_t>(dim));
-        for (int64_t t = b; t < e; ++t) {
-            const float* xr = x + t * x_stride;
-            scale_row(xr, inv_rms(sum_squares(xr, dim), dim, float(eps)), w, y.data(), dim);
-            int8_t* q = ptr<int8_t>(q_addr) + t * dim;
-            float* d = ptr<float>(d_addr) + t * blocks;
-            float* ds = ptr<float>(ds_addr) + t * blocks;
-            int32_t* s16 = ptr<int32_t>(s16_addr) + t * 2 * blocks;
-            for (int64_t blk = 0; blk < blocks; ++blk) {
-                const float* yb = y.data() + blk * kQuantBlock;
-                float amax = 0.0f;
-                for (int64_t i = 0; i < kQuantBlock; ++i) amax = std::fmax(amax, std::fabs(yb[i]));
-                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-                int8_t* qb = q + blk * kQuantBlock;
-                int32_t halves[2] = {0, 0};
-                for (int64_t i = 0; i < kQuantBlock; ++i) {
-                    qb[i] = int8_t(std::nearbyint(yb[i] * inv));
-                    halves[i / 16] += qb[i];
-                }
-                d[blk] = amax / 127.0f;
-                ds[blk] = d[blk] * float(halves[0] + halves[1]);
-                s16[2 * blk] = halves[0];
-                s16[2 * blk + 1] = halves[1];
-            }
-        }
-    });
-}
-
 // ---- rotary embedding ----------------------------------------------------------------------------
 
 // Half-split (NEOX) rotation of h[0, rope_dim) in place, as RotaryEmbedding.apply: sin holds the
@@ -401,9 +361,6 @@ void register_fused_ops(py::module_& m) {
     m.def("add_rms_norm_f32", &tmk::add_rms_norm, nogil, "x"_a, "x_stride"_a, "residual"_a, "residual_stride"_a,
           "weight"_a, "out"_a, "out_stride"_a, "rows"_a, "dim"_a, "eps"_a,
           "residual[t] += x[t]; out[t] = rms_norm(residual[t])");
-    m.def("rms_norm_quantized_f32", &tmk::rms_norm_quantized, nogil, "x"_a, "x_stride"_a, "weight"_a, "q"_a, "d"_a,
-          "ds"_a, "s16"_a, "rows"_a, "dim"_a, "eps"_a,
-          "rms_norm(x) as int8 per block of 32 (dim % 32 == 0) with qmatmul's scales and sums");
     m.def(
         "rope_qk_f32",
         [](uintptr_t qk, int64_t token_stride, int64_t head_stride, int64_t tokens, int64_t heads, int64_t head_dim,

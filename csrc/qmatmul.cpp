@@ -1,7 +1,7 @@
 // Quantized matmul y = x @ W^T from repacked GGUF blocks (kernels/qmatmul.py holds the Python side):
-// activations are quantized to int8 per block of 32 once per call, then every output goes through
-// integer dot products and the same fp32 sequence whatever M, the other rows or the thread count
-// (work is split over output tiles only, never over K), so results are batch invariant.
+// activations are quantized to two int8 planes per block of 32 once per call, then every output goes
+// through integer dot products and the same fp32 sequence whatever M, the other rows or the thread
+// count (work is split over output tiles only, never over K), so results are batch invariant.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -63,21 +63,35 @@ static inline float quantize_block(const float* x, int8_t* q, int32_t sums[2]) {
 #endif
 }
 
-// x [M, K] fp32 (row stride ldx) -> Acts rows: q = int8 per 32 with d = absmax/127, ds = d * sum(q)
-// per 32 and sum(q) per 16.
+// Writes one plane's block (q, d = absmax/127, ds = d * sum(q), sum(q) per 16) into Acts row o; returns d.
+static inline float write_block(const float* x, uint8_t* o, int64_t K, int64_t b) {
+    const int64_t nb = K / kBlock;
+    int32_t sums[2] = {0, 0};
+    const float amax = quantize_block(x, reinterpret_cast<int8_t*>(o) + b * kBlock, sums);
+    const float scale = amax / 127.f, dsum = scale * float(sums[0] + sums[1]);
+    std::memcpy(o + K + 4 * b, &scale, 4);
+    std::memcpy(o + K + 4 * (nb + b), &dsum, 4);
+    std::memcpy(o + K + 8 * nb + 8 * b, sums, 8);
+    return scale;
+}
+
+// x [M, K] fp32 (row stride ldx) -> kPlanes Acts rows per input row: the block, then its residual
+// x - d1 q1 (multiply then subtract, no FMA: the Python reference computes it so).
 static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out) {
+    static_assert(kPlanes == 2, "one residual plane");
     const int64_t nb = K / kBlock, row_bytes = Acts::row_bytes(K);
     parallel_for(M, 16, [&](int64_t m0, int64_t m1) {
+        alignas(64) float residual[kBlock];
         for (int64_t m = m0; m < m1; ++m) {
             const float* xr = x + m * ldx;
-            uint8_t* o = out + m * row_bytes;
+            uint8_t* hi = out + kPlanes * m * row_bytes;
+            uint8_t* lo = hi + row_bytes;
             for (int64_t b = 0; b < nb; ++b) {
-                int32_t sums[2] = {0, 0};
-                const float amax = quantize_block(xr + b * kBlock, reinterpret_cast<int8_t*>(o) + b * kBlock, sums);
-                const float scale = amax / 127.f, dsum = scale * float(sums[0] + sums[1]);
-                std::memcpy(o + K + 4 * b, &scale, 4);
-                std::memcpy(o + K + 4 * (nb + b), &dsum, 4);
-                std::memcpy(o + K + 8 * nb + 8 * b, sums, 8);
+                const float* xb = xr + b * kBlock;
+                const float d = write_block(xb, hi, K, b);
+                const int8_t* q = reinterpret_cast<const int8_t*>(hi) + b * kBlock;
+                for (int i = 0; i < kBlock; ++i) residual[i] = xb[i] - float(q[i]) * d;
+                write_block(residual, lo, K, b);
             }
         }
     });
@@ -94,17 +108,30 @@ static void rows(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64
 #endif
 }
 
-// Rows per pass over a thread's tiles: their activations stay in L1/L2 while the weight tiles stream.
+// Input rows per pass over a thread's tiles: their planes stay in L1/L2 while the weight tiles stream.
 constexpr int64_t kRowChunk = 64;
 
+// Each tile's planes land in a small buffer, then out = plane 1 + plane 2 (the same two fp32 sums
+// and one add for every row, whatever M).
 template <int T>
 static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t ldo) {
     // Enough tiles per thread that a small GEMV is not all fork/join; the split never changes results.
-    const int64_t work_per_tile = M * w.K * kTile;
+    const int64_t work_per_tile = kPlanes * M * w.K * kTile;
     const int64_t grain = work_per_tile >= (1 << 16) ? 1 : (1 << 16) / work_per_tile;
     parallel_for(w.tiles(), grain, [&](int64_t t0, int64_t t1) {
-        for (int64_t m0 = 0; m0 < M; m0 += kRowChunk)
-            for (int64_t t = t0; t < t1; ++t) rows<T>(w, t, a, m0, std::min(M, m0 + kRowChunk), out, ldo);
+        alignas(64) float planes[kPlanes * kRowChunk][kTile];
+        for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+            const int64_t n = std::min(kRowChunk, M - m0);
+            const Acts chunk{a.at(kPlanes * m0), a.K};
+            for (int64_t t = t0; t < t1; ++t) {
+                rows<T>(w, t, chunk, 0, kPlanes * n, planes[0], kTile);
+                const int64_t cols = std::min<int64_t>(kTile, w.N - t * kTile);
+                for (int64_t m = 0; m < n; ++m) {
+                    float* o = out + (m0 + m) * ldo + t * kTile;
+                    for (int64_t c = 0; c < cols; ++c) o[c] = planes[2 * m][c] + planes[2 * m + 1][c];
+                }
+            }
+        }
     });
 }
 
@@ -127,7 +154,7 @@ static void qmatmul(int type, uintptr_t acts, int64_t M, int64_t K, uintptr_t qs
 }  // namespace tmk::qmm
 
 namespace tmk::entry {
-int64_t act_row_bytes(int64_t K) { return qmm::Acts::row_bytes(K); }
+int64_t act_row_bytes(int64_t K) { return qmm::kPlanes * qmm::Acts::row_bytes(K); }
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out) {
     qmm::quantize_rows(x, M, K, ldx, out);
 }
@@ -143,7 +170,7 @@ void register_qmatmul(py::module_& m) {
         [](uintptr_t x, int64_t M, int64_t K, int64_t ldx, uintptr_t out) {
             tmk::qmm::quantize_rows(tmk::ptr<const float>(x), M, K, ldx, tmk::ptr<uint8_t>(out));
         },
-        py::call_guard<py::gil_scoped_release>(), "x fp32 [M, K] -> rows of int8 per 32 with scales and sums");
+        py::call_guard<py::gil_scoped_release>(), "x fp32 [M, K] -> two int8 planes per row (per 32: q, scale, sums)");
     m.def("qmatmul", &tmk::qmm::qmatmul, py::call_guard<py::gil_scoped_release>(),
           "y [M, N] (row stride ldo) = activations [M, K] @ repacked GGUF weight [N, K]^T");
 }

@@ -116,9 +116,9 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, int64_t
             for (int r = 0; r < MR; ++r) acc[r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
         }
     }
-    const int64_t first = tile * kTile + 8 * h, cols = w.N - first;
+    const int64_t cols = w.N - tile * kTile - 8 * h;
     for (int r = 0; r < MR; ++r) {
-        float* o = out + (m0 + r) * ldo + first;
+        float* o = out + (m0 + r) * ldo + 8 * h;
         if (cols >= 8) {
             _mm256_storeu_ps(o, acc[r]);
         } else {
@@ -129,6 +129,7 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, int64_t
     }
 }
 
+// Rows [m0, m1) of one tile into out (the tile's first column), both halves.
 template <int T>
 void rows_avx2(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
     constexpr int MR = 4;

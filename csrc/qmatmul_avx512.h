@@ -122,10 +122,10 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
             for (int r = 0; r < MR; ++r) acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r]);
         }
     }
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + tile * kTile, cols, acc[r]);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ldo, cols, acc[r]);
 }
 
-// Rows [m0, m1) of one tile, MR at a time; the tail takes a smaller MR with the same per-row math.
+// Rows [m0, m1) of one tile into out (the tile's first column), MR at a time; the tail takes a smaller MR with the same per-row math.
 template <int T>
 void rows_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
     constexpr int MR = 8;

@@ -24,7 +24,13 @@ inline int sup_bytes(int t) { return t == Q4_K ? 64 : t == Q6_K ? 32 : 0; }
 // Symmetric types: w = d * (u - offset), so the offset folds into the integer dot product.
 inline int int_offset(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q8_0 ? 128 : t == Q6_K ? 32 : 0; }
 
-// Quantized activations, one byte row per input row (kernels/qmatmul.py QuantizedActivations):
+// An input row is quantized as kPlanes int8 planes, x ~ d1 q1 + d2 q2, the second rounding the first's
+// residual (x - d1 q1): one int8 plane alone costs greedy agreement with fp32, two are closer to fp32
+// than bf16 is. Each plane is one Acts row (rows 2m and 2m+1 for input row m), so the tile kernels see
+// twice the rows and share each decoded weight block between a row's planes.
+constexpr int kPlanes = 2;
+
+// Quantized activations, one byte row per plane (kernels/qmatmul.py QuantizedActivations):
 // q int8 [K] | d fp32 [K/32] | ds = d * sum(q) fp32 [K/32] | sum(q) per 16 int32 [K/16].
 struct Acts {
     const uint8_t* data;
@@ -89,8 +95,9 @@ inline void decode_block(int t, const uint8_t* qs, uint8_t u[kTile][kBlock]) {
             }
 }
 
-// Scalar kernel: rows [m0, m1) x tile. Per block and output: the integer dot product (offsets
-// folded in), then acc += (w_scale * dx) * isum [+ w_offset * ds], in K order.
+// Scalar kernel: rows [m0, m1) x tile into out (the tile's first column, row stride ldo). Per block and
+// output: the integer dot product (offsets folded in), then acc += (w_scale * dx) * isum
+// [+ w_offset * ds], in K order.
 inline void tile_scalar(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out,
                         int64_t ldo) {
     const int t = w.type, c = int_offset(t);
@@ -127,7 +134,7 @@ inline void tile_scalar(const Weight& w, int64_t tile, const Acts& a, int64_t m0
                 }
             }
         }
-        for (int r = 0; r < cols; ++r) out[m * ldo + tile * kTile + r] = acc[r];
+        for (int r = 0; r < cols; ++r) out[m * ldo + r] = acc[r];
     }
 }
 

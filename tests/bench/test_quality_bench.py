@@ -100,4 +100,4 @@ def test_quality_bench_measures_the_native_formats(tiny_q4, tmp_path):
     for name in ("gguf", "gguf-kv8"):
         f = r["formats"][name]
         assert 0 <= f["identical_pct"] <= 100 and len(f["per_prompt"]) == 2
-        assert 0 < f["decode_logit_mean_abs"] <= f["decode_logit_max_abs"]  # int8 activations move something
+        assert 0 < f["decode_logit_mean_abs"] <= f["decode_logit_max_abs"]  # int8 activations and the bf16 cache move something

@@ -123,31 +123,6 @@ def test_rms_norm_is_batch_and_thread_invariant(variant, dim):
         native.set_num_threads(1)
 
 
-@pytest.mark.parametrize("dim", [64, 576, 640])
-@pytest.mark.parametrize("tokens", TOKENS)
-def test_rms_norm_quantized(variant, dim, tokens):
-    g = _gen(dim * 7 + tokens)
-    x, w = torch.randn(tokens, dim, generator=g) * 2, torch.randn(dim, generator=g)
-    x[:, 32:64] = 0  # an all-zero block: scale 0, values 0
-    q, d, ds, s16 = fused.rms_norm_quantized(x, w, 1e-6)
-    assert (q.dtype, d.dtype, ds.dtype, s16.dtype) == (torch.int8, torch.float32, torch.float32, torch.int32)
-    assert (q.shape, d.shape, ds.shape, s16.shape) == ((tokens, dim), (tokens, dim // 32), (tokens, dim // 32),
-                                                        (tokens, dim // 16))
-    # bitwise the int8 format of this variant's own rms_norm output
-    for got, expected in zip((q, d, ds, s16), fused.quantize_reference(fused.rms_norm(x, w, 1e-6))):
-        assert torch.equal(got, expected)
-    # and within half a quantization step of the PyTorch RMSNorm
-    y = fused.rms_norm_reference(x, w, 1e-6).view(tokens, -1, 32)
-    step = d.unsqueeze(-1)
-    assert bool(((q.view(tokens, -1, 32).float() * step - y).abs() <= 0.5 * step * (1 + 1e-5) + 1e-6).all())
-    assert bool((d[:, 1] == 0).all()) and bool((q[:, 32:64] == 0).all())
-
-
-def test_rms_norm_quantized_needs_whole_blocks(variant):
-    with pytest.raises(ValueError):
-        fused.rms_norm_quantized(torch.randn(2, 40), torch.ones(40), 1e-6)
-
-
 # ---- rotary embedding ----------------------------------------------------------------------------
 
 def _qkv(tokens: int, heads: int, head_dim: int, extra: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,7 +281,6 @@ def test_custom_ops_opcheck():
         (fused.rms_norm_op, (x, w, 1e-6)),
         (fused.rms_norm_out_op, (x, w, 1e-6, torch.empty(3, 40))),
         (fused.add_rms_norm_op, (x, torch.randn(3, 40), w, 1e-6)),
-        (fused.rms_norm_quantized_op, (torch.randn(3, 64), torch.randn(64), 1e-6)),
         (fused.rope_qk_op, (qk, torch.tensor([0, 9, 127]), rope.cos, rope.sin)),
         (fused.head_rms_norm_rope_op, (qk, 4, torch.randn(64), torch.randn(64), 1e-6, torch.tensor([1, 2, 3]),
                                        rope.cos, rope.sin)),

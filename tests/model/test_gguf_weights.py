@@ -1,5 +1,5 @@
 """The gguf weight mode (the default with the native kernels): weights stay in their GGUF blocks
-and run through the quantized matmuls with int8-quantized activations, so the logits are close to,
+and run through the quantized matmuls with int8-quantized activations (two planes), so the logits are close to,
 not equal to, the fp32 PyTorch path's on the same file."""
 from __future__ import annotations
 

@@ -19,8 +19,7 @@ from torch import Tensor
 
 from tokenmill.kernels import native
 
-__all__ = ["add_rms_norm", "gelu_tanh_mul", "head_rms_norm_rope", "rms_norm", "rms_norm_quantized", "rope_qk",
-           "silu_mul"]
+__all__ = ["add_rms_norm", "gelu_tanh_mul", "head_rms_norm_rope", "rms_norm", "rope_qk", "silu_mul"]
 
 
 # ---- PyTorch references: the oracle, and the path when the kernels cannot run --------------------
@@ -29,28 +28,6 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, out: Tensor | None
     x32 = x.float()
     y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
     return y if out is None else out.copy_(y)
-
-
-QUANT_BLOCK = 32
-
-
-def quantize_reference(y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """fp32 [M, K] -> (q int8 [M, K], d [M, K/32] = absmax/127, ds [M, K/32] = d * sum(q), s16 int32
-    [M, K/16] = sum(q) per 16): the activation format of kernels/qmatmul.py, rounding half to even."""
-    m, k = y.shape
-    if k % QUANT_BLOCK:
-        raise ValueError(f"int8 activations need a multiple of {QUANT_BLOCK} columns, got {k}")
-    blocks = y.float().reshape(m, k // QUANT_BLOCK, QUANT_BLOCK)
-    amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8).view(m, k)
-    s16 = q.view(m, k // 16, 16).sum(-1, dtype=torch.int32)
-    d = amax / 127
-    return q, d, d * s16.view(m, -1, 2).sum(-1).float(), s16
-
-
-def rms_norm_quantized_reference(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return quantize_reference(rms_norm_reference(x.float(), weight, eps))
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -137,20 +114,6 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None) -> Tens
     return out
 
 
-def _rms_norm_quantized(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    m = native.module()
-    xr = _rows(x) if m is not None and x.dim() == 2 else None
-    if xr is None or not _vector(weight, x.shape[-1]) or x.shape[-1] % QUANT_BLOCK:
-        return rms_norm_quantized_reference(x, weight, eps)
-    rows, dim = xr.shape
-    q = torch.empty((rows, dim), dtype=torch.int8)
-    d, ds = torch.empty((rows, dim // QUANT_BLOCK)), torch.empty((rows, dim // QUANT_BLOCK))
-    s16 = torch.empty((rows, dim // 16), dtype=torch.int32)
-    m.rms_norm_quantized_f32(xr.data_ptr(), xr.stride()[0], weight.data_ptr(), q.data_ptr(), d.data_ptr(),
-                             ds.data_ptr(), s16.data_ptr(), rows, dim, eps)
-    return q, d, ds, s16
-
-
 def _add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
     m = native.module()
     xr = _rows(x) if m is not None and x.shape == residual.shape else None
@@ -219,19 +182,6 @@ def _(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
     return None
 
 
-@torch.library.custom_op("tokenmill::rms_norm_quantized", mutates_args=())
-def rms_norm_quantized_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _rms_norm_quantized(x, weight, eps)
-
-
-@rms_norm_quantized_op.register_fake
-def _(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    rows, dim = x.shape
-    return (x.new_empty((rows, dim), dtype=torch.int8), x.new_empty((rows, dim // QUANT_BLOCK), dtype=torch.float32),
-            x.new_empty((rows, dim // QUANT_BLOCK), dtype=torch.float32),
-            x.new_empty((rows, dim // 16), dtype=torch.int32))
-
-
 @torch.library.custom_op("tokenmill::add_rms_norm", mutates_args=("residual",))
 def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _add_rms_norm(x, residual, weight, eps)
@@ -290,15 +240,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -
         rms_norm_out_op(x, weight, eps, out)
         return out
     return _rms_norm(x, weight, eps, out)
-
-
-def rms_norm_quantized(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """rms_norm(x) [M, K] (K % 32 == 0) straight to int8 activations: (q, d, ds, s16) as
-    kernels/qmatmul.py's quantize_activations gives them (QuantizedActivations(*parts)), without the
-    fp32 intermediate."""
-    if torch.compiler.is_compiling():
-        return rms_norm_quantized_op(x, weight, eps)
-    return _rms_norm_quantized(x, weight, eps)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
