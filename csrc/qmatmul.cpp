@@ -19,19 +19,26 @@ namespace py = pybind11;
 
 namespace tmk::qmm {
 
-// One block of 32: q = round_half_even(x * (127 / absmax)); returns absmax. Every path rounds the same
-// way (cvtps2dq and nearbyint in the default mode), so all variants give identical bytes.
-static inline float quantize_block(const float* x, int8_t* q, int32_t sums[2]) {
+// One block of 32: q1 = round_half_even(x * inv) with inv = 127 / absmax, the residual r = x - q1 * d1
+// (multiply then subtract, d1 = absmax / 127) and q2 = round_half_even(r * inv * 128); S[h] = 128 *
+// sum(q1) + sum(q2) per 16. Returns d1. Every path takes the same IEEE operations in the same order
+// (cvtps2dq and nearbyint round half to even; no FMA), so all variants give identical bytes.
+static inline float quantize_block(const float* x, int8_t* q1, int8_t* q2, int32_t S[2]) {
 #if defined(TM_AVX512)
     const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qa));
-    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(qb));
-    sums[0] = _mm512_reduce_add_epi32(qa);
-    sums[1] = _mm512_reduce_add_epi32(qb);
-    return amax;
+    const float inv_s = amax > 0.f ? 127.f / amax : 0.f, d1_s = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(inv_s), fine = _mm512_set1_ps(inv_s * float(1 << kFine)), d1 = _mm512_set1_ps(d1_s);
+    const __m512 v[2] = {a, b};
+    for (int h = 0; h < 2; ++h) {
+        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], inv));
+        const __m512 r = _mm512_sub_ps(v[h], _mm512_mul_ps(_mm512_cvtepi32_ps(c), d1));
+        const __m512i f = _mm512_cvtps_epi32(_mm512_mul_ps(r, fine));
+        _mm_storeu_si128((__m128i*)(q1 + 16 * h), _mm512_cvtepi32_epi8(c));
+        _mm_storeu_si128((__m128i*)(q2 + 16 * h), _mm512_cvtepi32_epi8(f));
+        S[h] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(c, kFine), f));
+    }
+    return d1_s;
 #elif defined(TM_AVX2)
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 v[4], m = _mm256_setzero_ps();
@@ -43,55 +50,54 @@ static inline float quantize_block(const float* x, int8_t* q, int32_t sums[2]) {
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float amax = _mm_cvtss_f32(m4);
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    alignas(32) int32_t qi[32];
-    for (int i = 0; i < 4; ++i) _mm256_store_si256((__m256i*)(qi + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
-    for (int i = 0; i < 32; ++i) {
-        q[i] = int8_t(qi[i]);
-        sums[i >> 4] += qi[i];
+    const float inv_s = amax > 0.f ? 127.f / amax : 0.f, d1_s = amax / 127.f;
+    const __m256 inv = _mm256_set1_ps(inv_s), fine = _mm256_set1_ps(inv_s * float(1 << kFine)), d1 = _mm256_set1_ps(d1_s);
+    alignas(32) int32_t c[32], f[32];
+    for (int i = 0; i < 4; ++i) {
+        const __m256i ci = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        const __m256 r = _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_cvtepi32_ps(ci), d1));
+        _mm256_store_si256((__m256i*)(c + 8 * i), ci);
+        _mm256_store_si256((__m256i*)(f + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(r, fine)));
     }
-    return amax;
+    S[0] = S[1] = 0;
+    for (int i = 0; i < 32; ++i) {
+        q1[i] = int8_t(c[i]);
+        q2[i] = int8_t(f[i]);
+        S[i >> 4] += c[i] * (1 << kFine) + f[i];
+    }
+    return d1_s;
 #else
     float amax = 0.f;
     for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, d1 = amax / 127.f, fine = inv * float(1 << kFine);
+    S[0] = S[1] = 0;
     for (int i = 0; i < kBlock; ++i) {
-        q[i] = int8_t(std::nearbyint(x[i] * inv));
-        sums[i >> 4] += q[i];
+        const float c = std::nearbyint(x[i] * inv);
+        const float r = x[i] - c * d1;
+        q1[i] = int8_t(c);
+        q2[i] = int8_t(std::nearbyint(r * fine));
+        S[i >> 4] += int32_t(q1[i]) * (1 << kFine) + q2[i];
     }
-    return amax;
+    return d1;
 #endif
 }
 
-// Writes one plane's block (q, d = absmax/127, ds = d * sum(q), sum(q) per 16) into Acts row o; returns d.
-static inline float write_block(const float* x, uint8_t* o, int64_t K, int64_t b) {
-    const int64_t nb = K / kBlock;
-    int32_t sums[2] = {0, 0};
-    const float amax = quantize_block(x, reinterpret_cast<int8_t*>(o) + b * kBlock, sums);
-    const float scale = amax / 127.f, dsum = scale * float(sums[0] + sums[1]);
-    std::memcpy(o + K + 4 * b, &scale, 4);
-    std::memcpy(o + K + 4 * (nb + b), &dsum, 4);
-    std::memcpy(o + K + 8 * nb + 8 * b, sums, 8);
-    return scale;
-}
-
-// x [M, K] fp32 (row stride ldx) -> kPlanes Acts rows per input row: the block, then its residual
-// x - d1 q1 (multiply then subtract, no FMA: the Python reference computes it so).
+// x [M, K] fp32 (row stride ldx) -> Acts rows (qmatmul_layout.h): per 32, q1, q2, dc = d1 / 128 and
+// ds = dc * S; per 16, S.
 static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out) {
-    static_assert(kPlanes == 2, "one residual plane");
     const int64_t nb = K / kBlock, row_bytes = Acts::row_bytes(K);
     parallel_for(M, 16, [&](int64_t m0, int64_t m1) {
-        alignas(64) float residual[kBlock];
         for (int64_t m = m0; m < m1; ++m) {
             const float* xr = x + m * ldx;
-            uint8_t* hi = out + kPlanes * m * row_bytes;
-            uint8_t* lo = hi + row_bytes;
+            uint8_t* o = out + m * row_bytes;
+            int8_t* q = reinterpret_cast<int8_t*>(o);
             for (int64_t b = 0; b < nb; ++b) {
-                const float* xb = xr + b * kBlock;
-                const float d = write_block(xb, hi, K, b);
-                const int8_t* q = reinterpret_cast<const int8_t*>(hi) + b * kBlock;
-                for (int i = 0; i < kBlock; ++i) residual[i] = xb[i] - float(q[i]) * d;
-                write_block(residual, lo, K, b);
+                int32_t S[2];
+                const float d1 = quantize_block(xr + b * kBlock, q + b * kBlock, q + K + b * kBlock, S);
+                const float dc = d1 * (1.f / float(1 << kFine)), dsum = dc * float(S[0] + S[1]);
+                std::memcpy(o + 2 * K + 4 * b, &dc, 4);
+                std::memcpy(o + 2 * K + 4 * (nb + b), &dsum, 4);
+                std::memcpy(o + 2 * K + 8 * nb + 8 * b, S, 8);
             }
         }
     });
@@ -108,30 +114,18 @@ static void rows(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64
 #endif
 }
 
-// Input rows per pass over a thread's tiles: their planes stay in L1/L2 while the weight tiles stream.
+// Rows per pass over a thread's tiles: their activations stay in L1/L2 while the weight tiles stream.
 constexpr int64_t kRowChunk = 64;
 
-// Each tile's planes land in a small buffer, then out = plane 1 + plane 2 (the same two fp32 sums
-// and one add for every row, whatever M).
 template <int T>
 static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t ldo) {
     // Enough tiles per thread that a small GEMV is not all fork/join; the split never changes results.
-    const int64_t work_per_tile = kPlanes * M * w.K * kTile;
+    const int64_t work_per_tile = M * w.K * kTile;
     const int64_t grain = work_per_tile >= (1 << 16) ? 1 : (1 << 16) / work_per_tile;
     parallel_for(w.tiles(), grain, [&](int64_t t0, int64_t t1) {
-        alignas(64) float planes[kPlanes * kRowChunk][kTile];
-        for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-            const int64_t n = std::min(kRowChunk, M - m0);
-            const Acts chunk{a.at(kPlanes * m0), a.K};
-            for (int64_t t = t0; t < t1; ++t) {
-                rows<T>(w, t, chunk, 0, kPlanes * n, planes[0], kTile);
-                const int64_t cols = std::min<int64_t>(kTile, w.N - t * kTile);
-                for (int64_t m = 0; m < n; ++m) {
-                    float* o = out + (m0 + m) * ldo + t * kTile;
-                    for (int64_t c = 0; c < cols; ++c) o[c] = planes[2 * m][c] + planes[2 * m + 1][c];
-                }
-            }
-        }
+        for (int64_t m0 = 0; m0 < M; m0 += kRowChunk)
+            for (int64_t t = t0; t < t1; ++t)
+                rows<T>(w, t, a, m0, std::min(M, m0 + kRowChunk), out + t * kTile, ldo);
     });
 }
 
@@ -154,7 +148,7 @@ static void qmatmul(int type, uintptr_t acts, int64_t M, int64_t K, uintptr_t qs
 }  // namespace tmk::qmm
 
 namespace tmk::entry {
-int64_t act_row_bytes(int64_t K) { return qmm::kPlanes * qmm::Acts::row_bytes(K); }
+int64_t act_row_bytes(int64_t K) { return qmm::Acts::row_bytes(K); }
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out) {
     qmm::quantize_rows(x, M, K, ldx, out);
 }

@@ -34,30 +34,34 @@ inline __m256i step_values2(const uint8_t* qs, int j, int h) {
 }
 
 // Values <= 63 keep two steps' maddubs sums within int16 (2 * 2 * 63 * 127 = 32004), so those types
-// add pairs of steps before widening; Q8_0's |q| * |x| pairs need one widening per step.
+// add pairs of steps before widening; Q8_0's |q| * |x| pairs need one widening per step. The widening
+// madd multiplies plane 1's pairs by 128 and plane 2's (q2 lies K bytes after q1) by 1, which joins
+// the two planes' dot products as one integer: isum += (q1 . u << kFine) + q2 . u.
 template <int T, int MR>
-inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int j0, int j1, __m256i* isum) {
-    const __m256i ones = _mm256_set1_epi16(1);
+inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int64_t K, int j0, int j1, __m256i* isum) {
+    const __m256i weight[2] = {_mm256_set1_epi16(1 << kFine), _mm256_set1_epi16(1)};
     if constexpr (T != Q8_0) {
         for (int j = j0; j < j1; j += 2) {
             const __m256i v0 = step_values2<T>(qs, j, h), v1 = step_values2<T>(qs, j + 1, h);
-            for (int r = 0; r < MR; ++r) {
-                const __m256i x0 = _mm256_set1_epi32(int(load_u32(x[r] + 4 * j)));
-                const __m256i x1 = _mm256_set1_epi32(int(load_u32(x[r] + 4 * j + 4)));
-                const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, x0), _mm256_maddubs_epi16(v1, x1));
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, ones));
-            }
+            for (int r = 0; r < MR; ++r)
+                for (int p = 0; p < 2; ++p) {
+                    const int8_t* xp = x[r] + p * K;
+                    const __m256i x0 = _mm256_set1_epi32(int(load_u32(xp + 4 * j)));
+                    const __m256i x1 = _mm256_set1_epi32(int(load_u32(xp + 4 * j + 4)));
+                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, x0), _mm256_maddubs_epi16(v1, x1));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, weight[p]));
+                }
         }
         return;
     }
     for (int j = j0; j < j1; ++j) {
         const __m256i v = step_values2<T>(qs, j, h);
-        const __m256i u = T == Q8_0 ? _mm256_abs_epi8(v) : v;
-        for (int r = 0; r < MR; ++r) {
-            __m256i xb = _mm256_set1_epi32(int(load_u32(x[r] + 4 * j)));
-            if constexpr (T == Q8_0) xb = _mm256_sign_epi8(xb, v);
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xb), ones));
-        }
+        const __m256i u = _mm256_abs_epi8(v);
+        for (int r = 0; r < MR; ++r)
+            for (int p = 0; p < 2; ++p) {
+                const __m256i xb = _mm256_sign_epi8(_mm256_set1_epi32(int(load_u32(x[r] + p * K + 4 * j))), v);
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xb), weight[p]));
+            }
     }
 }
 
@@ -84,10 +88,10 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, int64_t
             const __m256i sc_b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 16 + 8 * h)));
             __m256i half[MR];
             for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b));
-            dot_steps2<T, MR>(qs, h, x, 0, 4, half);
+            dot_steps2<T, MR>(qs, h, x, w.K, 0, 4, half);
             for (int r = 0; r < MR; ++r) isum[r] = _mm256_mullo_epi32(half[r], sc_a);
             for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b + 1));
-            dot_steps2<T, MR>(qs, h, x, 4, 8, half);
+            dot_steps2<T, MR>(qs, h, x, w.K, 4, 8, half);
             for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(half[r], sc_b));
             scale = load_halves8(w.sup_at(tile, b) + 16 * h);
         } else {
@@ -97,7 +101,7 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, int64_t
                 else
                     isum[r] = _mm256_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
             }
-            dot_steps2<T, MR>(qs, h, x, 0, 8, isum);
+            dot_steps2<T, MR>(qs, h, x, w.K, 0, 8, isum);
             if constexpr (T == Q4_K)
                 scale = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 16 * h), load_u8_as_f32x8(sc + 8 * h));
             else

@@ -1,6 +1,6 @@
 // AVX-512 VNNI qmatmul tile: one zmm lane per output column of the 16-row tile. Each step of 4 inputs
-// is one vpdpbusd (u8 weights x s8 activations broadcast to all lanes), so the integer dot products
-// are exact; the symmetric types' offsets start the integer sum at -offset * sum(x).
+// is one vpdpbusd per activation plane (u8 weights x s8 activations broadcast to all lanes), so the
+// integer dot products are exact; the symmetric types' offsets start the integer sum at -offset * S.
 #pragma once
 
 #include "qmatmul_layout.h"
@@ -42,27 +42,31 @@ inline __m512 load_u8_as_f32(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
 
-// Integer dots of steps [j0, j1) for MR rows, added to isum.
-// With few rows a single chain of vpdpbusd would be latency bound, so odd steps go to a second sum
-// (integer sums are exact: the split does not change any result).
+// Integer dots of steps [j0, j1) for MR rows, both activation planes (q2 lies K bytes after q1),
+// joined and added to isum: isum += (q1 . u << kFine) + q2 . u. Each plane has its own vpdpbusd chain,
+// and with few rows even and odd steps too, so a GEMV is not bound by the chains' latency (integer
+// sums are exact: the split does not change any result).
 template <int T, int MR>
-inline void dot_steps(const uint8_t* qs, const int8_t* const* x, int j0, int j1, __m512i* isum) {
-    if constexpr (MR <= 2) {
-        __m512i odd[MR];
-        for (int r = 0; r < MR; ++r) odd[r] = _mm512_setzero_si512();
-        for (int j = j0; j < j1; j += 2) {
-            const __m512i v0 = step_values<T>(qs, j), v1 = step_values<T>(qs, j + 1);
+inline void dot_steps(const uint8_t* qs, const int8_t* const* x, int64_t K, int j0, int j1, __m512i* isum) {
+    constexpr int kSplit = MR <= 2 ? 2 : 1;
+    __m512i hi[kSplit][MR], lo[kSplit][MR];
+    for (int s = 0; s < kSplit; ++s)
+        for (int r = 0; r < MR; ++r) hi[s][r] = lo[s][r] = _mm512_setzero_si512();
+    for (int j = j0; j < j1; j += kSplit)
+        for (int s = 0; s < kSplit; ++s) {
+            const __m512i v = step_values<T>(qs, j + s);
             for (int r = 0; r < MR; ++r) {
-                isum[r] = _mm512_dpbusd_epi32(isum[r], v0, bcast4(x[r] + 4 * j));
-                odd[r] = _mm512_dpbusd_epi32(odd[r], v1, bcast4(x[r] + 4 * j + 4));
+                hi[s][r] = _mm512_dpbusd_epi32(hi[s][r], v, bcast4(x[r] + 4 * (j + s)));
+                lo[s][r] = _mm512_dpbusd_epi32(lo[s][r], v, bcast4(x[r] + K + 4 * (j + s)));
             }
         }
-        for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], odd[r]);
-    } else {
-        for (int j = j0; j < j1; ++j) {
-            const __m512i v = step_values<T>(qs, j);
-            for (int r = 0; r < MR; ++r) isum[r] = _mm512_dpbusd_epi32(isum[r], v, bcast4(x[r] + 4 * j));
+    for (int r = 0; r < MR; ++r) {
+        __m512i h = hi[0][r], l = lo[0][r];
+        if constexpr (kSplit == 2) {
+            h = _mm512_add_epi32(h, hi[1][r]);
+            l = _mm512_add_epi32(l, lo[1][r]);
         }
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_slli_epi32(h, kFine), l));
     }
 }
 
@@ -90,10 +94,10 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
             const __m512i sc_b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + 16)));
             __m512i half[MR];
             for (int r = 0; r < MR; ++r) half[r] = _mm512_set1_epi32(-c * a.sum16(m0 + r, 2 * b));
-            dot_steps<T, MR>(qs, x, 0, 4, half);
+            dot_steps<T, MR>(qs, x, w.K, 0, 4, half);
             for (int r = 0; r < MR; ++r) isum[r] = _mm512_mullo_epi32(half[r], sc_a);
             for (int r = 0; r < MR; ++r) half[r] = _mm512_set1_epi32(-c * a.sum16(m0 + r, 2 * b + 1));
-            dot_steps<T, MR>(qs, x, 4, 8, half);
+            dot_steps<T, MR>(qs, x, w.K, 4, 8, half);
             for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(half[r], sc_b));
             scale = load_halves(w.sup_at(tile, b));
         } else {
@@ -103,7 +107,7 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
                 else
                     isum[r] = _mm512_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
             }
-            dot_steps<T, MR>(qs, x, 0, 8, isum);
+            dot_steps<T, MR>(qs, x, w.K, 0, 8, isum);
             if constexpr (T == Q4_K)
                 scale = _mm512_mul_ps(load_halves(w.sup_at(tile, b)), load_u8_as_f32(sc));
             else

@@ -24,23 +24,26 @@ inline int sup_bytes(int t) { return t == Q4_K ? 64 : t == Q6_K ? 32 : 0; }
 // Symmetric types: w = d * (u - offset), so the offset folds into the integer dot product.
 inline int int_offset(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q8_0 ? 128 : t == Q6_K ? 32 : 0; }
 
-// An input row is quantized as kPlanes int8 planes, x ~ d1 q1 + d2 q2, the second rounding the first's
-// residual (x - d1 q1): one int8 plane alone costs greedy agreement with fp32, two are closer to fp32
-// than bf16 is. Each plane is one Acts row (rows 2m and 2m+1 for input row m), so the tile kernels see
-// twice the rows and share each decoded weight block between a row's planes.
-constexpr int kPlanes = 2;
+// An input row is quantized as two int8 planes per block of 32: q1 = round(x / d1) with d1 = absmax/127
+// (llama.cpp's Q8 activations), and q2 = round((x - d1 q1) / (d1/128)) in [-64, 64], the rounding
+// residual on a 128x finer grid. So x ~ dc (128 q1 + q2) with dc = d1/128: one plane alone costs a third
+// of greedy agreement with fp32, two are closer to fp32 than bf16 is. The kernels take both planes'
+// dot products with each decoded weight step and join them as one integer (dot1 << 7) + dot2, so the
+// fp32 work per block stays that of one plane.
+// Row layout (kernels/qmatmul.py QuantizedActivations): q1 int8 [K] | q2 int8 [K] | dc fp32 [K/32] |
+// ds = dc * S fp32 [K/32] | S per 16 int32 [K/16], where S = 128 sum(q1) + sum(q2).
+constexpr int kFine = 7;  // q2's grid is 2^-kFine of q1's
 
-// Quantized activations, one byte row per plane (kernels/qmatmul.py QuantizedActivations):
-// q int8 [K] | d fp32 [K/32] | ds = d * sum(q) fp32 [K/32] | sum(q) per 16 int32 [K/16].
 struct Acts {
     const uint8_t* data;
     int64_t K;
-    static int64_t row_bytes(int64_t K) { return K + 8 * (K / kBlock) + 4 * (K / 16); }
+    static int64_t row_bytes(int64_t K) { return 2 * K + 8 * (K / kBlock) + 4 * (K / 16); }
     const uint8_t* at(int64_t m) const { return data + m * row_bytes(K); }
-    const int8_t* row(int64_t m) const { return reinterpret_cast<const int8_t*>(at(m)); }
-    float dx(int64_t m, int64_t b) const { return load<float>(at(m) + K + 4 * b); }
-    float dsum(int64_t m, int64_t b) const { return load<float>(at(m) + K + 4 * (K / kBlock) + 4 * b); }
-    int32_t sum16(int64_t m, int64_t half) const { return load<int32_t>(at(m) + K + 8 * (K / kBlock) + 4 * half); }
+    const int8_t* row(int64_t m) const { return reinterpret_cast<const int8_t*>(at(m)); }        // q1
+    const int8_t* fine(int64_t m) const { return reinterpret_cast<const int8_t*>(at(m)) + K; }   // q2
+    float dx(int64_t m, int64_t b) const { return load<float>(at(m) + 2 * K + 4 * b); }
+    float dsum(int64_t m, int64_t b) const { return load<float>(at(m) + 2 * K + 4 * (K / kBlock) + 4 * b); }
+    int32_t sum16(int64_t m, int64_t half) const { return load<int32_t>(at(m) + 2 * K + 8 * (K / kBlock) + 4 * half); }
     template <typename V>
     static V load(const uint8_t* p) {
         V v;
@@ -96,8 +99,8 @@ inline void decode_block(int t, const uint8_t* qs, uint8_t u[kTile][kBlock]) {
 }
 
 // Scalar kernel: rows [m0, m1) x tile into out (the tile's first column, row stride ldo). Per block and
-// output: the integer dot product (offsets folded in), then acc += (w_scale * dx) * isum
-// [+ w_offset * ds], in K order.
+// output: the two planes' integer dot products joined (offsets folded in), then
+// acc += (w_scale * dx) * isum [+ w_offset * ds], in K order.
 inline void tile_scalar(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out,
                         int64_t ldo) {
     const int t = w.type, c = int_offset(t);
@@ -111,12 +114,17 @@ inline void tile_scalar(const Weight& w, int64_t tile, const Acts& a, int64_t m0
             decode_block(t, w.qs_at(tile, b), u);
             const uint8_t* sc = w.sc_at(tile, b);
             const int8_t* xb = x + b * kBlock;
+            const int8_t* fb = a.fine(m) + b * kBlock;
             const float dx = a.dx(m, b), ds = a.dsum(m, b);
             const int32_t sa = a.sum16(m, 2 * b), sb = a.sum16(m, 2 * b + 1);
             for (int r = 0; r < kTile; ++r) {
-                int32_t dot_a = 0, dot_b = 0;
+                int32_t dot_a = 0, dot_b = 0, fine_a = 0, fine_b = 0;
                 for (int k = 0; k < 16; ++k) dot_a += int32_t(u[r][k]) * xb[k];
                 for (int k = 16; k < 32; ++k) dot_b += int32_t(u[r][k]) * xb[k];
+                for (int k = 0; k < 16; ++k) fine_a += int32_t(u[r][k]) * fb[k];
+                for (int k = 16; k < 32; ++k) fine_b += int32_t(u[r][k]) * fb[k];
+                dot_a = (dot_a << kFine) + fine_a;
+                dot_b = (dot_b << kFine) + fine_b;
                 if (t == Q6_K) {
                     const int32_t isum = int32_t(int8_t(sc[r])) * (dot_a - c * sa) +
                                          int32_t(int8_t(sc[16 + r])) * (dot_b - c * sb);

@@ -3,12 +3,13 @@ CPU backend does it: the weight is repacked once at load (no requantization), th
 quantized to int8 per block of 32 on every call (two planes: the value and its rounding residual), and the
 kernel takes integer dot products.
 
-APPROXIMATION: the activations are rounded to two int8 planes per block of 32 (scale = absmax/127,
-round half to even), the second rounding the first's residual, so x ~ d1 q1 + d2 q2 to a relative error
-of ~1e-5 per block (one plane, as llama.cpp's Q8 activations, is ~4e-3 and cost a third of greedy
-agreement with fp32; `tokenmill bench quality` measures it). The weights are used exactly as the GGUF
-holds them; everything after the integer dot products is fp32. The native kernels differ from
-`qmatmul_reference` only by fp32 summation order.
+APPROXIMATION: the activations are rounded to two int8 planes per block of 32: q1 with scale absmax/127
+(llama.cpp's Q8 activations), then q2 for q1's rounding residual on a 128x finer grid (round half to
+even), so x ~ d (128 q1 + q2) to within absmax/32512 per block. One plane alone (~4e-3 of absmax) cost a
+third of greedy agreement with fp32; `tokenmill bench quality` measures it. The kernels join the two
+planes' dot products as one integer, so the fp32 work is that of one plane and only the integer dot
+products double. The weights are used exactly as the GGUF holds them; everything after the integer dot
+products is fp32. The native kernels differ from `qmatmul_reference` only by fp32 summation order.
 
 Every output row goes through the same fp32 operations whatever the batch holds and however many
 threads run (the kernels split N, never K), so results are batch invariant bitwise.
@@ -39,7 +40,7 @@ SUPPORTED_TYPES: frozenset[Q] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_
 TILE = 16    # output rows interleaved together
 BLOCK = 32   # inputs per activation block (and per weight group, except Q6_K's halves)
 SUPER = 256  # K-quant super block
-PLANES = 2   # int8 planes per activation row (csrc/qmatmul_layout.h kPlanes)
+FINE = 128   # the second activation plane's grid is 1/FINE of the first's (csrc/qmatmul_layout.h kFine)
 _QS_BYTES = {Q.Q4_0: 256, Q.Q4_1: 256, Q.Q5_0: 320, Q.Q8_0: 512, Q.Q4_K: 256, Q.Q6_K: 384}
 
 
@@ -207,68 +208,67 @@ def _scale_parts(t: Q, scales: np.ndarray, n: int, nb: int) -> np.ndarray:
 
 @dataclass
 class QuantizedActivations:
-    """x [M, K] as two int8 planes per block of 32, x ~ d1 q1 + d2 q2: the second rounds the first's
-    residual x - d1 q1. One byte row per input row (a single tensor, so a call allocates once): the two
-    planes one after the other, each q int8 [K] | d fp32 [K/32] | ds = d * sum(q) fp32 [K/32] |
-    sum(q) per 16 int32 [K/16]. ds and the sums serve the weights' offsets. The parts below are
-    [M, planes, ...]."""
-    data: torch.Tensor  # uint8 [M, PLANES * 3K/2]
+    """x [M, K] as two int8 planes per block of 32: q1 = round(x / d1) with d1 = absmax/127, and
+    q2 = round((x - d1 q1) / (d1/128)) in [-64, 64], the rounding residual on a 128x finer grid, so
+    x ~ d (128 q1 + q2) with d = d1/128. One byte row per input row (a single tensor, so a call allocates
+    once): q1 int8 [K] | q2 int8 [K] | d fp32 [K/32] | ds = d * S fp32 [K/32] | S int32 [K/16] per 16,
+    where S = 128 sum(q1) + sum(q2). ds and S serve the weights' offsets."""
+    data: torch.Tensor  # uint8 [M, 5K/2]
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.data.shape[0], self.data.shape[1] * 2 // (3 * PLANES)
+        return self.data.shape[0], self.data.shape[1] * 2 // 5
 
     def _part(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        m = self.data.shape[0]
-        return self.data.view(m, PLANES, -1)[..., start:stop].contiguous().view(dtype)
+        return self.data[:, start:stop].contiguous().view(dtype)
 
     @property
     def q(self) -> torch.Tensor:
-        return self._part(0, self.shape[1], torch.int8)
+        """int8 [M, 2, K]: the two planes."""
+        m, k = self.shape
+        return self._part(0, 2 * k, torch.int8).view(m, 2, k)
 
     @property
     def d(self) -> torch.Tensor:
         k = self.shape[1]
-        return self._part(k, k + k // 8, torch.float32)
+        return self._part(2 * k, 2 * k + k // 8, torch.float32)
 
     @property
     def ds(self) -> torch.Tensor:
         k = self.shape[1]
-        return self._part(k + k // 8, k + k // 4, torch.float32)
+        return self._part(2 * k + k // 8, 2 * k + k // 4, torch.float32)
 
     @property
     def s16(self) -> torch.Tensor:
         k = self.shape[1]
-        return self._part(k + k // 4, k + k // 2, torch.int32)
+        return self._part(2 * k + k // 4, 2 * k + k // 2, torch.int32)
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 [M, K]: the activations the kernels multiply, sum over planes of d * q."""
+        """fp32 [M, K]: the activations the kernels multiply, d * (128 q1 + q2)."""
         m, k = self.shape
-        planes = self.q.float().view(m, PLANES, -1, BLOCK) * self.d[..., None]
-        return planes.sum(1).view(m, k)
+        q = self.q.to(torch.int32)
+        joined = (q[:, 0] * FINE + q[:, 1]).float().view(m, -1, BLOCK)
+        return (joined * self.d[..., None]).view(m, k)
 
 
 def _row_bytes(k: int) -> int:
-    return PLANES * (k + k // 2)
-
-
-def _quantize_plane(blocks: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """fp32 [M, K/32, 32] -> (the plane's parts q, d, ds, s16, its rounding residual blocks - d q)."""
-    m = blocks.shape[0]
-    amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv[..., None]).to(torch.int8)
-    d = amax / 127.0
-    s16 = q.view(m, -1, 16).sum(-1, dtype=torch.int32)
-    ds = d * s16.view(m, -1, 2).sum(-1).float()
-    return [q, d, ds, s16], blocks - q.float() * d[..., None]
+    return 2 * k + k // 2
 
 
 def _quantize_reference(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' quantization, operation for operation (each an IEEE single-precision op)."""
     m, k = x.shape
-    high, residual = _quantize_plane(x.float().reshape(m, k // BLOCK, BLOCK))
-    low, _ = _quantize_plane(residual)
-    return torch.cat([t.reshape(m, -1).view(torch.uint8) for t in high + low], 1)
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    d1 = amax / 127.0
+    coarse = torch.round(blocks * inv)
+    fine = torch.round((blocks - coarse * d1) * (inv * FINE))
+    q1, q2 = coarse.to(torch.int8), fine.to(torch.int8)
+    s16 = (q1.to(torch.int32) * FINE + q2.to(torch.int32)).view(m, -1, 16).sum(-1, dtype=torch.int32)
+    d = (d1 * (1.0 / FINE)).view(m, -1)
+    ds = d * s16.view(m, -1, 2).sum(-1).float()
+    return torch.cat([t.reshape(m, -1).view(torch.uint8) for t in (q1, q2, d, ds, s16)], 1)
 
 
 def _quantize_impl(x: torch.Tensor) -> torch.Tensor:
