@@ -20,12 +20,13 @@ VARIANTS = {
     "scalar": [],
 }
 SOURCES = sorted(glob.glob("csrc/*.cpp"))
+HEADERS = sorted(glob.glob("csrc/*.h"))  # a changed header rebuilds the variant (setuptools tracks `depends`)
 COMMON = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
 
 
 def extension(variant: str, flags: list[str]) -> Pybind11Extension:
     return Pybind11Extension(
-        f"tokenmill._native_{variant}", SOURCES, cxx_std=17, include_dirs=["csrc"],
+        f"tokenmill._native_{variant}", SOURCES, depends=HEADERS, cxx_std=17, include_dirs=["csrc"],
         define_macros=[("TOKENMILL_MODULE", f"_native_{variant}"), ("TOKENMILL_VARIANT", f'"{variant}"')],
         extra_compile_args=COMMON + flags, extra_link_args=["-fopenmp"], optional=True)
 

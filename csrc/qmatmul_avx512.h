@@ -36,7 +36,13 @@ inline __m512i step_values(const uint8_t* qs, int j) {
     return v;
 }
 
-inline __m512i bcast4(const int8_t* x) { return _mm512_set1_epi32(int(load_u32(x))); }
+// acc += u8 v x the 4 s8 at x broadcast to every lane, the broadcast folded into the instruction's
+// memory operand ({1to16}): GCC emits a separate vpbroadcastd per step otherwise, ~20% slower at
+// 64-512 rows (bench/qmatmul.py).
+inline __m512i dpbusd_bcast(__m512i acc, __m512i v, const int8_t* x) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*reinterpret_cast<const int32_t*>(x)));
+    return acc;
+}
 inline __m512 load_halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 inline __m512 load_u8_as_f32(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
@@ -56,8 +62,8 @@ inline void dot_steps(const uint8_t* qs, const int8_t* const* x, int64_t K, int 
         for (int s = 0; s < kSplit; ++s) {
             const __m512i v = step_values<T>(qs, j + s);
             for (int r = 0; r < MR; ++r) {
-                hi[s][r] = _mm512_dpbusd_epi32(hi[s][r], v, bcast4(x[r] + 4 * (j + s)));
-                lo[s][r] = _mm512_dpbusd_epi32(lo[s][r], v, bcast4(x[r] + K + 4 * (j + s)));
+                hi[s][r] = dpbusd_bcast(hi[s][r], v, x[r] + 4 * (j + s));
+                lo[s][r] = dpbusd_bcast(lo[s][r], v, x[r] + K + 4 * (j + s));
             }
         }
     for (int r = 0; r < MR; ++r) {
@@ -129,15 +135,15 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
     for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ldo, cols, acc[r]);
 }
 
-// Rows [m0, m1) of one tile into out (the tile's first column), MR at a time; the tail takes a smaller MR with the same per-row math.
+// Rows [m0, m1) of one tile into out (the tile's first column), MR at a time; the tail takes a smaller
+// MR with the same per-row math. Six rows (12 integer and 6 float accumulators) measured faster than
+// four or eight (bench/qmatmul.py, Zen 4).
 template <int T>
 void rows_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
-    constexpr int MR = 8;
+    constexpr int MR = 6;
     int64_t m = m0;
     for (; m + MR <= m1; m += MR) tile_avx512<T, MR>(w, tile, a, m, out, ldo);
     switch (m1 - m) {
-        case 7: tile_avx512<T, 7>(w, tile, a, m, out, ldo); break;
-        case 6: tile_avx512<T, 6>(w, tile, a, m, out, ldo); break;
         case 5: tile_avx512<T, 5>(w, tile, a, m, out, ldo); break;
         case 4: tile_avx512<T, 4>(w, tile, a, m, out, ldo); break;
         case 3: tile_avx512<T, 3>(w, tile, a, m, out, ldo); break;
