@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 // GCC 12 flags the _mm512_undefined_* placeholders inside its own AVX-512 headers (a false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -103,12 +104,14 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uin
     });
 }
 
+// X: the AVX2 Q8_0 kernel's joined activations of rows [m0, m1) (null elsewhere).
 template <int T>
-static void rows(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
+static void rows(const Weight& w, int64_t tile, const Acts& a, [[maybe_unused]] const int16_t* X, int64_t m0,
+                 int64_t m1, float* out, int64_t ldo) {
 #if defined(TM_AVX512)
     rows_avx512<T>(w, tile, a, m0, m1, out, ldo);
 #elif defined(TM_AVX2)
-    rows_avx2<T>(w, tile, a, m0, m1, out, ldo);
+    rows_avx2<T>(w, tile, a, X, m0, m1, out, ldo);
 #else
     tile_scalar(w, tile, a, m0, m1, out, ldo);
 #endif
@@ -122,10 +125,23 @@ static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t l
     // Enough tiles per thread that a small GEMV is not all fork/join; the split never changes results.
     const int64_t work_per_tile = M * w.K * kTile;
     const int64_t grain = work_per_tile >= (1 << 16) ? 1 : (1 << 16) / work_per_tile;
+    const int16_t* X = nullptr;
+#if defined(TM_AVX2)
+    if constexpr (T == Q8_0) {
+        // The calling thread's buffer, grown to the largest call and reused. Worker threads must get
+        // its address: naming a thread_local inside the parallel region would give them their own.
+        thread_local std::vector<int16_t> joined;
+        if (joined.size() < size_t(M * w.K)) joined.resize(size_t(M * w.K));
+        int16_t* dst = joined.data();
+        parallel_for(M, 16, [&](int64_t m0, int64_t m1) { joined_rows(a, m0, m1, dst + m0 * w.K); });
+        X = dst;
+    }
+#endif
     parallel_for(w.tiles(), grain, [&](int64_t t0, int64_t t1) {
         for (int64_t m0 = 0; m0 < M; m0 += kRowChunk)
             for (int64_t t = t0; t < t1; ++t)
-                rows<T>(w, t, a, m0, std::min(M, m0 + kRowChunk), out + t * kTile, ldo);
+                rows<T>(w, t, a, X == nullptr ? nullptr : X + m0 * w.K, m0, std::min(M, m0 + kRowChunk),
+                        out + t * kTile, ldo);
     });
 }
 

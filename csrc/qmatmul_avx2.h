@@ -1,8 +1,9 @@
 // AVX2 qmatmul: a 16-row tile is run as two halves of 8 output columns (one ymm lane each). The
-// integer dot product of a step is maddubs (u8 x s8 pairs -> s16) then madd with ones (-> s32).
-// maddubs saturates above 32767: 4/5/6-bit values (<= 63) x |x| <= 127 stay far below it, but Q8_0's
-// u8 values (q + 128) would not, so Q8_0 goes through the signed values with the abs/sign trick
-// (|q| <= 128), whose dot product equals the others' sum(u*x) - 128*sum(x) exactly.
+// integer dot product of a step is maddubs (u8 x s8 pairs -> s16) then madd (-> s32), per activation
+// plane. maddubs saturates above 32767: 4/5/6-bit values (<= 63) x |x| <= 127 stay far below it, but
+// Q8_0's u8 values (q + 128) would not. Q8_0 instead joins the planes once per call into X = 128 q1 +
+// q2 (int16) and takes one pmaddwd of the signed q (widened to int16) with X per 4 rows: a third of the
+// instructions of maddubs with the abs/sign trick on each plane (the head's GEMV, bench/qmatmul.py).
 #pragma once
 
 #include "qmatmul_layout.h"
@@ -33,35 +34,62 @@ inline __m256i step_values2(const uint8_t* qs, int j, int h) {
     return v;
 }
 
-// Values <= 63 keep two steps' maddubs sums within int16 (2 * 2 * 63 * 127 = 32004), so those types
-// add pairs of steps before widening; Q8_0's |q| * |x| pairs need one widening per step. The widening
-// madd multiplies plane 1's pairs by 128 and plane 2's (q2 lies K bytes after q1) by 1, which joins
-// the two planes' dot products as one integer: isum += (q1 . u << kFine) + q2 . u.
+// Values <= 63 keep two steps' maddubs sums within int16 (2 * 2 * 63 * 127 = 32004), so pairs of
+// steps add before widening. The widening madd multiplies plane 1's pairs by 128 and plane 2's (q2
+// lies K bytes after q1) by 1, which joins the two planes' dot products as one integer:
+// isum += (q1 . u << kFine) + q2 . u.
 template <int T, int MR>
 inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int64_t K, int j0, int j1, __m256i* isum) {
     const __m256i weight[2] = {_mm256_set1_epi16(1 << kFine), _mm256_set1_epi16(1)};
-    if constexpr (T != Q8_0) {
-        for (int j = j0; j < j1; j += 2) {
-            const __m256i v0 = step_values2<T>(qs, j, h), v1 = step_values2<T>(qs, j + 1, h);
-            for (int r = 0; r < MR; ++r)
-                for (int p = 0; p < 2; ++p) {
-                    const int8_t* xp = x[r] + p * K;
-                    const __m256i x0 = _mm256_set1_epi32(int(load_u32(xp + 4 * j)));
-                    const __m256i x1 = _mm256_set1_epi32(int(load_u32(xp + 4 * j + 4)));
-                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, x0), _mm256_maddubs_epi16(v1, x1));
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, weight[p]));
-                }
-        }
-        return;
-    }
-    for (int j = j0; j < j1; ++j) {
-        const __m256i v = step_values2<T>(qs, j, h);
-        const __m256i u = _mm256_abs_epi8(v);
+    static_assert(T != Q8_0, "Q8_0 takes dot_steps_wide");
+    for (int j = j0; j < j1; j += 2) {
+        const __m256i v0 = step_values2<T>(qs, j, h), v1 = step_values2<T>(qs, j + 1, h);
         for (int r = 0; r < MR; ++r)
             for (int p = 0; p < 2; ++p) {
-                const __m256i xb = _mm256_sign_epi8(_mm256_set1_epi32(int(load_u32(x[r] + p * K + 4 * j))), v);
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xb), weight[p]));
+                const int8_t* xp = x[r] + p * K;
+                const __m256i x0 = _mm256_set1_epi32(int(load_u32(xp + 4 * j)));
+                const __m256i x1 = _mm256_set1_epi32(int(load_u32(xp + 4 * j + 4)));
+                const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, x0), _mm256_maddubs_epi16(v1, x1));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, weight[p]));
             }
+    }
+}
+
+// Q8_0: isum[r] += q . X over the block's 8 steps for the 8 rows of half h. pmaddwd leaves two int32
+// lanes per row (inputs 0+1 and 2+3 of the step); one hadd and a lane permute per block put the rows
+// back in order. |q| <= 128 and |X| <= 16320 keep 8 steps of pairs far inside int32.
+template <int MR>
+inline void dot_steps_q8(const uint8_t* qs, int h, const int16_t* const* X, __m256i* isum) {
+    __m256i lo[MR], hi[MR];  // rows 0-3 and 4-7 of the half
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+        const __m256i v = step_values2<Q8_0>(qs, j, h);  // signed q
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+        for (int r = 0; r < MR; ++r) {
+            int64_t four;
+            std::memcpy(&four, X[r] + 4 * j, 8);
+            const __m256i xb = _mm256_set1_epi64x(four);
+            lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(w0, xb));
+            hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(w1, xb));
+        }
+    }
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int r = 0; r < MR; ++r)
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo[r], hi[r]), order));
+}
+
+// Rows [m0, m1) of Acts joined: X[m][k] = 128 q1 + q2 (int16).
+inline void joined_rows(const Acts& a, int64_t m0, int64_t m1, int16_t* X) {
+    for (int64_t m = m0; m < m1; ++m) {
+        const int8_t* q1 = a.row(m);
+        const int8_t* q2 = a.fine(m);
+        int16_t* x = X + (m - m0) * a.K;
+        for (int64_t k = 0; k < a.K; k += 16) {
+            const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q1 + k)));
+            const __m256i f = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q2 + k)));
+            _mm256_storeu_si256((__m256i*)(x + k), _mm256_add_epi16(_mm256_slli_epi16(c, kFine), f));
+        }
     }
 }
 
@@ -71,16 +99,20 @@ inline __m256 load_u8_as_f32x8(const uint8_t* p) {
 }
 
 template <int T, int MR>
-void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const int16_t* X, int64_t m0, float* out,
+                    int64_t ldo) {
     const int64_t nb = w.blocks();
     constexpr int c = T == Q4_0 ? 8 : T == Q5_0 ? 16 : 32;  // Q8_0's signed dot needs no offset
     __m256 acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
     const int8_t* x[MR];
+    const int16_t* xj[MR];
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* qs = w.qs_at(tile, b);
         const uint8_t* sc = w.sc_at(tile, b);
         for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
+        if constexpr (T == Q8_0)
+            for (int r = 0; r < MR; ++r) xj[r] = X + r * w.K + b * kBlock;
         __m256i isum[MR];
         __m256 scale;
         if constexpr (T == Q6_K) {
@@ -101,7 +133,10 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, int64_t
                 else
                     isum[r] = _mm256_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
             }
-            dot_steps2<T, MR>(qs, h, x, w.K, 0, 8, isum);
+            if constexpr (T == Q8_0)
+                dot_steps_q8<MR>(qs, h, xj, isum);
+            else
+                dot_steps2<T, MR>(qs, h, x, w.K, 0, 8, isum);
             if constexpr (T == Q4_K)
                 scale = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 16 * h), load_u8_as_f32x8(sc + 8 * h));
             else
@@ -133,18 +168,21 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, int64_t
     }
 }
 
-// Rows [m0, m1) of one tile into out (the tile's first column), both halves.
+// Rows [m0, m1) of one tile into out (the tile's first column), both halves; for Q8_0, X holds those
+// rows joined (joined_rows).
 template <int T>
-void rows_avx2(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
+void rows_avx2(const Weight& w, int64_t tile, const Acts& a, const int16_t* X, int64_t m0, int64_t m1, float* out,
+               int64_t ldo) {
     constexpr int MR = 4;
     for (int h = 0; h < 2; ++h) {
         if (w.N - tile * kTile <= 8 * h) break;  // the tail tile's second half is padding only
         int64_t m = m0;
-        for (; m + MR <= m1; m += MR) half_tile_avx2<T, MR>(w, tile, h, a, m, out, ldo);
+        auto rows_x = [&] { return X == nullptr ? nullptr : X + (m - m0) * w.K; };
+        for (; m + MR <= m1; m += MR) half_tile_avx2<T, MR>(w, tile, h, a, rows_x(), m, out, ldo);
         switch (m1 - m) {
-            case 3: half_tile_avx2<T, 3>(w, tile, h, a, m, out, ldo); break;
-            case 2: half_tile_avx2<T, 2>(w, tile, h, a, m, out, ldo); break;
-            case 1: half_tile_avx2<T, 1>(w, tile, h, a, m, out, ldo); break;
+            case 3: half_tile_avx2<T, 3>(w, tile, h, a, rows_x(), m, out, ldo); break;
+            case 2: half_tile_avx2<T, 2>(w, tile, h, a, rows_x(), m, out, ldo); break;
+            case 1: half_tile_avx2<T, 1>(w, tile, h, a, rows_x(), m, out, ldo); break;
             default: break;
         }
     }
