@@ -11,11 +11,10 @@
 #if defined(TM_AVX2)
 namespace tmk::qmm {
 
-// Step j's 8-bit values for the 8 rows of half h (for Q8_0: the signed q).
+// Step j's 4/5/6-bit values for the 8 rows of half h.
 template <int T>
 inline __m256i step_values2(const uint8_t* qs, int j, int h) {
-    if constexpr (T == Q8_0)
-        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(qs + 64 * j + 32 * h)), _mm256_set1_epi8(char(0x80)));
+    static_assert(T != Q8_0, "Q8_0 widens its bytes straight from memory (dot_steps_q8)");
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256i packed = _mm256_loadu_si256((const __m256i*)(qs + 64 * (j & 3) + 32 * h));
     __m256i v = _mm256_and_si256(j < 4 ? packed : _mm256_srli_epi16(packed, 4), low4);
@@ -55,17 +54,17 @@ inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int64_t
     }
 }
 
-// Q8_0: isum[r] += q . X over the block's 8 steps for the 8 rows of half h. pmaddwd leaves two int32
-// lanes per row (inputs 0+1 and 2+3 of the step); one hadd and a lane permute per block put the rows
-// back in order. |q| <= 128 and |X| <= 16320 keep 8 steps of pairs far inside int32.
+// Q8_0: isum[r] += u . X over the block's 8 steps for the 8 rows of half h (the caller starts isum at
+// -128 S, so the sum is q . X). pmaddwd leaves two int32 lanes per row (inputs 0+1 and 2+3 of the
+// step); one hadd and a lane permute per block put the rows back in order. u <= 255 and
+// |X| <= 16320 keep 8 steps of pairs far inside int32.
 template <int MR>
 inline void dot_steps_q8(const uint8_t* qs, int h, const int16_t* const* X, __m256i* isum) {
     __m256i lo[MR], hi[MR];  // rows 0-3 and 4-7 of the half
     for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-        const __m256i v = step_values2<Q8_0>(qs, j, h);  // signed q
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+    for (int j = 0; j < 8; ++j) {  // u = q + 128, widened straight from memory
+        const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qs + 64 * j + 32 * h)));
+        const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qs + 64 * j + 32 * h + 16)));
         for (int r = 0; r < MR; ++r) {
             int64_t four;
             std::memcpy(&four, X[r] + 4 * j, 8);
@@ -102,7 +101,7 @@ template <int T, int MR>
 void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const int16_t* X, int64_t m0, float* out,
                     int64_t ldo) {
     const int64_t nb = w.blocks();
-    constexpr int c = T == Q4_0 ? 8 : T == Q5_0 ? 16 : 32;  // Q8_0's signed dot needs no offset
+    constexpr int c = T == Q4_0 ? 8 : T == Q5_0 ? 16 : T == Q8_0 ? 128 : 32;
     __m256 acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
     const int8_t* x[MR];
@@ -128,7 +127,7 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const i
             scale = load_halves8(w.sup_at(tile, b) + 16 * h);
         } else {
             for (int r = 0; r < MR; ++r) {
-                if constexpr (T == Q4_1 || T == Q4_K || T == Q8_0)
+                if constexpr (T == Q4_1 || T == Q4_K)
                     isum[r] = _mm256_setzero_si256();
                 else
                     isum[r] = _mm256_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
