@@ -16,8 +16,9 @@ from tokenmill.model.linear import Linear
 
 Q = gguf.GGMLQuantizationType
 PROMPT = torch.randint(6, 260, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-# Int8 activations cost about 1% of a logit's spread on these random models; 5% leaves room.
-REL_TOL = 0.05
+# Two-plane int8 activations and the bf16 cache cost ~0.1% of a logit's spread on these random models
+# (one plane cost ~1%, and fails this bound); 0.5% leaves room.
+REL_TOL = 0.005
 
 native_only = pytest.mark.skipif(variant() == "torch", reason="native kernels not built")
 
