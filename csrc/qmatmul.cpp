@@ -29,7 +29,8 @@ static inline float quantize_block(const float* x, int8_t* q1, int8_t* q2, int32
     const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const float inv_s = amax > 0.f ? 127.f / amax : 0.f, d1_s = amax / 127.f;
-    const __m512 inv = _mm512_set1_ps(inv_s), fine = _mm512_set1_ps(inv_s * float(1 << kFine)), d1 = _mm512_set1_ps(d1_s);
+    const __m512 inv = _mm512_set1_ps(inv_s), d1 = _mm512_set1_ps(d1_s);
+    const __m512 fine = _mm512_set1_ps(inv_s * float(1 << kFine));
     const __m512 v[2] = {a, b};
     for (int h = 0; h < 2; ++h) {
         const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], inv));
@@ -52,7 +53,8 @@ static inline float quantize_block(const float* x, int8_t* q1, int8_t* q2, int32
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float amax = _mm_cvtss_f32(m4);
     const float inv_s = amax > 0.f ? 127.f / amax : 0.f, d1_s = amax / 127.f;
-    const __m256 inv = _mm256_set1_ps(inv_s), fine = _mm256_set1_ps(inv_s * float(1 << kFine)), d1 = _mm256_set1_ps(d1_s);
+    const __m256 inv = _mm256_set1_ps(inv_s), d1 = _mm256_set1_ps(d1_s);
+    const __m256 fine = _mm256_set1_ps(inv_s * float(1 << kFine));
     alignas(32) int32_t c[32], f[32];
     for (int i = 0; i < 4; ++i) {
         const __m256i ci = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));

@@ -33,6 +33,9 @@ inline int int_offset(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q8_0
 // Row layout (kernels/qmatmul.py QuantizedActivations): q1 int8 [K] | q2 int8 [K] | dc fp32 [K/32] |
 // ds = dc * S fp32 [K/32] | S per 16 int32 [K/16], where S = 128 sum(q1) + sum(q2).
 constexpr int kFine = 7;  // q2's grid is 2^-kFine of q1's
+// |X| = |128 q1 + q2| <= 16256 (q1 = +-127 leaves a residual of the other sign), so the joined integer
+// sums fit int32: a block's u . X <= 32 * 255 * 16256 ~ 1.3e8 (Q8_0), and Q6_K's two 16-input halves
+// times their int8 scales <= 2 * 16 * 32 * 16256 * 128 ~ 2.13e9 < 2^31.
 
 struct Acts {
     const uint8_t* data;
