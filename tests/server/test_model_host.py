@@ -47,7 +47,7 @@ def test_health_while_loading_then_ok(gated_server):
         waiting = {}
         request = threading.Thread(target=lambda: waiting.update(r=httpx.post(
             f"{server.url}/api/generate", json={"model": "tiny-llama", "prompt": "x", "stream": False,
-                                                "options": {"num_predict": 2}}, timeout=30)))
+                                                "options": {"num_predict": 2, "temperature": 0}}, timeout=30)))
         request.start()
         time.sleep(0.3)
         assert request.is_alive() and c.get("/").status_code == 200
@@ -77,7 +77,7 @@ def test_failed_load_sets_error_and_the_server_stays_up(tmp_path, tiny_gguf):
             # A good load afterwards recovers.
             assert c.post("/load", json={"model": str(tiny_gguf), "kv_size": 2048}).status_code == 202
             assert poll_health(c, "ok").status_code == 200
-            assert c.post("/completion", json={"prompt": "hi", "n_predict": 2}).json()["tokens_predicted"] == 2
+            assert c.post("/completion", json={"prompt": "hi", "n_predict": 2, "ignore_eos": True}).json()["tokens_predicted"] == 2
     finally:
         server.stop()
 
@@ -97,7 +97,7 @@ def test_load_switches_models_and_retires_the_old_engine(tiny_gguf, tmp_path):
             assert host.current.name == "other-tiny"
             assert c.post("/api/generate", json={"model": old.name, "prompt": "x"}).status_code == 404
             r = c.post("/api/generate", json={"model": "other-tiny", "prompt": "x", "stream": False,
-                                              "options": {"num_predict": 2}})
+                                              "options": {"num_predict": 2, "temperature": 0}})
             assert r.status_code == 200 and r.json()["eval_count"] == 2
             bad = c.post("/load", json={"model": str(other), "dtype": "fp8"})
             assert bad.status_code == 400 and "dtype" in bad.json()["error"]
