@@ -40,7 +40,7 @@ inline __m256i step_values2(const uint8_t* qs, int j, int h) {
 template <int T, int MR>
 inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int64_t K, int j0, int j1, __m256i* isum) {
     const __m256i weight[2] = {_mm256_set1_epi16(1 << kFine), _mm256_set1_epi16(1)};
-    static_assert(T != Q8_0, "Q8_0 takes dot_steps_wide");
+    static_assert(T != Q8_0, "Q8_0 takes dot_steps_q8");
     for (int j = j0; j < j1; j += 2) {
         const __m256i v0 = step_values2<T>(qs, j, h), v1 = step_values2<T>(qs, j + 1, h);
         for (int r = 0; r < MR; ++r)
@@ -57,7 +57,7 @@ inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int64_t
 // Q8_0: isum[r] += u . X over the block's 8 steps for the 8 rows of half h (the caller starts isum at
 // -128 S, so the sum is q . X). pmaddwd leaves two int32 lanes per row (inputs 0+1 and 2+3 of the
 // step); one hadd and a lane permute per block put the rows back in order. u <= 255 and
-// |X| <= 16320 keep 8 steps of pairs far inside int32.
+// |X| <= 16256 (qmatmul_layout.h) keep 8 steps of pairs far inside int32.
 template <int MR>
 inline void dot_steps_q8(const uint8_t* qs, int h, const int16_t* const* X, __m256i* isum) {
     __m256i lo[MR], hi[MR];  // rows 0-3 and 4-7 of the half
