@@ -11,6 +11,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -186,28 +187,116 @@ struct RowState {
     float* acc;        // D
 };
 
-// Scores q . k_j of 16 keys: four partial sums over d (d mod 4), added pairwise at the end.
+// Scores q . k_j: per key, 16 partial sums p_l (l = d mod 16, each a chain over d = l, l+16, ...: a
+// product, then fused multiply-adds), then a fixed tree: p_l + p_(l+8), then + 4, + 2, + 1. The tile
+// path below holds keys in lanes (K transposed, shared by the rows of a work item); the per-key path
+// (key_scores) holds dims in lanes and needs no transposition. Both run these exact operations, so a
+// row's scores do not depend on which path its work item took.
 template <int N>
 inline void tile_scores(const float* const* q, const float* kt, int D, V16* s) {
-    V16 a[N][4];
-    for (int n = 0; n < N; ++n) a[n][0] = a[n][1] = a[n][2] = a[n][3] = vzero();
-    for (int d = 0; d < D; d += 4) {
-        const V16 k0 = vload(kt + d * TILE), k1 = vload(kt + (d + 1) * TILE);
-        const V16 k2 = vload(kt + (d + 2) * TILE), k3 = vload(kt + (d + 3) * TILE);
-        for (int n = 0; n < N; ++n) {
-            a[n][0] = vfma(vset1(q[n][d]), k0, a[n][0]);
-            a[n][1] = vfma(vset1(q[n][d + 1]), k1, a[n][1]);
-            a[n][2] = vfma(vset1(q[n][d + 2]), k2, a[n][2]);
-            a[n][3] = vfma(vset1(q[n][d + 3]), k3, a[n][3]);
-        }
+    for (int n = 0; n < N; ++n) {
+        V16 p[16];
+        for (int l = 0; l < 16; ++l) p[l] = vmul(vset1(q[n][l]), vload(kt + l * TILE));
+        for (int d = 16; d < D; d += 16)
+            for (int l = 0; l < 16; ++l) p[l] = vfma(vset1(q[n][d + l]), vload(kt + (d + l) * TILE), p[l]);
+        for (int w = 8; w >= 1; w /= 2)
+            for (int l = 0; l < w; ++l) p[l] = vadd(p[l], p[l + w]);
+        s[n] = p[0];
     }
-    for (int n = 0; n < N; ++n) s[n] = vadd(vadd(a[n][0], a[n][1]), vadd(a[n][2], a[n][3]));
 }
 
+// The 16 keys of a tile as one source of V rows (and, for the per-key path, K rows), fp32 [16][D].
+struct ScratchTile {
+    const float* kt;
+    const float* vt;
+    int D;
+    template <int N>
+    void scores(const float* const* q, int, int, V16* s) const { tile_scores<N>(q, kt, D, s); }
+    V16 v(int j, int d) const { return vload(vt + j * D + d); }
+};
+
+#if defined(TM_AVX512) || defined(TM_AVX2)
+template <int TYPE>
+inline V16 load16(const CacheView& c, int64_t row, int d) {
+#if defined(TM_AVX512)
+    return {load_row16<TYPE>(c, row, d)};
+#else
+    return {load_row8<TYPE>(c, row, d), load_row8<TYPE>(c, row, d + 8)};
+#endif
+}
+
+// t[j]'s 16 lanes summed by the tree of tile_scores, for 16 keys at once: lane j of the result is key j.
+inline V16 reduce_lanes(V16 t[16]) {
+#if defined(TM_AVX512)
+    __m512 c[8], e[4], g[2];
+    for (int i = 0; i < 8; ++i)  // l + (l+8): two keys per vector, 8 partials each
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i].v, t[2 * i + 1].v, 0x44),
+                             _mm512_shuffle_f32x4(t[2 * i].v, t[2 * i + 1].v, 0xEE));
+    for (int i = 0; i < 4; ++i)  // + 4: 128-bit lane k holds key 4i+k's 4 partials
+        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // + 2: lane k holds keys 8i+k and 8i+4+k, 2 partials each
+        g[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
+    // + 1: element 4k+e holds key 4e+k
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+    return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s)};
+#else
+    __m256 c[16], e[8], g[4], s[2];
+    for (int i = 0; i < 16; ++i) c[i] = _mm256_add_ps(t[i].lo, t[i].hi);  // l + (l+8)
+    for (int i = 0; i < 8; ++i)  // + 4: 128-bit lane k holds key 2i+k
+        e[i] = _mm256_add_ps(_mm256_permute2f128_ps(c[2 * i], c[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(c[2 * i], c[2 * i + 1], 0x31));
+    for (int i = 0; i < 4; ++i)  // + 2: lane k holds keys 4i+k and 4i+2+k
+        g[i] = _mm256_add_ps(_mm256_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; ++i)  // + 1: element 4k+e holds key 8i+2e+k
+        s[i] = _mm256_add_ps(_mm256_shuffle_ps(g[2 * i], g[2 * i + 1], 0x88),
+                             _mm256_shuffle_ps(g[2 * i], g[2 * i + 1], 0xDD));
+    const __m256i idx = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    return {_mm256_permutevar8x32_ps(s[0], idx), _mm256_permutevar8x32_ps(s[1], idx)};
+#endif
+}
+
+// A decode row's tile read straight from the cache: K rows dotted with the queries without a
+// transposed copy, V rows converted as they are accumulated. Worth it for one query row; several
+// rows share the ScratchTile's conversions instead.
+template <int TYPE>
+struct CacheTile {
+    const CacheView* k;
+    const CacheView* vc;
+    int64_t row0;
+    int D;
+    template <int N>
+    void scores(const float* const* q, int first, int last, V16* s) const {
+        V16 t[N][TILE];
+        for (int j = 0; j < TILE; ++j) {
+            if (j < first || j > last) {
+                for (int n = 0; n < N; ++n) t[n][j] = vzero();
+                continue;
+            }
+            V16 acc[N];
+            const V16 k0 = load16<TYPE>(*k, row0 + j, 0);
+            for (int n = 0; n < N; ++n) acc[n] = vmul(vload(q[n]), k0);
+            for (int d = 16; d < D; d += 16) {
+                const V16 kd = load16<TYPE>(*k, row0 + j, d);
+                for (int n = 0; n < N; ++n) acc[n] = vfma(vload(q[n] + d), kd, acc[n]);
+            }
+            for (int n = 0; n < N; ++n) t[n][j] = acc[n];
+        }
+        for (int n = 0; n < N; ++n) s[n] = reduce_lanes(t[n]);
+    }
+    V16 v(int j, int d) const { return load16<TYPE>(*vc, row0 + j, d); }
+};
+constexpr bool kPerKeyPath = true;
+#else
+constexpr bool kPerKeyPath = false;
+#endif
+
 // acc[d] = acc[d] * alpha (if rescaling) + sum over j = first..last, in order, of p[j] * v[j][d].
-template <int N, int B>
+template <int N, int B, typename Tile>
 inline void accumulate_block(RowState* st, const float (*p)[TILE], const bool* rescale, const V16* alpha, int first,
-                             int last, const float* vt, int D, int d) {
+                             int last, const Tile& tile, int d) {
     constexpr int C = B / 16;
     V16 acc[N][C];
     for (int n = 0; n < N; ++n)
@@ -217,7 +306,7 @@ inline void accumulate_block(RowState* st, const float (*p)[TILE], const bool* r
         }
     for (int j = first; j <= last; ++j) {
         V16 v[C];
-        for (int c = 0; c < C; ++c) v[c] = vload(vt + j * D + d + 16 * c);
+        for (int c = 0; c < C; ++c) v[c] = tile.v(j, d + 16 * c);
         for (int n = 0; n < N; ++n) {
             const V16 pj = vset1(p[n][j]);
             for (int c = 0; c < C; ++c) acc[n][c] = vfma(pj, v[c], acc[n][c]);
@@ -227,15 +316,14 @@ inline void accumulate_block(RowState* st, const float (*p)[TILE], const bool* r
         for (int c = 0; c < C; ++c) vstore(st[n].acc + d + 16 * c, acc[n][c]);
 }
 
-template <int N>
-inline void attend_group(const float* const* q, RowState* st, const float* kt, const float* vt, int first, int last,
-                         int D) {
+template <int N, typename Tile>
+inline void attend_group(const float* const* q, RowState* st, const Tile& tile, int first, int last, int D) {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     V16 s[N], alpha[N];
     for (int n = 0; n < N; ++n) alpha[n] = vset1(1.0f);
     bool rescale[N];
     alignas(64) float p[N][TILE];
-    tile_scores<N>(q, kt, D, s);
+    tile.template scores<N>(q, first, last, s);
     for (int n = 0; n < N; ++n) {
         s[n] = vselect(first, last, s[n], vset1(neg_inf));
         const float tile_max = vmax_all(s[n]);
@@ -254,19 +342,19 @@ inline void attend_group(const float* const* q, RowState* st, const float* kt, c
         vstore(p[n], pn);
     }
     int d = 0;
-    for (; d + V_BLOCK <= D; d += V_BLOCK) accumulate_block<N, V_BLOCK>(st, p, rescale, alpha, first, last, vt, D, d);
-    for (; d < D; d += 16) accumulate_block<N, 16>(st, p, rescale, alpha, first, last, vt, D, d);
+    for (; d + V_BLOCK <= D; d += V_BLOCK) accumulate_block<N, V_BLOCK>(st, p, rescale, alpha, first, last, tile, d);
+    for (; d < D; d += 16) accumulate_block<N, 16>(st, p, rescale, alpha, first, last, tile, d);
 }
 
 // The G heads of one row, in groups of at most MAX_GROUP.
-inline void attend_row(const float* const* q, RowState* st, int G, const float* kt, const float* vt, int first,
-                       int last, int D) {
+template <typename Tile>
+inline void attend_row(const float* const* q, RowState* st, int G, const Tile& tile, int first, int last, int D) {
     for (int g = 0; g < G; g += MAX_GROUP) {
         switch (std::min(MAX_GROUP, G - g)) {
-            case 1: attend_group<1>(q + g, st + g, kt, vt, first, last, D); break;
-            case 2: attend_group<2>(q + g, st + g, kt, vt, first, last, D); break;
-            case 3: if constexpr (MAX_GROUP >= 3) attend_group<3>(q + g, st + g, kt, vt, first, last, D); break;
-            default: if constexpr (MAX_GROUP >= 4) attend_group<4>(q + g, st + g, kt, vt, first, last, D); break;
+            case 1: attend_group<1>(q + g, st + g, tile, first, last, D); break;
+            case 2: attend_group<2>(q + g, st + g, tile, first, last, D); break;
+            case 3: if constexpr (MAX_GROUP >= 3) attend_group<3>(q + g, st + g, tile, first, last, D); break;
+            default: if constexpr (MAX_GROUP >= 4) attend_group<4>(q + g, st + g, tile, first, last, D); break;
         }
     }
 }
@@ -290,89 +378,129 @@ struct WorkItem {
 
 struct Scratch {
     std::vector<float> kt, vt, q, acc, lane_sums;
+    std::vector<const float*> qp;
+    std::vector<RowState> st;
 };
 
-// Tiles ahead to prefetch. Into L2, not L1: the line-fill buffers of L1 are few, and filling them
-// with prefetches stalled the loads of the tile being computed (measured: L2 at 4 tiles ahead ran
-// 1.4x faster per tile than L1 at 2; both ~2x faster than no prefetch on scattered blocks).
-constexpr int PREFETCH_TILES = 4;
+// Tiles ahead to prefetch, into L2 (the line-fill buffers of L1 are few, and filling them with
+// prefetches stalled the loads of the tile being computed). Measured with the per-key decode path,
+// 64 sequences x 112 and x 1024 keys (bench/paged_attention.py, Zen 4): 1-3 tiles ahead ran alike,
+// 4 and 8 up to 1.4x slower.
+constexpr int PREFETCH_TILES = 2;
+
+// Where a work item's keys lie. Tiles are numbered in position order: tile t is block t / per_block
+// at offset (t % per_block) * 16.
+struct ItemTiles {
+    const Problem& P;
+    const int32_t* table;
+    int64_t head_row, lo, pos_last, t_first, t_end;
+    int per_block;
+    ItemTiles(const Problem& p, const WorkItem& it)
+        : P(p), table(p.tables + it.seq * p.table_width), head_row(int64_t(it.kv_head) * p.k.num_slots) {
+        const int64_t pos0 = int64_t(P.start_pos[it.seq]) + it.first_row;
+        pos_last = pos0 + it.num_rows - 1;
+        lo = first_key(pos0);
+        per_block = (P.block_size + TILE - 1) / TILE;
+        t_first = lo / P.block_size * per_block;
+        t_end = (pos_last / P.block_size + 1) * per_block;
+    }
+    int64_t first_key(int64_t pos) const { return P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : int64_t(0); }
+    int64_t start(int64_t t) const { return t / per_block * P.block_size + (t % per_block) * TILE; }
+    int64_t end(int64_t t) const { return std::min<int64_t>(start(t) + TILE, (t / per_block + 1) * P.block_size) - 1; }
+    int64_t row(int64_t t) const { return head_row + int64_t(table[t / per_block]) * P.block_size + (t % per_block) * TILE; }
+    bool has(int64_t t) const { return t < t_end && start(t) <= pos_last && end(t) >= lo; }
+    // Blocks are scattered, so the hardware prefetcher cannot guess the next one.
+    template <int TYPE>
+    void prefetch(int64_t t) const {
+        // Volatile asm: gcc proves a function whose only effects are __builtin_prefetch pure, and
+        // drops its calls.
+        auto l2 = [](const void* p) {
+#if defined(__x86_64__)
+            asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+            __builtin_prefetch(p, 0, 2);
+#endif
+        };
+        if (!has(t)) return;
+        const int64_t bytes = std::min<int64_t>(TILE, pos_last + 1 - start(t)) * P.k.row_bytes;
+        const char* k = static_cast<const char*>(P.k.data) + row(t) * P.k.row_bytes;
+        const char* v = static_cast<const char*>(P.v.data) + row(t) * P.k.row_bytes;
+        for (int64_t off = 0; off < bytes; off += 64) {
+            l2(k + off);
+            l2(v + off);
+        }
+        if constexpr (TYPE == CACHE_I8) {
+            l2(P.k.scale + row(t));
+            l2(P.v.scale + row(t));
+        }
+    }
+    // The first PREFETCH_TILES tiles: a short decode context is mostly these, so without this most of
+    // its tiles would be waited for one after another.
+    template <int TYPE>
+    void prefetch_first() const {
+        int64_t t = t_first;
+        while (t < t_end && end(t) < lo) ++t;
+        for (int i = 0; i < PREFETCH_TILES; ++i) prefetch<TYPE>(t + i);
+    }
+};
 
 template <int TYPE>
 void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
     // G: this item's query heads, from the kv head's first_head-th on.
-    const int D = P.D, G = it.num_heads, bs = P.block_size, n = it.num_rows * G;
+    const int D = P.D, G = it.num_heads, n = it.num_rows * G;
     const int64_t head0 = int64_t(it.kv_head) * P.G + it.first_head;
     const int64_t row0 = P.cu_rows[it.seq] + it.first_row;
-    const int64_t pos0 = int64_t(P.start_pos[it.seq]) + it.first_row, pos_last = pos0 + it.num_rows - 1;
-    auto first_key = [&](int64_t pos) { return P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : int64_t(0); };
-    const int64_t lo = first_key(pos0);
+    const ItemTiles tiles(P, it);
+    tiles.prefetch_first<TYPE>();
+    const int64_t pos0 = tiles.pos_last - (it.num_rows - 1), lo = tiles.lo;
 
     sc.q.resize(size_t(n) * D);
     sc.acc.assign(size_t(n) * D, 0.0f);
     sc.lane_sums.assign(size_t(n) * TILE, 0.0f);
-
-    for (int r = 0; r < it.num_rows; ++r)
-        for (int g = 0; g < G; ++g) {
-            const float* src = P.q + (row0 + r) * P.q_row_stride + (head0 + g) * P.q_head_stride;
-            float* dst = sc.q.data() + size_t(r * G + g) * D;
-            for (int d = 0; d < D; ++d) dst[d] = src[d] * P.scale;
-        }
-
-    std::vector<const float*> qp(n);
-    std::vector<RowState> st(n);
-    for (int i = 0; i < n; ++i) {
-        qp[i] = sc.q.data() + size_t(i) * D;
-        st[i] = RowState{-std::numeric_limits<float>::infinity(), sc.lane_sums.data() + size_t(i) * TILE,
-                         sc.acc.data() + size_t(i) * D};
-    }
-
-    const int32_t* table = P.tables + it.seq * P.table_width;
-    const int64_t head_row = int64_t(it.kv_head) * P.k.num_slots;
-    // Tiles numbered in position order: tile t is block t / per_block at offset (t % per_block) * 16.
-    const int per_block = (bs + TILE - 1) / TILE;
-    const int64_t t_first = lo / bs * per_block, t_end = (pos_last / bs + 1) * per_block;
-    auto tile_start = [&](int64_t t) { return t / per_block * bs + (t % per_block) * TILE; };
-    auto tile_row = [&](int64_t t) { return head_row + int64_t(table[t / per_block]) * bs + (t % per_block) * TILE; };
-    for (int64_t t = t_first; t < t_end; ++t) {
-        const int64_t ts = tile_start(t), te = std::min<int64_t>(ts + TILE, (t / per_block + 1) * bs) - 1;  // inclusive
-        if (te < lo) continue;
-        if (ts > pos_last) break;
-        // Blocks are scattered, so the hardware prefetcher cannot guess the next one: ask for the
-        // tile PREFETCH_TILES ahead while this one computes.
-        const int64_t ahead = t + PREFETCH_TILES;
-        if (ahead < t_end && tile_start(ahead) <= pos_last) {
-            // Written out here: gcc drops calls to a helper whose only effect is prefetching.
-            const int64_t bytes = std::min<int64_t>(TILE, pos_last + 1 - tile_start(ahead)) * P.k.row_bytes;
-            const char* k = static_cast<const char*>(P.k.data) + tile_row(ahead) * P.k.row_bytes;
-            const char* v = static_cast<const char*>(P.v.data) + tile_row(ahead) * P.k.row_bytes;
-            for (int64_t off = 0; off < bytes; off += 64) {
-                __builtin_prefetch(k + off, 0, 2);
-                __builtin_prefetch(v + off, 0, 2);
-            }
-            if constexpr (TYPE == CACHE_I8) {
-                __builtin_prefetch(P.k.scale + tile_row(ahead), 0, 2);
-                __builtin_prefetch(P.v.scale + tile_row(ahead), 0, 2);
-            }
-        }
-        const int first = int(std::max(ts, lo) - ts), last = int(std::min(te, pos_last) - ts);
-        const int64_t row = tile_row(t);
-        load_k_tile<TYPE>(P.k, row, first, last, sc.kt.data());
-        load_v_tile<TYPE>(P.v, row, first, last, sc.vt.data());
-        for (int r = 0; r < it.num_rows; ++r) {
-            const int64_t pos = pos0 + r, a = std::max(ts, first_key(pos)), e = std::min(te, pos);
-            if (a > e) continue;
-            attend_row(qp.data() + r * G, st.data() + r * G, G, sc.kt.data(), sc.vt.data(), int(a - ts), int(e - ts), D);
-        }
-    }
-
+    sc.qp.resize(size_t(n));
+    sc.st.resize(size_t(n));
+    const float** qp = sc.qp.data();
+    RowState* st = sc.st.data();
     for (int r = 0; r < it.num_rows; ++r)
         for (int g = 0; g < G; ++g) {
             const int i = r * G + g;
-            const float total = vsum_all(vload(sc.lane_sums.data() + size_t(i) * TILE));
-            const float* acc = sc.acc.data() + size_t(i) * D;
-            float* dst = P.out + ((row0 + r) * P.H + head0 + g) * int64_t(D);
-            for (int d = 0; d < D; ++d) dst[d] = acc[d] / total;
+            const float* src = P.q + (row0 + r) * P.q_row_stride + (head0 + g) * P.q_head_stride;
+            float* dst = sc.q.data() + size_t(i) * D;
+            for (int d = 0; d < D; ++d) dst[d] = src[d] * P.scale;
+            qp[i] = dst;
+            st[i] = RowState{-std::numeric_limits<float>::infinity(), sc.lane_sums.data() + size_t(i) * TILE,
+                             sc.acc.data() + size_t(i) * D};
         }
+
+    for (int64_t t = tiles.t_first; t < tiles.t_end; ++t) {
+        const int64_t ts = tiles.start(t), te = tiles.end(t);  // inclusive
+        if (te < lo) continue;
+        if (ts > tiles.pos_last) break;
+        tiles.prefetch<TYPE>(t + PREFETCH_TILES);
+        const int first = int(std::max(ts, lo) - ts), last = int(std::min(te, tiles.pos_last) - ts);
+        const int64_t row = tiles.row(t);
+#if defined(TM_AVX512) || defined(TM_AVX2)
+        if (kPerKeyPath && it.num_rows == 1) {
+            attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D}, first, last, D);
+            continue;
+        }
+#endif
+        load_k_tile<TYPE>(P.k, row, first, last, sc.kt.data());
+        load_v_tile<TYPE>(P.v, row, first, last, sc.vt.data());
+        const ScratchTile tile{sc.kt.data(), sc.vt.data(), D};
+        for (int r = 0; r < it.num_rows; ++r) {
+            const int64_t pos = pos0 + r, a = std::max(ts, tiles.first_key(pos)), e = std::min(te, pos);
+            if (a > e) continue;
+            attend_row(qp + r * G, st + r * G, G, tile, int(a - ts), int(e - ts), D);
+        }
+    }
+
+    for (int i = 0; i < n; ++i) {
+        const int r = i / G, g = i % G;
+        const V16 total = vset1(vsum_all(vload(st[i].lane_sums)));
+        float* dst = P.out + ((row0 + r) * P.H + head0 + g) * int64_t(D);
+        for (int d = 0; d < D; d += 16) vstore(dst + d, vdiv(vload(st[i].acc + d), total));
+    }
 }
 
 // Query rows per work item: enough to amortise each tile's conversion and transposition, few
@@ -450,11 +578,25 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
         return;
     }
 #ifdef _OPENMP
+    auto prefetch_first = [&](const WorkItem& it) {
+        const ItemTiles tiles(P, it);
+        if (cache_type == CACHE_F32) tiles.prefetch_first<CACHE_F32>();
+        else if (cache_type == CACHE_BF16) tiles.prefetch_first<CACHE_BF16>();
+        else tiles.prefetch_first<CACHE_I8>();
+    };
+    std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
     {
         Scratch sc; scratch(sc);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < count; ++i) run(items[i], sc);
+        // Handed out one at a time, but claimed one ahead: the next item's first tiles load while
+        // this one computes (at short contexts those are most of an item's tiles).
+        int64_t i = next.fetch_add(1);
+        while (i < count) {
+            const int64_t j = next.fetch_add(1);
+            if (j < count) prefetch_first(items[j]);
+            run(items[i], sc);
+            i = j;
+        }
     }
 #else
     Scratch sc; scratch(sc);

@@ -17,6 +17,7 @@ inline V16 vset1(float x) { return {_mm512_set1_ps(x)}; }
 inline V16 vzero() { return {_mm512_setzero_ps()}; }
 inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 vdiv(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline float vmax_all(V16 a) { return _mm512_reduce_max_ps(a.v); }
 inline float vsum_all(V16 a) { return _mm512_reduce_add_ps(a.v); }
@@ -50,6 +51,7 @@ inline V16 vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vdiv(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline float hreduce8(__m256 v, bool is_max) {
     __m128 a = _mm256_castps256_ps128(v), b = _mm256_extractf128_ps(v, 1);
@@ -95,6 +97,7 @@ inline V16 vset1(float s) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = s; retu
 inline V16 vzero() { return vset1(0.0f); }
 inline V16 vadd(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] += b.x[i]; return a; }
 inline V16 vmul(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] *= b.x[i]; return a; }
+inline V16 vdiv(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] /= b.x[i]; return a; }
 // Not fused (-ffp-contract=off): two roundings, the same wherever the scalar build runs.
 inline V16 vfma(V16 a, V16 b, V16 c) { for (int i = 0; i < 16; ++i) c.x[i] += a.x[i] * b.x[i]; return c; }
 inline float vmax_all(V16 a) { float m = a.x[0]; for (int i = 1; i < 16; ++i) m = a.x[i] > m ? a.x[i] : m; return m; }
