@@ -190,18 +190,46 @@ struct RowState {
 // Scores q . k_j: per key, 16 partial sums p_l (l = d mod 16, each a chain over d = l, l+16, ...: a
 // product, then fused multiply-adds), then a fixed tree: p_l + p_(l+8), then + 4, + 2, + 1. The tile
 // path below holds keys in lanes (K transposed, shared by the rows of a work item); the per-key path
-// (key_scores) holds dims in lanes and needs no transposition. Both run these exact operations, so a
-// row's scores do not depend on which path its work item took.
+// (CacheTile::scores) holds dims in lanes and needs no transposition. Both run these exact
+// operations, so a row's scores do not depend on which path its work item took.
+//
+// NN heads at once share the K loads. Chains l and l+8 run side by side and are added as soon as
+// they end (the tree's first level), which keeps NN * 8 partial sums in registers, not NN * 16.
+template <int NN>
+inline void tile_scores_of(const float* const* q, const float* kt, int D, V16* s) {
+    V16 h[NN][8];
+    for (int l = 0; l < 8; ++l) {
+        V16 a[NN], b[NN];
+        V16 ka = vload(kt + l * TILE), kb = vload(kt + (l + 8) * TILE);
+        for (int n = 0; n < NN; ++n) {
+            a[n] = vmul(vset1(q[n][l]), ka);
+            b[n] = vmul(vset1(q[n][l + 8]), kb);
+        }
+        for (int d = 16; d < D; d += 16) {
+            ka = vload(kt + (d + l) * TILE);
+            kb = vload(kt + (d + l + 8) * TILE);
+            for (int n = 0; n < NN; ++n) {
+                a[n] = vfma(vset1(q[n][d + l]), ka, a[n]);
+                b[n] = vfma(vset1(q[n][d + l + 8]), kb, b[n]);
+            }
+        }
+        for (int n = 0; n < NN; ++n) h[n][l] = vadd(a[n], b[n]);
+    }
+    for (int n = 0; n < NN; ++n) {
+        for (int w = 4; w >= 1; w /= 2)
+            for (int l = 0; l < w; ++l) h[n][l] = vadd(h[n][l], h[n][l + w]);
+        s[n] = h[n][0];
+    }
+}
+
 template <int N>
 inline void tile_scores(const float* const* q, const float* kt, int D, V16* s) {
-    for (int n = 0; n < N; ++n) {
-        V16 p[16];
-        for (int l = 0; l < 16; ++l) p[l] = vmul(vset1(q[n][l]), vload(kt + l * TILE));
-        for (int d = 16; d < D; d += 16)
-            for (int l = 0; l < 16; ++l) p[l] = vfma(vset1(q[n][d + l]), vload(kt + (d + l) * TILE), p[l]);
-        for (int w = 8; w >= 1; w /= 2)
-            for (int l = 0; l < w; ++l) p[l] = vadd(p[l], p[l + w]);
-        s[n] = p[0];
+    if constexpr (N == 3) {
+        tile_scores_of<3>(q, kt, D, s);
+    } else {
+        int n = 0;
+        for (; n + 2 <= N; n += 2) tile_scores_of<2>(q + n, kt, D, s + n);
+        if (n < N) tile_scores_of<1>(q + n, kt, D, s + n);
     }
 }
 
