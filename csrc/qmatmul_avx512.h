@@ -132,7 +132,12 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
             for (int r = 0; r < MR; ++r) acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r]);
         }
     }
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ldo, cols, acc[r]);
+    // Whole aligned lines only: a partial line would be merged in memory, slower than a normal store.
+    if (w.stream_out && left >= kTile && (reinterpret_cast<uintptr_t>(out) & 63) == 0 && (ldo & 15) == 0) {
+        for (int r = 0; r < MR; ++r) _mm512_stream_ps(out + (m0 + r) * ldo, acc[r]);
+    } else {
+        for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ldo, cols, acc[r]);
+    }
 }
 
 // Rows [m0, m1) of one tile into out (the tile's first column), MR at a time; the tail takes a smaller

@@ -61,6 +61,7 @@ struct Weight {
     const uint8_t* sc;
     const uint8_t* sup;
     int64_t N, K;
+    bool stream_out = false;  // kStreamColumns (qmatmul.cpp)
     int64_t blocks() const { return K / kBlock; }
     int64_t tiles() const { return (N + kTile - 1) / kTile; }
     const uint8_t* qs_at(int64_t tile, int64_t b) const { return qs + (tile * blocks() + b) * qs_bytes(type); }

@@ -160,6 +160,26 @@ def test_out_column_slice_and_shared_activations(variant):
     assert fused[:, 51:].isnan().all()
 
 
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+def test_vocabulary_wide_outputs_match_narrow_ones(variant):
+    """From 16384 columns the AVX-512 kernel writes whole aligned lines with streaming stores (partial
+    tiles and unaligned outputs the ordinary way): the same values, wherever out lies."""
+    n, k = 16384 + 8, 64  # the last tile half full
+    w = QuantizedWeight.from_gguf(random_gguf(Q.Q8_0, n, k), Q.Q8_0, (n, k))
+    tail = QuantizedWeight.from_gguf(random_gguf(Q.Q8_0, n, k)[-40:], Q.Q8_0, (40, k))  # narrow: 40 columns
+    x = torch.randn(7, k)
+    with native.use_variant(variant):
+        lines = torch.full((7, n + 8), float("nan"))  # rows of whole lines: streamed
+        wide = qmatmul(x, w, out=lines[:, :n])
+        shifted = torch.full((7, n + 1), float("nan"))
+        qmatmul(x, w, out=shifted[:, 1:])  # rows 4 bytes off a line: ordinary stores
+        narrow = qmatmul(x, tail)
+    assert torch.equal(wide[:, -40:], narrow)
+    assert torch.equal(shifted[:, 1:], wide) and shifted[:, 0].isnan().all() and lines[:, n:].isnan().all()
+    ref = qmatmul_reference(x, w)
+    assert (wide - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
 def test_compiles_without_graph_break():
     k = 64
     w = QuantizedWeight.from_gguf(random_gguf(Q.Q4_1, 20, k), Q.Q4_1, (20, k))
