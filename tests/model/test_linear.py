@@ -80,3 +80,17 @@ def test_packed_weights_are_used_and_freed_with_their_model(tiny_gguf):
     del model, layers
     gc.collect()
     assert len(linear._PACKED) == before
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0])
+def test_embedding_rows_are_gguf_dequantization_exactly(qtype):
+    """The step's token lookup dequantizes only the rows asked for (Q8_0 by its own short path)."""
+    from tokenmill.model.quantized import EmbeddingRows, RawTensor
+    w = np.random.default_rng(2).normal(0, 0.05, (40, 256)).astype(np.float32)
+    w[3] = 0.0  # a zero scale
+    w[5, :32] *= 1e4
+    data = quants.quantize(w, qtype)
+    table = EmbeddingRows(RawTensor(data, qtype, (40, 256)))
+    ids = torch.tensor([5, 3, 5, 39, 0])
+    expected = torch.from_numpy(quants.dequantize(data, qtype))[ids]
+    assert torch.equal(table(ids), expected)
