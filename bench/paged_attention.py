@@ -7,7 +7,7 @@ measured in the same run), alternating with today's eager decode (model.attentio
 Prefill: one --prefill-token chunk with no earlier context, against today's paths on the same data
 (scaled_dot_product_attention with enable_gqa, and causal_pieces, which the engine uses from 512
 tokens), alternating. Shapes: SmolLM2 (9 q heads, 3 kv heads, dim 64) and Gemma 3 270M (4, 1, 256);
-caches bf16 and int8. Timings are medians; ratios compare runs interleaved in this process. On a
+caches f16 (the default), bf16 and int8. Timings are medians; ratios compare runs interleaved in this process. On a
 shared machine the wall-clock fraction of read speed mostly measures time slicing, so decode also
 reports bytes per CPU-second (all threads) against the sum's.
 
@@ -138,14 +138,14 @@ def main() -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--dtypes", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8", "fp32"])
+    p.add_argument("--dtypes", nargs="+", default=["f16", "bf16", "int8"], choices=["f16", "bf16", "int8", "fp32"])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-prefill", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     native.set_num_threads(args.threads)
-    dtypes = {"bf16": torch.bfloat16, "int8": torch.int8, "fp32": torch.float32}
+    dtypes = {"f16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "fp32": torch.float32}
     print(f"cpu: {cpu_model()}; flags: {cpu_flags()}")
     print(f"kernel variant: {native.describe()}; torch threads {torch.get_num_threads()}")
     mem = read_speed(args.rounds)

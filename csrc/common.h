@@ -69,6 +69,28 @@ inline uint16_t f32_to_bf16(float f) {
     return uint16_t(u >> 16);
 }
 
+// Round to nearest even, as PyTorch's .to(torch.float16) does: overflow to inf, subnormals kept,
+// NaN as the quiet NaN 0x7e00 (with its sign).
+inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return uint16_t(sign | 0x7e00u);
+    if (ax >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // >= 65520 rounds past 65504
+    if (ax < 0x38800000u) {                                  // below 2^-14: a subnormal half, or zero
+        if (ax < 0x33000000u) return uint16_t(sign);         // below 2^-25
+        const int shift = 126 - int(ax >> 23);               // 14..24
+        const uint32_t m = (ax & 0x7fffffu) | 0x800000u, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        uint32_t h = m >> shift;
+        if (rem > half || (rem == half && (h & 1u))) ++h;
+        return uint16_t(sign | h);
+    }
+    uint32_t h = (ax - 0x38000000u) >> 13;  // rebias the exponent, keep 10 mantissa bits
+    const uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry moves into the exponent, as it should
+    return uint16_t(sign | h);
+}
+
 inline float f16_to_f32(uint16_t h) {
     uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
     if (exp == 0) {

@@ -36,7 +36,7 @@ enum Activation : int { SILU = 0, GELU_TANH = 1 };
 void gated(int activation, const float* gate_up, int64_t gu_stride, float* out, int64_t out_stride, int64_t rows,
            int64_t features);
 
-// kv_write.cpp: fp32 K/V rows [T, Hkv, D] into their cache slots (cache_type 0 fp32, 1 bf16, 2 int8).
+// kv_write.cpp: fp32 K/V rows [T, Hkv, D] into their cache slots (cache_type 0 fp32, 1 bf16, 2 int8, 3 fp16).
 void write_kv(const float* k, int64_t k_row_stride, int64_t k_head_stride, const float* v, int64_t v_row_stride,
               int64_t v_head_stride, int64_t T, int Hkv, int D, void* k_cache, void* v_cache, float* k_scale,
               float* v_scale, int cache_type, int64_t num_slots, const int64_t* slot_mapping);

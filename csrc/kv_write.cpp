@@ -1,5 +1,5 @@
 // Writes a step's K/V rows (fp32 [T, Hkv, D], any token and head strides) into their cache slots,
-// converting to the cache dtype: fp32 as is, bf16 rounded to nearest even, int8 symmetric with one
+// converting to the cache dtype: fp32 as is, bf16 and fp16 rounded to nearest even, int8 symmetric with one
 // scale per (token, head): scale = absmax / 127, q = round_half_even(x / scale), stored alongside.
 // Written to match kernels/attention.py's write_kv_reference bit for bit.
 #include <pybind11/pybind11.h>
@@ -27,6 +27,14 @@ void write_row(const float* x, int D, int cache_type, void* cache, float* scale,
     } else if (cache_type == 1) {
         uint16_t* dst = static_cast<uint16_t*>(cache) + row * D;
         for (int d = 0; d < D; ++d) dst[d] = f32_to_bf16(x[d]);
+    } else if (cache_type == 3) {
+        uint16_t* dst = static_cast<uint16_t*>(cache) + row * D;
+        int d = 0;
+#if defined(TM_AVX512) || defined(TM_AVX2)
+        for (; d + 8 <= D; d += 8)  // F16C: the same rounding, 8 at a time
+            _mm_storeu_si128((__m128i*)(dst + d), _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; d < D; ++d) dst[d] = f32_to_f16(x[d]);
     } else {
         float amax = 0.0f;
         for (int d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(x[d]));
@@ -43,7 +51,7 @@ void write_row(const float* x, int D, int cache_type, void* cache, float* scale,
 void write_kv(uintptr_t k, int64_t k_row_stride, int64_t k_head_stride, uintptr_t v, int64_t v_row_stride,
               int64_t v_head_stride, int64_t T, int Hkv, int D, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scale,
               uintptr_t v_scale, int cache_type, int64_t num_slots, uintptr_t slot_mapping) {
-    if (cache_type < 0 || cache_type > 2) throw std::invalid_argument("bad cache type");
+    if (cache_type < 0 || cache_type > 3) throw std::invalid_argument("bad cache type");
     const int64_t* slots = ptr<const int64_t>(slot_mapping);
     for (int64_t t = 0; t < T; ++t)
         if (slots[t] >= num_slots) throw std::out_of_range("slot " + std::to_string(slots[t]) + " out of range");

@@ -1,5 +1,5 @@
 // Paged attention for a flat batch of query rows (prefill chunks and decode rows alike) over a
-// head-major KV cache [kv_heads, slots, head_dim] of fp32, bf16 or int8 (+ per-slot scales).
+// head-major KV cache [kv_heads, slots, head_dim] of fp32, bf16, fp16 or int8 (+ per-slot scales).
 //
 // Batch invariance is the design constraint: a row's result must not depend on which other rows
 // share its step or its work item. So keys are consumed in fixed tiles of at most 16 positions,
@@ -32,7 +32,7 @@ namespace tmk {
 namespace {
 
 constexpr int TILE = 16;  // key positions per tile; the score vector's width
-enum CacheType { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_I8 = 2 };
+enum CacheType { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_I8 = 2, CACHE_F16 = 3 };
 
 using namespace simd16;  // V16: 16 fp32 lanes per ISA (csrc/simd16.h)
 
@@ -50,6 +50,7 @@ template <int TYPE>
 inline float load_one(const CacheView& c, int64_t row, int d) {  // row = head * num_slots + slot
     if constexpr (TYPE == CACHE_F32) return static_cast<const float*>(c.data)[row * c.D + d];
     else if constexpr (TYPE == CACHE_BF16) return bf16_to_f32(static_cast<const uint16_t*>(c.data)[row * c.D + d]);
+    else if constexpr (TYPE == CACHE_F16) return f16_to_f32(static_cast<const uint16_t*>(c.data)[row * c.D + d]);
     else return float(static_cast<const int8_t*>(c.data)[row * c.D + d]) * c.scale[row];
 }
 
@@ -58,6 +59,8 @@ template <int TYPE>
 inline __m512 load_row16(const CacheView& c, int64_t row, int d) {
     if constexpr (TYPE == CACHE_F32) return _mm512_loadu_ps(static_cast<const float*>(c.data) + row * c.D + d);
     else if constexpr (TYPE == CACHE_BF16) return load_bf16x16(static_cast<const uint16_t*>(c.data) + row * c.D + d);
+    else if constexpr (TYPE == CACHE_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(c.data) + row * c.D + d)));
     else {
         __m128i b = _mm_loadu_si128((const __m128i*)(static_cast<const int8_t*>(c.data) + row * c.D + d));
         return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(c.scale[row]));
@@ -109,6 +112,8 @@ template <int TYPE>
 inline __m256 load_row8(const CacheView& c, int64_t row, int d) {
     if constexpr (TYPE == CACHE_F32) return _mm256_loadu_ps(static_cast<const float*>(c.data) + row * c.D + d);
     else if constexpr (TYPE == CACHE_BF16) return load_bf16x8(static_cast<const uint16_t*>(c.data) + row * c.D + d);
+    else if constexpr (TYPE == CACHE_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(c.data) + row * c.D + d)));
     else {
         __m128i b = _mm_loadl_epi64((const __m128i*)(static_cast<const int8_t*>(c.data) + row * c.D + d));
         return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(c.scale[row]));
@@ -542,8 +547,8 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
     if (D % 16 != 0 || D <= 0) throw std::invalid_argument("head_dim must be a positive multiple of 16");
     if (Hkv <= 0 || H % Hkv != 0) throw std::invalid_argument("query heads must be a multiple of kv heads");
     if (block_size <= 0 || num_slots % block_size != 0) throw std::invalid_argument("bad block_size");
-    if (cache_type < CACHE_F32 || cache_type > CACHE_I8) throw std::invalid_argument("bad cache type");
-    const int64_t row_bytes = int64_t(D) * (cache_type == CACHE_F32 ? 4 : cache_type == CACHE_BF16 ? 2 : 1);
+    if (cache_type < CACHE_F32 || cache_type > CACHE_F16) throw std::invalid_argument("bad cache type");
+    const int64_t row_bytes = int64_t(D) * (cache_type == CACHE_F32 ? 4 : cache_type == CACHE_I8 ? 1 : 2);
     Problem P{ptr<const float>(q), q_row_stride, q_head_stride, ptr<float>(out), H, Hkv, H / Hkv, D,
               CacheView{ptr<const void>(k_cache), cache_type == CACHE_I8 ? ptr<const float>(k_scale) : nullptr, num_slots, D, row_bytes},
               CacheView{ptr<const void>(v_cache), cache_type == CACHE_I8 ? ptr<const float>(v_scale) : nullptr, num_slots, D, row_bytes},
@@ -595,6 +600,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
     auto run = [&](const WorkItem& it, Scratch& sc) {
         if (cache_type == CACHE_F32) run_item<CACHE_F32>(P, it, sc);
         else if (cache_type == CACHE_BF16) run_item<CACHE_BF16>(P, it, sc);
+        else if (cache_type == CACHE_F16) run_item<CACHE_F16>(P, it, sc);
         else run_item<CACHE_I8>(P, it, sc);
     };
     const int64_t count = int64_t(items.size());
@@ -610,6 +616,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
         const ItemTiles tiles(P, it);
         if (cache_type == CACHE_F32) tiles.prefetch_first<CACHE_F32>();
         else if (cache_type == CACHE_BF16) tiles.prefetch_first<CACHE_BF16>();
+        else if (cache_type == CACHE_F16) tiles.prefetch_first<CACHE_F16>();
         else tiles.prefetch_first<CACHE_I8>();
     };
     std::atomic<int64_t> next{0};

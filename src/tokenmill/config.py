@@ -92,9 +92,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("dtype", str, "auto", "weights and activations: gguf (weights stay in their GGUF blocks, native "
            "kernels, float32 activations), bf16, fp32, or auto (gguf where the compiled core runs, else bf16 on "
            "CPUs with a bf16 path, else fp32)", ("--dtype",), choices=("auto", "gguf", "bf16", "fp32")),
-    Option("kv_dtype", str, "auto", "KV cache dtype: bf16, int8 (per-token, per-head scales; half the memory "
-           "and reads, native kernels only) or auto (bf16 with the native kernels, else the compute dtype)",
-           ("--kv-dtype",), choices=("auto", "bf16", "int8")),
+    Option("kv_dtype", str, "auto", "KV cache dtype: f16, bf16, int8 (per-token, per-head scales; half the "
+           "memory and reads, native kernels only) or auto (f16 with the native kernels, else the compute dtype)",
+           ("--kv-dtype",), choices=("auto", "f16", "bf16", "int8")),
     Option("num_ctx", int, 0, "context per sequence in tokens (max_model_len); 0 = the model's own",
            ("--ctx", "--num-ctx"), env=("TOKENMILL_CTX",), lo=2, zero_ok=True),
     Option("kv_size", int, 65536, "KV cache size in tokens, shared by all sequences (max_total_tokens)",

@@ -38,10 +38,10 @@ def _alone_and_together(loaded, prompts, max_tokens: int = 10) -> tuple[list, li
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0])
 def test_tiny_llama_alone_and_batched_with_chunked_prefill(tmp_path, qtype):
     path = write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(weight_type=qtype, context_length=512))
-    loaded = load_model(path)  # defaults: gguf weights, bf16 KV
+    loaded = load_model(path)  # defaults: gguf weights, f16 KV
     assert loaded.weights == "gguf"
     alone, together, engine = _alone_and_together(loaded, _prompts(6, 260))
-    assert engine.kv.dtype == torch.bfloat16 and engine.native_attention
+    assert engine.kv.dtype == torch.float16 and engine.native_attention
     assert together == alone
 
 

@@ -18,7 +18,7 @@ from tokenmill.kernels.attention import (paged_attention, paged_attention_op, pa
                                          write_kv_op, write_kv_reference)
 
 VARIANTS = native.runnable_variants()
-DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 SHAPES = {64: (9, 3), 256: (4, 1)}  # head dim -> (q heads, kv heads)
 BS = 16
 ATOL, RTOL = 2e-5, 1e-4
@@ -251,10 +251,29 @@ def test_write_kv_matches_reference_and_round_trips(variant, dtype, d):
             step = sc[:, mapping[keep], None]
             assert bool(((stored * step - x[keep].transpose(0, 1)).abs() <= step / 2 * 1.0001 + 1e-7).all())
             assert int(cache.abs().max()) <= 127
-        elif dtype == torch.bfloat16:
-            assert torch.equal(stored, x[keep].transpose(0, 1).to(torch.bfloat16).float())
+        elif dtype in (torch.bfloat16, torch.float16):
+            assert torch.equal(stored, x[keep].transpose(0, 1).to(dtype).float())
         else:
             assert torch.equal(stored, x[keep].transpose(0, 1))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_write_kv_float16_rounds_as_torch_does(variant):
+    """Ties to even, overflow to inf, subnormals, signed zeros; the vector loop and its scalar tail
+    (head dim 20: 16 + 4)."""
+    edges = torch.tensor([65504.0, 65519.99, 65520.0, 1e5, 2.0 ** -14, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26,
+                          1e-8, 0.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 2049.0, 2051.0, float("inf")])
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(200, generator=gen) * torch.exp2(torch.randint(-30, 18, (200,), generator=gen).float())
+    x = torch.cat([edges, -edges, wide])
+    t, d = x.numel() // 20, 20
+    k = x[:t * d].view(t, 1, d)
+    mapping = torch.arange(t)
+    with native.use_variant(variant):
+        cache = [torch.zeros(1, t, d, dtype=torch.float16) for _ in range(2)]
+        write_kv(k, k, *cache, torch.empty(0), torch.empty(0), mapping)
+    expected = k.transpose(0, 1).to(torch.float16)
+    assert torch.equal(cache[0].view(torch.int16), expected.view(torch.int16))
 
 
 def test_custom_ops_pass_opcheck():

@@ -18,7 +18,7 @@ from tokenmill.model.paged_batch import PagedBatch
 Q = gguf.GGMLQuantizationType
 VARIANTS = native.runnable_variants()
 pytestmark = pytest.mark.skipif(not VARIANTS, reason="native kernels not built")
-KV_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 
 
 def _steps(prompts: list[list[int]]) -> list[list[tuple[int, int, int]]]:

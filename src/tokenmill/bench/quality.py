@@ -8,7 +8,7 @@ Formats
   bf16-int4  load_model(path, "bf16", int4=True): what `--dtype bf16` serves; steps of at
              most INT4_MAX_ROWS rows (single-sequence decode) use the 4-bit GGUF weights int4-packed.
   gguf       load_model(path, "gguf"): what the server serves by default with the native kernels:
-             GGUF blocks, activations as two int8 planes in the matmuls, float32 elsewhere, bf16 KV cache.
+             GGUF blocks, activations as two int8 planes in the matmuls, float32 elsewhere, f16 KV cache.
   gguf-kv8   gguf with the int8 KV cache (--kv-dtype int8).
 
 Per format and prompt

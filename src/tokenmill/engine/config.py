@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("fifo", "priority", "sjf")
-KV_DTYPES = ("auto", "bf16", "int8")
+KV_DTYPES = ("auto", "f16", "bf16", "int8")
 
 
 class ConfigError(ValueError):
@@ -14,7 +14,7 @@ class ConfigError(ValueError):
 @dataclass
 class EngineConfig:
     dtype: str = "auto"                # model/registry.py MODES: auto, gguf, bf16, fp32
-    kv_dtype: str = "auto"             # auto, bf16, int8 (int8 needs the native attention path)
+    kv_dtype: str = "auto"             # auto, f16, bf16, int8 (f16 and int8 need the native attention path)
     block_size: int = 16
     max_total_tokens: int = 65536      # KV budget in tokens, across all sequences
     max_model_len: int | None = None   # per-sequence context (num_ctx); None = the model's own

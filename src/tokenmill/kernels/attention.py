@@ -10,7 +10,9 @@ h // (H / Hkv). Keys are found through block_tables[s] (slot = block * block_siz
 The compiled kernel is batch invariant: a row's output is bitwise the same however rows are grouped
 into chunks and steps, and for any thread count (per variant; variants differ in the last bits).
 
-Cache dtypes: float32, bfloat16, or int8 with one float32 scale per (kv head, slot). Int8 is an
+Cache dtypes: float32, float16, bfloat16, or int8 with one float32 scale per (kv head, slot). float16
+keeps 3 more mantissa bits than bfloat16 (K/V values of these models stay far inside its range), so it
+is the default for GGUF models, as in llama.cpp. Int8 is an
 approximation: each (token, head) row is quantised symmetrically to absmax/127 on write, so keys and
 values carry up to half a step (absmax/254) of rounding error each; attention itself is fp32."""
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from tokenmill.kernels import native
 
 # Cache dtype -> the kernels' cache_type code (csrc/kernels.h).
-CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float16: 3}
 
 
 def _cache_type(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> int:
