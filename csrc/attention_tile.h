@@ -1,0 +1,379 @@
+// The tile-level math of paged attention (csrc/paged_attention.cpp runs it over a batch): loading
+// 16 keys of K/V from the cache, the scores of a row's query heads against them, one online-softmax
+// update, and V accumulated key by key. Every row runs the same fp32 operations on a tile whichever
+// path loaded it (a transposed copy shared by a work item's rows, or straight from the cache for a
+// decode row), so a row's result never depends on the rows it shares a step or a work item with.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "common.h"
+#include "simd16.h"
+
+namespace tmk::attn {
+
+constexpr int TILE = 16;  // key positions per tile; the score vector's width
+enum CacheType { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_I8 = 2, CACHE_F16 = 3 };
+
+using namespace simd16;  // V16: 16 fp32 lanes per ISA (csrc/simd16.h)
+
+// ---- Loading one tile of K (transposed: kt[d * 16 + key]) or V (vt[key * D + d]) as fp32.
+// Only keys first..last are read; K's other lanes are zero (they are masked out of every row).
+struct CacheView {
+    const void* data;
+    const float* scale;  // int8 only: [kv_heads, slots]
+    int64_t num_slots;
+    int D;
+    int64_t row_bytes;  // D * element size
+};
+
+template <int TYPE>
+inline float load_one(const CacheView& c, int64_t row, int d) {  // row = head * num_slots + slot
+    if constexpr (TYPE == CACHE_F32) return static_cast<const float*>(c.data)[row * c.D + d];
+    else if constexpr (TYPE == CACHE_BF16) return bf16_to_f32(static_cast<const uint16_t*>(c.data)[row * c.D + d]);
+    else if constexpr (TYPE == CACHE_F16) return f16_to_f32(static_cast<const uint16_t*>(c.data)[row * c.D + d]);
+    else return float(static_cast<const int8_t*>(c.data)[row * c.D + d]) * c.scale[row];
+}
+
+#if defined(TM_AVX512)
+template <int TYPE>
+inline __m512 load_row16(const CacheView& c, int64_t row, int d) {
+    if constexpr (TYPE == CACHE_F32) return _mm512_loadu_ps(static_cast<const float*>(c.data) + row * c.D + d);
+    else if constexpr (TYPE == CACHE_BF16) return load_bf16x16(static_cast<const uint16_t*>(c.data) + row * c.D + d);
+    else if constexpr (TYPE == CACHE_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(c.data) + row * c.D + d)));
+    else {
+        __m128i b = _mm_loadu_si128((const __m128i*)(static_cast<const int8_t*>(c.data) + row * c.D + d));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(c.scale[row]));
+    }
+}
+
+// 16x16 in registers: r[key] (lanes = 16 dims) -> r[dim] (lanes = 16 keys).
+inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    // r[4i+k], 128-bit lane L, holds keys 4i..4i+3 of dim 4L+k.
+    for (int k = 0; k < 4; ++k) {
+        __m512 u0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), u1 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        __m512 u2 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD), u3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+        t[k] = _mm512_shuffle_f32x4(u0, u1, 0x88);
+        t[8 + k] = _mm512_shuffle_f32x4(u0, u1, 0xDD);
+        t[4 + k] = _mm512_shuffle_f32x4(u2, u3, 0x88);
+        t[12 + k] = _mm512_shuffle_f32x4(u2, u3, 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+template <int TYPE>
+void load_k_tile(const CacheView& c, int64_t row0, int first, int last, float* kt) {
+    for (int d = 0; d < c.D; d += 16) {
+        __m512 r[16];
+        for (int j = 0; j < 16; ++j) r[j] = j >= first && j <= last ? load_row16<TYPE>(c, row0 + j, d) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d + i) * TILE, r[i]);
+    }
+}
+
+template <int TYPE>
+void load_v_tile(const CacheView& c, int64_t row0, int first, int last, float* vt) {
+    for (int j = first; j <= last; ++j)
+        for (int d = 0; d < c.D; d += 16) _mm512_storeu_ps(vt + j * c.D + d, load_row16<TYPE>(c, row0 + j, d));
+}
+#elif defined(TM_AVX2)
+template <int TYPE>
+inline __m256 load_row8(const CacheView& c, int64_t row, int d) {
+    if constexpr (TYPE == CACHE_F32) return _mm256_loadu_ps(static_cast<const float*>(c.data) + row * c.D + d);
+    else if constexpr (TYPE == CACHE_BF16) return load_bf16x8(static_cast<const uint16_t*>(c.data) + row * c.D + d);
+    else if constexpr (TYPE == CACHE_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(c.data) + row * c.D + d)));
+    else {
+        __m128i b = _mm_loadl_epi64((const __m128i*)(static_cast<const int8_t*>(c.data) + row * c.D + d));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(c.scale[row]));
+    }
+}
+
+inline void transpose8(__m256 r[8]) {
+    __m256 t[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        r[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+        t[k] = _mm256_permute2f128_ps(r[k], r[4 + k], 0x20);
+        t[4 + k] = _mm256_permute2f128_ps(r[k], r[4 + k], 0x31);
+    }
+    for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+
+template <int TYPE>
+void load_k_tile(const CacheView& c, int64_t row0, int first, int last, float* kt) {
+    for (int half = 0; half < 2; ++half)
+        for (int d = 0; d < c.D; d += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i) {
+                int j = half * 8 + i;
+                r[i] = j >= first && j <= last ? load_row8<TYPE>(c, row0 + j, d) : _mm256_setzero_ps();
+            }
+            transpose8(r);
+            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d + i) * TILE + half * 8, r[i]);
+        }
+}
+
+template <int TYPE>
+void load_v_tile(const CacheView& c, int64_t row0, int first, int last, float* vt) {
+    for (int j = first; j <= last; ++j)
+        for (int d = 0; d < c.D; d += 8) _mm256_storeu_ps(vt + j * c.D + d, load_row8<TYPE>(c, row0 + j, d));
+}
+#else
+template <int TYPE>
+void load_k_tile(const CacheView& c, int64_t row0, int first, int last, float* kt) {
+    for (int j = 0; j < TILE; ++j)
+        for (int d = 0; d < c.D; ++d) kt[d * TILE + j] = j >= first && j <= last ? load_one<TYPE>(c, row0 + j, d) : 0.0f;
+}
+
+template <int TYPE>
+void load_v_tile(const CacheView& c, int64_t row0, int first, int last, float* vt) {
+    for (int j = first; j <= last; ++j)
+        for (int d = 0; d < c.D; ++d) vt[j * c.D + d] = load_one<TYPE>(c, row0 + j, d);
+}
+#endif
+
+// ---- A group of query vectors (heads of one row) against one tile. The vectors are interleaved
+// only to share K/V loads and overlap their dependency chains: each one's arithmetic is exactly
+// what it would be alone, so how heads are grouped never changes a bit.
+
+// Vectors per group and output dims per pass of the V accumulation, sized to the register file.
+#if defined(TM_AVX512)
+constexpr int MAX_GROUP = 4, V_BLOCK = 64;
+#elif defined(TM_AVX2)
+constexpr int MAX_GROUP = 2, V_BLOCK = 32;
+#else
+constexpr int MAX_GROUP = 4, V_BLOCK = 64;
+#endif
+
+// Running softmax state of one (row, head): max, per-lane sums, and the unnormalised output.
+struct RowState {
+    float max;
+    float* lane_sums;  // 16
+    float* acc;        // D
+};
+
+// Scores q . k_j: per key, 16 partial sums p_l (l = d mod 16, each a chain over d = l, l+16, ...: a
+// product, then fused multiply-adds), then a fixed tree: p_l + p_(l+8), then + 4, + 2, + 1. The tile
+// path below holds keys in lanes (K transposed, shared by the rows of a work item); the per-key path
+// (CacheTile::scores) holds dims in lanes and needs no transposition. Both run these exact
+// operations, so a row's scores do not depend on which path its work item took.
+//
+// NN heads at once share the K loads. Chains l and l+8 run side by side and are added as soon as
+// they end (the tree's first level), which keeps NN * 8 partial sums in registers, not NN * 16.
+template <int NN>
+inline void tile_scores_of(const float* const* q, const float* kt, int D, V16* s) {
+    V16 h[NN][8];
+    for (int l = 0; l < 8; ++l) {
+        V16 a[NN], b[NN];
+        V16 ka = vload(kt + l * TILE), kb = vload(kt + (l + 8) * TILE);
+        for (int n = 0; n < NN; ++n) {
+            a[n] = vmul(vset1(q[n][l]), ka);
+            b[n] = vmul(vset1(q[n][l + 8]), kb);
+        }
+        for (int d = 16; d < D; d += 16) {
+            ka = vload(kt + (d + l) * TILE);
+            kb = vload(kt + (d + l + 8) * TILE);
+            for (int n = 0; n < NN; ++n) {
+                a[n] = vfma(vset1(q[n][d + l]), ka, a[n]);
+                b[n] = vfma(vset1(q[n][d + l + 8]), kb, b[n]);
+            }
+        }
+        for (int n = 0; n < NN; ++n) h[n][l] = vadd(a[n], b[n]);
+    }
+    for (int n = 0; n < NN; ++n) {
+        for (int w = 4; w >= 1; w /= 2)
+            for (int l = 0; l < w; ++l) h[n][l] = vadd(h[n][l], h[n][l + w]);
+        s[n] = h[n][0];
+    }
+}
+
+template <int N>
+inline void tile_scores(const float* const* q, const float* kt, int D, V16* s) {
+    if constexpr (N == 3) {
+        tile_scores_of<3>(q, kt, D, s);
+    } else {
+        int n = 0;
+        for (; n + 2 <= N; n += 2) tile_scores_of<2>(q + n, kt, D, s + n);
+        if (n < N) tile_scores_of<1>(q + n, kt, D, s + n);
+    }
+}
+
+// The 16 keys of a tile as one source of V rows (and, for the per-key path, K rows), fp32 [16][D].
+struct ScratchTile {
+    const float* kt;
+    const float* vt;
+    int D;
+    template <int N>
+    void scores(const float* const* q, int, int, V16* s) const { tile_scores<N>(q, kt, D, s); }
+    V16 v(int j, int d) const { return vload(vt + j * D + d); }
+};
+
+#if defined(TM_AVX512) || defined(TM_AVX2)
+template <int TYPE>
+inline V16 load16(const CacheView& c, int64_t row, int d) {
+#if defined(TM_AVX512)
+    return {load_row16<TYPE>(c, row, d)};
+#else
+    return {load_row8<TYPE>(c, row, d), load_row8<TYPE>(c, row, d + 8)};
+#endif
+}
+
+// t[j]'s 16 lanes summed by the tree of tile_scores, for 16 keys at once: lane j of the result is key j.
+inline V16 reduce_lanes(V16 t[16]) {
+#if defined(TM_AVX512)
+    __m512 c[8], e[4], g[2];
+    for (int i = 0; i < 8; ++i)  // l + (l+8): two keys per vector, 8 partials each
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i].v, t[2 * i + 1].v, 0x44),
+                             _mm512_shuffle_f32x4(t[2 * i].v, t[2 * i + 1].v, 0xEE));
+    for (int i = 0; i < 4; ++i)  // + 4: 128-bit lane k holds key 4i+k's 4 partials
+        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // + 2: lane k holds keys 8i+k and 8i+4+k, 2 partials each
+        g[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
+    // + 1: element 4k+e holds key 4e+k
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+    return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s)};
+#else
+    __m256 c[16], e[8], g[4], s[2];
+    for (int i = 0; i < 16; ++i) c[i] = _mm256_add_ps(t[i].lo, t[i].hi);  // l + (l+8)
+    for (int i = 0; i < 8; ++i)  // + 4: 128-bit lane k holds key 2i+k
+        e[i] = _mm256_add_ps(_mm256_permute2f128_ps(c[2 * i], c[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(c[2 * i], c[2 * i + 1], 0x31));
+    for (int i = 0; i < 4; ++i)  // + 2: lane k holds keys 4i+k and 4i+2+k
+        g[i] = _mm256_add_ps(_mm256_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; ++i)  // + 1: element 4k+e holds key 8i+2e+k
+        s[i] = _mm256_add_ps(_mm256_shuffle_ps(g[2 * i], g[2 * i + 1], 0x88),
+                             _mm256_shuffle_ps(g[2 * i], g[2 * i + 1], 0xDD));
+    const __m256i idx = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    return {_mm256_permutevar8x32_ps(s[0], idx), _mm256_permutevar8x32_ps(s[1], idx)};
+#endif
+}
+
+// A decode row's tile read straight from the cache: K rows dotted with the queries without a
+// transposed copy, V rows converted as they are accumulated. Worth it for one query row; several
+// rows share the ScratchTile's conversions instead.
+template <int TYPE>
+struct CacheTile {
+    const CacheView* k;
+    const CacheView* vc;
+    int64_t row0;
+    int D;
+    template <int N>
+    void scores(const float* const* q, int first, int last, V16* s) const {
+        V16 t[N][TILE];
+        for (int j = 0; j < TILE; ++j) {
+            if (j < first || j > last) {
+                for (int n = 0; n < N; ++n) t[n][j] = vzero();
+                continue;
+            }
+            V16 acc[N];
+            const V16 k0 = load16<TYPE>(*k, row0 + j, 0);
+            for (int n = 0; n < N; ++n) acc[n] = vmul(vload(q[n]), k0);
+            for (int d = 16; d < D; d += 16) {
+                const V16 kd = load16<TYPE>(*k, row0 + j, d);
+                for (int n = 0; n < N; ++n) acc[n] = vfma(vload(q[n] + d), kd, acc[n]);
+            }
+            for (int n = 0; n < N; ++n) t[n][j] = acc[n];
+        }
+        for (int n = 0; n < N; ++n) s[n] = reduce_lanes(t[n]);
+    }
+    V16 v(int j, int d) const { return load16<TYPE>(*vc, row0 + j, d); }
+};
+constexpr bool kPerKeyPath = true;
+#else
+constexpr bool kPerKeyPath = false;
+#endif
+
+// acc[d] = acc[d] * alpha (if rescaling) + sum over j = first..last, in order, of p[j] * v[j][d].
+template <int N, int B, typename Tile>
+inline void accumulate_block(RowState* st, const float (*p)[TILE], const bool* rescale, const V16* alpha, int first,
+                             int last, const Tile& tile, int d) {
+    constexpr int C = B / 16;
+    V16 acc[N][C];
+    for (int n = 0; n < N; ++n)
+        for (int c = 0; c < C; ++c) {
+            acc[n][c] = vload(st[n].acc + d + 16 * c);
+            if (rescale[n]) acc[n][c] = vmul(acc[n][c], alpha[n]);
+        }
+    for (int j = first; j <= last; ++j) {
+        V16 v[C];
+        for (int c = 0; c < C; ++c) v[c] = tile.v(j, d + 16 * c);
+        for (int n = 0; n < N; ++n) {
+            const V16 pj = vset1(p[n][j]);
+            for (int c = 0; c < C; ++c) acc[n][c] = vfma(pj, v[c], acc[n][c]);
+        }
+    }
+    for (int n = 0; n < N; ++n)
+        for (int c = 0; c < C; ++c) vstore(st[n].acc + d + 16 * c, acc[n][c]);
+}
+
+template <int N, typename Tile>
+inline void attend_group(const float* const* q, RowState* st, const Tile& tile, int first, int last, int D) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    V16 s[N], alpha[N];
+    for (int n = 0; n < N; ++n) alpha[n] = vset1(1.0f);
+    bool rescale[N];
+    alignas(64) float p[N][TILE];
+    tile.template scores<N>(q, first, last, s);
+    for (int n = 0; n < N; ++n) {
+        s[n] = vselect(first, last, s[n], vset1(neg_inf));
+        const float tile_max = vmax_all(s[n]);
+        V16 sums = vload(st[n].lane_sums);
+        rescale[n] = false;
+        if (tile_max > st[n].max) {
+            if (st[n].max != neg_inf) {  // what earlier tiles accumulated was relative to a smaller max
+                alpha[n] = vexp(vset1(st[n].max - tile_max));
+                sums = vmul(sums, alpha[n]);
+                rescale[n] = true;
+            }
+            st[n].max = tile_max;
+        }
+        const V16 pn = vselect(first, last, vexp(vadd(s[n], vset1(-st[n].max))), vzero());
+        vstore(st[n].lane_sums, vadd(sums, pn));
+        vstore(p[n], pn);
+    }
+    int d = 0;
+    for (; d + V_BLOCK <= D; d += V_BLOCK) accumulate_block<N, V_BLOCK>(st, p, rescale, alpha, first, last, tile, d);
+    for (; d < D; d += 16) accumulate_block<N, 16>(st, p, rescale, alpha, first, last, tile, d);
+}
+
+// The G heads of one row, in groups of at most MAX_GROUP.
+template <typename Tile>
+inline void attend_row(const float* const* q, RowState* st, int G, const Tile& tile, int first, int last, int D) {
+    for (int g = 0; g < G; g += MAX_GROUP) {
+        switch (std::min(MAX_GROUP, G - g)) {
+            case 1: attend_group<1>(q + g, st + g, tile, first, last, D); break;
+            case 2: attend_group<2>(q + g, st + g, tile, first, last, D); break;
+            case 3: if constexpr (MAX_GROUP >= 3) attend_group<3>(q + g, st + g, tile, first, last, D); break;
+            default: if constexpr (MAX_GROUP >= 4) attend_group<4>(q + g, st + g, tile, first, last, D); break;
+        }
+    }
+}
+
+}  // namespace tmk::attn
