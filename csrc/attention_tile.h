@@ -305,9 +305,6 @@ struct CacheTile {
     }
     V16 v(int j, int d) const { return load16<TYPE>(*vc, row0 + j, d); }
 };
-constexpr bool kPerKeyPath = true;
-#else
-constexpr bool kPerKeyPath = false;
 #endif
 
 // acc[d] = acc[d] * alpha (if rescaling) + sum over j = first..last, in order, of p[j] * v[j][d].

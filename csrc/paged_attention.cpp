@@ -85,7 +85,6 @@ struct ItemTiles {
     int64_t row(int64_t t) const { return head_row + int64_t(table[t / per_block]) * P.block_size + (t % per_block) * TILE; }
     bool has(int64_t t) const { return t < t_end && start(t) <= pos_last && end(t) >= lo; }
     // Blocks are scattered, so the hardware prefetcher cannot guess the next one.
-    template <int TYPE>
     void prefetch(int64_t t) const {
         // Volatile asm: gcc proves a function whose only effects are __builtin_prefetch pure, and
         // drops its calls.
@@ -104,18 +103,17 @@ struct ItemTiles {
             l2(k + off);
             l2(v + off);
         }
-        if constexpr (TYPE == CACHE_I8) {
+        if (P.k.scale != nullptr) {  // int8: the rows' scales too
             l2(P.k.scale + row(t));
             l2(P.v.scale + row(t));
         }
     }
     // The first PREFETCH_TILES tiles: a short decode context is mostly these, so without this most of
     // its tiles would be waited for one after another.
-    template <int TYPE>
     void prefetch_first() const {
         int64_t t = t_first;
         while (t < t_end && end(t) < lo) ++t;
-        for (int i = 0; i < PREFETCH_TILES; ++i) prefetch<TYPE>(t + i);
+        for (int i = 0; i < PREFETCH_TILES; ++i) prefetch(t + i);
     }
 };
 
@@ -126,7 +124,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
     const int64_t head0 = int64_t(it.kv_head) * P.G + it.first_head;
     const int64_t row0 = P.cu_rows[it.seq] + it.first_row;
     const ItemTiles tiles(P, it);
-    tiles.prefetch_first<TYPE>();
+    tiles.prefetch_first();
     const int64_t pos0 = tiles.pos_last - (it.num_rows - 1), lo = tiles.lo;
 
     sc.q.resize(size_t(n) * D);
@@ -151,11 +149,11 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
         const int64_t ts = tiles.start(t), te = tiles.end(t);  // inclusive
         if (te < lo) continue;
         if (ts > tiles.pos_last) break;
-        tiles.prefetch<TYPE>(t + PREFETCH_TILES);
+        tiles.prefetch(t + PREFETCH_TILES);
         const int first = int(std::max(ts, lo) - ts), last = int(std::min(te, tiles.pos_last) - ts);
         const int64_t row = tiles.row(t);
 #if defined(TM_AVX512) || defined(TM_AVX2)
-        if (kPerKeyPath && it.num_rows == 1) {
+        if (it.num_rows == 1) {
             attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D}, first, last, D);
             continue;
         }
@@ -254,13 +252,6 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
         return;
     }
 #ifdef _OPENMP
-    auto prefetch_first = [&](const WorkItem& it) {
-        const ItemTiles tiles(P, it);
-        if (cache_type == CACHE_F32) tiles.prefetch_first<CACHE_F32>();
-        else if (cache_type == CACHE_BF16) tiles.prefetch_first<CACHE_BF16>();
-        else if (cache_type == CACHE_F16) tiles.prefetch_first<CACHE_F16>();
-        else tiles.prefetch_first<CACHE_I8>();
-    };
     std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
     {
@@ -270,7 +261,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
         int64_t i = next.fetch_add(1);
         while (i < count) {
             const int64_t j = next.fetch_add(1);
-            if (j < count) prefetch_first(items[j]);
+            if (j < count) ItemTiles(P, items[j]).prefetch_first();
             run(items[i], sc);
             i = j;
         }
