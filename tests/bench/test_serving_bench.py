@@ -12,7 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))  # the server tests' helpers
 from server_helpers import start_server, wait_idle  # noqa: E402
-from tokenmill.bench.loadgen import BenchError, check_loopback, parse_length, parse_metrics  # noqa: E402
+from tokenmill.bench.loadgen import (BenchError, check_loopback, parse_length, parse_metrics,  # noqa: E402
+                                     server_latencies)
 from tokenmill.cli import main  # noqa: E402
 
 PCT_KEYS = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
@@ -38,7 +39,8 @@ def test_serve_bench_fixed_concurrency(server, tiny_gguf, tmp_path, capsys, api)
                "--max-tokens", "4", "--prompt-len", "uniform:8:16", "--ignore-eos", "--tokenizer", str(tiny_gguf),
                "--json", str(out)])
     assert rc == 0
-    assert "out tok/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "out tok/s" in printed and "the server's (/metrics)" in printed
     wait_idle(host)
     r = json.loads(out.read_text())
     assert r["benchmark"] == "serve" and r["model"] and r["prompt_lengths_exact"] is True
@@ -60,6 +62,10 @@ def test_serve_bench_fixed_concurrency(server, tiny_gguf, tmp_path, capsys, api)
         assert _ordered(run[key]), (key, run[key])
     assert run["ttft_ms"]["p50"] > 0 and run["e2e_ms"]["p50"] >= run["ttft_ms"]["p50"]
     assert run["e2e_ms"]["max"] <= run["duration_s"] * 1000 + 1
+    # The server's own view of the same requests: from intake, so within what the client saw.
+    sv = run["server"]
+    assert 0 < sv["ttft_mean_ms"] <= run["ttft_ms"]["max"]
+    assert 0 <= sv["queue_mean_ms"] <= sv["ttft_mean_ms"]
 
 
 def test_serve_bench_rate_and_chat(server, tmp_path):
@@ -173,6 +179,15 @@ def test_helpers():
             'vllm:prefix_cache_queries_total{model_name="m"} 100\nbad line\n')
     m = parse_metrics(text)
     assert m["vllm:prefix_cache_hits_total"] == 32 and m["vllm:prefix_cache_queries_total"] == 100
+
+    before = {"vllm:time_to_first_token_seconds_sum": 1.0, "vllm:time_to_first_token_seconds_count": 2,
+              "vllm:request_queue_time_seconds_sum": 0.5, "vllm:request_queue_time_seconds_count": 2}
+    after = {"vllm:time_to_first_token_seconds_sum": 2.2, "vllm:time_to_first_token_seconds_count": 6,
+             "vllm:request_queue_time_seconds_sum": 0.9, "vllm:request_queue_time_seconds_count": 6}
+    assert server_latencies(before, after) == pytest.approx({"ttft_mean_ms": 300.0, "queue_mean_ms": 100.0})
+    assert server_latencies(None, after) is None  # a server without /metrics (llama.cpp's)
+    assert server_latencies(after, after) is None  # nothing finished between the scrapes
+    assert server_latencies({}, {"other": 1.0}) is None
 
 
 def test_run_load_stops_at_duration(server):

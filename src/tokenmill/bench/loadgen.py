@@ -483,6 +483,25 @@ async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, 
     return parse_metrics(r.text) if r.status_code == 200 else None
 
 
+# The server's own latency histograms (vLLM's names; tokenmill serves them, llama.cpp's server does not).
+_SERVER_LATENCIES = {"ttft_mean_ms": "vllm:time_to_first_token_seconds", "queue_mean_ms": "vllm:request_queue_time_seconds"}
+
+
+def server_latencies(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """Mean TTFT and queue time of the requests the server finished between two /metrics scrapes, in ms,
+    as the server measures them: from when the engine took a request in. Set beside the client's TTFT,
+    the difference is what the HTTP path and the wait for a running step cost. None without them."""
+    if before is None or after is None:
+        return None
+    out: dict[str, float] = {}
+    for key, name in _SERVER_LATENCIES.items():
+        n = after.get(name + "_count", 0.0) - before.get(name + "_count", 0.0)
+        if n <= 0:
+            return None
+        out[key] = (after[name + "_sum"] - before.get(name + "_sum", 0.0)) / n * 1000
+    return out
+
+
 def result_dict(r: RequestResult) -> dict[str, Any]:
     d = asdict(r)
     d.pop("chunk_times")

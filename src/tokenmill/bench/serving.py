@@ -30,7 +30,7 @@ from typing import Any
 from tokenmill.bench.common import environment, fmt, loadavg, progress, write_json
 from tokenmill.bench.loadgen import (APIS, ApiOptions, BenchError, LoadConfig, TextMaker, check_loopback,
                                      detect_model, load_tokenizer, make_requests, new_client, parse_length, run_load,
-                                     send_one, summarize)
+                                     scrape_metrics, send_one, server_latencies, summarize)
 
 
 def build_parser(prog: str = "tokenmill bench serve") -> argparse.ArgumentParser:
@@ -120,9 +120,14 @@ async def _run(args: argparse.Namespace, base: str) -> dict[str, Any]:
         progress(f"run {li + 1}/{len(levels)}: concurrency {level or 'unlimited'}"
                  f"{f', rate {args.rate}/s' if args.rate else ''}, {len(specs)} requests")
         la_before = loadavg()
+        async with new_client(1, 10) as probe:
+            metrics_before = await scrape_metrics(probe, base)
         results, wall, skipped = await run_load(base, opts, specs, cfg)
+        async with new_client(1, 10) as probe:
+            metrics_after = await scrape_metrics(probe, base)
         summary = summarize(results, wall, skipped=skipped)
         runs.append({"concurrency": level, "rate": args.rate, **summary,
+                     "server": server_latencies(metrics_before, metrics_after),
                      "loadavg_before": la_before, "loadavg_after": loadavg()})
     return {"model": model, "prompt_lengths_exact": maker.exact, "runs": runs}
 
@@ -150,6 +155,10 @@ def print_report(result: dict[str, Any]) -> None:
                 print(f"      {n} x {msg}")
         if r["num_not_started"]:
             print(f"      {r['num_not_started']} requests not started: --duration ran out")
+        if r.get("server") and r["ttft_ms"].get("mean") is not None:
+            sv = r["server"]
+            print(f"      TTFT mean {fmt(r['ttft_ms']['mean'], 0)} ms at the client; the server's (/metrics) "
+                  f"{fmt(sv['ttft_mean_ms'], 0)} ms from intake, {fmt(sv['queue_mean_ms'], 0)} of them queued")
     print(f"  tokens counted by: output {result['runs'][-1]['output_tokens_counted_by']}, "
           f"prompt {result['runs'][-1]['prompt_tokens_counted_by']}; loadavg {result['loadavg_end']}")
 
