@@ -28,7 +28,7 @@ from tokenmill.kernels import native
 from tokenmill.kernels.attention import paged_attention, write_kv
 from tokenmill.model.attention import DecodeGroup, causal_pieces, decode_attention
 
-BS = 16
+BS = 16  # tokens per KV block, the engine's default; --block-size changes it for a run
 SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}
 
 
@@ -132,6 +132,7 @@ def bench_prefill(name, dtype, tokens, rounds):
 
 
 def main() -> int:
+    global BS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seqs", type=int, default=64)
@@ -140,14 +141,17 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--dtypes", nargs="+", default=["f16", "bf16", "int8"], choices=["f16", "bf16", "int8", "fp32"])
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--block-size", type=int, default=BS,
+                   help="tokens per KV block (a block's keys of one head are contiguous; the blocks of a sequence are scattered)")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-prefill", action="store_true")
     args = p.parse_args()
+    BS = args.block_size
     torch.set_num_threads(args.threads)
     native.set_num_threads(args.threads)
     dtypes = {"f16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "fp32": torch.float32}
     print(f"cpu: {cpu_model()}; flags: {cpu_flags()}")
-    print(f"kernel variant: {native.describe()}; torch threads {torch.get_num_threads()}")
+    print(f"kernel variant: {native.describe()}; torch threads {torch.get_num_threads()}; block size {BS}")
     mem = read_speed(args.rounds)
     print(f"read speed (torch sum over 512 MB): {mem[0]:.1f} GB/s; {mem[1]:.1f} GB/s per CPU-second "
           f"(on a shared machine the CPU-time ratios are the steadier ones); load average {os.getloadavg()[0]:.1f}")
