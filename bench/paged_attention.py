@@ -28,7 +28,7 @@ from tokenmill.kernels import native
 from tokenmill.kernels.attention import paged_attention, write_kv
 from tokenmill.model.attention import DecodeGroup, causal_pieces, decode_attention
 
-BS = 16  # tokens per KV block, the engine's default; --block-size changes it for a run
+BLOCK_SIZE = 16  # tokens per KV block: the engine's default (--block-size)
 SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}
 
 
@@ -58,8 +58,8 @@ def read_speed(rounds: int) -> tuple[float, float]:
     return x.numel() * 4 / wall / 1e9, x.numel() * 4 / cpu / 1e9
 
 
-def make_cache(h_kv: int, d: int, num_blocks: int, dtype: torch.dtype):
-    slots = num_blocks * BS
+def make_cache(h_kv: int, d: int, num_blocks: int, dtype: torch.dtype, bs: int):
+    slots = num_blocks * bs
     k_cache = torch.empty(h_kv, slots, d, dtype=dtype)
     v_cache = torch.empty(h_kv, slots, d, dtype=dtype)
     scales = (torch.empty(h_kv, slots), torch.empty(h_kv, slots)) if dtype == torch.int8 else (torch.empty(0),) * 2
@@ -71,21 +71,21 @@ def make_cache(h_kv: int, d: int, num_blocks: int, dtype: torch.dtype):
     return k_cache, v_cache, scales
 
 
-def bench_decode(name, dtype, seqs, context, rounds, mem_gbs):
+def bench_decode(name, dtype, seqs, context, rounds, mem_gbs, bs):
     h, h_kv, d = SHAPES[name]
-    blocks_per_seq = -(-context // BS)
+    blocks_per_seq = -(-context // bs)
     num_blocks = seqs * blocks_per_seq + 1
-    k_cache, v_cache, (k_scale, v_scale) = make_cache(h_kv, d, num_blocks, dtype)
+    k_cache, v_cache, (k_scale, v_scale) = make_cache(h_kv, d, num_blocks, dtype, bs)
     tables = (torch.randperm(num_blocks - 1)[:seqs * blocks_per_seq] + 1).view(seqs, blocks_per_seq).to(torch.int32)
     q = torch.randn(seqs, h, d)
     cu = torch.arange(seqs + 1, dtype=torch.int32)
     start = torch.full((seqs,), context - 1, dtype=torch.int32)
     scale = d ** -0.5
-    fns = {"kernel": lambda: paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, start, tables, BS, scale)}
+    fns = {"kernel": lambda: paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, start, tables, bs, scale)}
     if dtype != torch.int8:
         group = DecodeGroup(slice(0, seqs), tables.view(-1).long(), seqs, blocks_per_seq, None)
         qd = q.to(dtype)
-        fns["torch"] = lambda: decode_attention(qd, k_cache, v_cache, group, BS, scale)
+        fns["torch"] = lambda: decode_attention(qd, k_cache, v_cache, group, bs, scale)
     both = alternate(fns, rounds, 3)
     t = {name: wall for name, (wall, _) in both.items()}
     elem = k_cache.element_size()
@@ -99,10 +99,10 @@ def bench_decode(name, dtype, seqs, context, rounds, mem_gbs):
     print(line, flush=True)
 
 
-def bench_prefill(name, dtype, tokens, rounds):
+def bench_prefill(name, dtype, tokens, rounds, bs):
     h, h_kv, d = SHAPES[name]
-    blocks = -(-tokens // BS)
-    k_cache, v_cache, (k_scale, v_scale) = make_cache(h_kv, d, blocks + 8, dtype)
+    blocks = -(-tokens // bs)
+    k_cache, v_cache, (k_scale, v_scale) = make_cache(h_kv, d, blocks + 8, dtype, bs)
     tables = (torch.randperm(blocks + 7)[:blocks] + 1).view(1, blocks).to(torch.int32)
     q = torch.randn(tokens, h, d)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
@@ -110,7 +110,7 @@ def bench_prefill(name, dtype, tokens, rounds):
     scale = d ** -0.5
     # Today's path attends the chunk's fresh K/V (no earlier context): same values, token-major.
     pos = torch.arange(tokens)
-    slots = tables[0].long()[pos // BS] * BS + pos % BS
+    slots = tables[0].long()[pos // bs] * bs + pos % bs
     deq = (lambda c, s: c[:, slots].float() * s[:, slots, None]) if dtype == torch.int8 else (lambda c, s: c[:, slots])
     act = torch.bfloat16
     k_fresh, v_fresh = deq(k_cache, k_scale).to(act), deq(v_cache, v_scale).to(act)   # [Hkv, T, D]
@@ -121,7 +121,7 @@ def bench_prefill(name, dtype, tokens, rounds):
         F.scaled_dot_product_attention(q_act.transpose(0, 1)[None], k_fresh[None], v_fresh[None], is_causal=True,
                                        scale=scale, enable_gqa=True)
 
-    fns = {"kernel": lambda: paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, start, tables, BS, scale),
+    fns = {"kernel": lambda: paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, start, tables, bs, scale),
            "sdpa": sdpa,
            "pieces": lambda: causal_pieces(q_act, k_fresh, v_fresh, scale, out)}
     t = {name: wall for name, (wall, _) in alternate(fns, rounds, 2).items()}
@@ -132,7 +132,6 @@ def bench_prefill(name, dtype, tokens, rounds):
 
 
 def main() -> int:
-    global BS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seqs", type=int, default=64)
@@ -141,17 +140,17 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--dtypes", nargs="+", default=["f16", "bf16", "int8"], choices=["f16", "bf16", "int8", "fp32"])
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--block-size", type=int, default=BS,
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                    help="tokens per KV block (a block's keys of one head are contiguous; the blocks of a sequence are scattered)")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-prefill", action="store_true")
     args = p.parse_args()
-    BS = args.block_size
+    bs = args.block_size
     torch.set_num_threads(args.threads)
     native.set_num_threads(args.threads)
     dtypes = {"f16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "fp32": torch.float32}
     print(f"cpu: {cpu_model()}; flags: {cpu_flags()}")
-    print(f"kernel variant: {native.describe()}; torch threads {torch.get_num_threads()}; block size {BS}")
+    print(f"kernel variant: {native.describe()}; torch threads {torch.get_num_threads()}; block size {bs}")
     mem = read_speed(args.rounds)
     print(f"read speed (torch sum over 512 MB): {mem[0]:.1f} GB/s; {mem[1]:.1f} GB/s per CPU-second "
           f"(on a shared machine the CPU-time ratios are the steadier ones); load average {os.getloadavg()[0]:.1f}")
@@ -159,9 +158,9 @@ def main() -> int:
         for dt in args.dtypes:
             if not args.skip_decode:
                 for ctx in args.contexts:
-                    bench_decode(name, dtypes[dt], args.seqs, ctx, args.rounds, mem)
+                    bench_decode(name, dtypes[dt], args.seqs, ctx, args.rounds, mem, bs)
             if not args.skip_prefill:
-                bench_prefill(name, dtypes[dt], args.prefill_tokens, args.rounds)
+                bench_prefill(name, dtypes[dt], args.prefill_tokens, args.rounds, bs)
     return 0
 
 
