@@ -135,7 +135,29 @@ struct ItemTiles {
         TileCursor c = first();
         for (int i = 0; i < PREFETCH_TILES; ++i, next(c, per_block)) prefetch(c);
     }
+    // f(ts, te, first, last, row) for each tile in order, the tile PREFETCH_TILES ahead prefetched:
+    // positions ts..te (inclusive), of which first..last (relative to ts) hold the item's keys, at
+    // cache row `row`.
+    template <typename F>
+    void for_each(F&& f) const {
+        TileCursor pf = ahead(first());
+        for (TileCursor c = first(); !done(c); next(c, per_block), next(pf, per_block)) {
+            prefetch(pf);
+            const int64_t ts = start(c), te = end(c);
+            f(ts, te, int(std::max(ts, lo) - ts), int(std::min(te, pos_last) - ts), row(c));
+        }
+    }
 };
+
+// Each (row, head)'s output: its accumulator over its softmax sum.
+inline void store_output(const Problem& P, const RowState* st, int n, int G, int64_t row0, int64_t head0) {
+    for (int i = 0; i < n; ++i) {
+        const int r = i / G, g = i % G;
+        const V16 total = vset1(vsum_all(vload(st[i].lane_sums)));
+        float* dst = P.out + ((row0 + r) * P.H + head0 + g) * int64_t(P.D);
+        for (int d = 0; d < P.D; d += 16) vstore(dst + d, vdiv(vload(st[i].acc + d), total));
+    }
+}
 
 #if defined(TM_AVX512) || defined(TM_AVX2)
 // A work item of one decode row, K and V read straight from the cache. Its heads' state lives in
@@ -161,19 +183,10 @@ void run_decode_item(const Problem& P, const WorkItem& it) {
         qp[g] = q + g * D;
         st[g] = RowState{-std::numeric_limits<float>::infinity(), sums + g * TILE, acc + g * D};
     }
-    TileCursor pf = tiles.ahead(tiles.first());
-    for (TileCursor c = tiles.first(); !tiles.done(c); ItemTiles::next(c, tiles.per_block)) {
-        const int64_t ts = tiles.start(c), te = tiles.end(c);  // inclusive
-        tiles.prefetch(pf);
-        ItemTiles::next(pf, tiles.per_block);
-        const int first = int(std::max(ts, tiles.lo) - ts), last = int(std::min(te, tiles.pos_last) - ts);
-        attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, tiles.row(c), D}, first, last, D);
-    }
-    for (int g = 0; g < G; ++g) {
-        const V16 total = vset1(vsum_all(vload(st[g].lane_sums)));
-        float* dst = P.out + (row0 * P.H + head0 + g) * int64_t(D);
-        for (int d = 0; d < D; d += 16) vstore(dst + d, vdiv(vload(st[g].acc + d), total));
-    }
+    tiles.for_each([&](int64_t, int64_t, int first, int last, int64_t row) {
+        attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D}, first, last, D);
+    });
+    store_output(P, st, G, G, row0, head0);
 }
 #endif
 
@@ -193,7 +206,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
     const int64_t row0 = P.cu_rows[it.seq] + it.first_row;
     const ItemTiles tiles(P, it);
     tiles.prefetch_first();
-    const int64_t pos0 = tiles.pos_last - (it.num_rows - 1), lo = tiles.lo;
+    const int64_t pos0 = tiles.pos_last - (it.num_rows - 1);
 
     sc.q.resize(size_t(n) * D);
     sc.acc.assign(size_t(n) * D, 0.0f);
@@ -213,17 +226,11 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
                              sc.acc.data() + size_t(i) * D};
         }
 
-    TileCursor pf = tiles.ahead(tiles.first());
-    for (TileCursor c = tiles.first(); !tiles.done(c); ItemTiles::next(c, tiles.per_block)) {
-        const int64_t ts = tiles.start(c), te = tiles.end(c);  // inclusive
-        tiles.prefetch(pf);
-        ItemTiles::next(pf, tiles.per_block);
-        const int first = int(std::max(ts, lo) - ts), last = int(std::min(te, tiles.pos_last) - ts);
-        const int64_t row = tiles.row(c);
+    tiles.for_each([&](int64_t ts, int64_t te, int first, int last, int64_t row) {
 #if defined(TM_AVX512) || defined(TM_AVX2)
         if (it.num_rows == 1) {
             attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D}, first, last, D);
-            continue;
+            return;
         }
 #endif
         load_k_tile<TYPE>(P.k, row, first, last, sc.kt.data());
@@ -234,14 +241,9 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
             if (a > e) continue;
             attend_row(qp + r * G, st + r * G, G, tile, int(a - ts), int(e - ts), D);
         }
-    }
+    });
 
-    for (int i = 0; i < n; ++i) {
-        const int r = i / G, g = i % G;
-        const V16 total = vset1(vsum_all(vload(st[i].lane_sums)));
-        float* dst = P.out + ((row0 + r) * P.H + head0 + g) * int64_t(D);
-        for (int d = 0; d < D; d += 16) vstore(dst + d, vdiv(vload(st[i].acc + d), total));
-    }
+    store_output(P, st, n, G, row0, head0);
 }
 
 // Query rows per work item: enough to amortise each tile's conversion and transposition, few
