@@ -33,25 +33,40 @@ inline __m256i step_values2(const uint8_t* qs, int j, int h) {
     return v;
 }
 
-// Values <= 63 keep two steps' maddubs sums within int16 (2 * 2 * 63 * 127 = 32004), so pairs of
-// steps add before widening. The widening madd multiplies plane 1's pairs by 128 and plane 2's (q2
-// lies K bytes after q1) by 1, which joins the two planes' dot products as one integer:
-// isum += (q1 . u << kFine) + q2 . u.
+// Steps whose maddubs sums add in int16 before widening: a pair's sum is at most 2 * vmax * 127, so
+// 4-bit values (<= 15) take the whole block of 8 steps (30480), Q5_0 (<= 31) 4 and Q6_K (<= 63) 2
+// (32004), all under 32767. Fewer widening madds is what counts without VNNI: maddubs and madd share
+// the multiply ports, and per 32 products the 4-bit types go from 3 multiplies to 2.25.
+template <int T>
+constexpr int int16_steps() {
+    return T == Q6_K ? 2 : T == Q5_0 ? 4 : 8;
+}
+
+// isum += (q1 . u << kFine) + q2 . u over steps [j0, j1) (q2 lies K bytes after q1): each group of
+// int16_steps steps sums its maddubs per plane in int16, then the widening madd multiplies plane 1's
+// sums by 128 and plane 2's by 1, which joins the two planes' dot products as one integer.
 template <int T, int MR>
 inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int64_t K, int j0, int j1, __m256i* isum) {
-    const __m256i weight[2] = {_mm256_set1_epi16(1 << kFine), _mm256_set1_epi16(1)};
     static_assert(T != Q8_0, "Q8_0 takes dot_steps_q8");
-    for (int j = j0; j < j1; j += 2) {
-        const __m256i v0 = step_values2<T>(qs, j, h), v1 = step_values2<T>(qs, j + 1, h);
-        for (int r = 0; r < MR; ++r)
-            for (int p = 0; p < 2; ++p) {
-                const int8_t* xp = x[r] + p * K;
-                const __m256i x0 = _mm256_set1_epi32(int(load_u32(xp + 4 * j)));
-                const __m256i x1 = _mm256_set1_epi32(int(load_u32(xp + 4 * j + 4)));
-                const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, x0), _mm256_maddubs_epi16(v1, x1));
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pair, weight[p]));
+    constexpr int G = int16_steps<T>();
+    const __m256i weight[2] = {_mm256_set1_epi16(1 << kFine), _mm256_set1_epi16(1)};
+    for (int j = j0; j < j1; j += G)
+        for (int p = 0; p < 2; ++p) {  // a plane at a time: MR int16 sums stay in registers
+            __m256i sum16[MR];
+            for (int r = 0; r < MR; ++r) sum16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int s = 0; s < G; ++s) {
+                const __m256i v = step_values2<T>(qs, j + s, h);
+                for (int r = 0; r < MR; ++r) {
+                    const __m256i xs = _mm256_set1_epi32(int(load_u32(x[r] + p * K + 4 * (j + s))));
+                    sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(v, xs));
+                    // GCC otherwise reassociates the sums into a tree over all G steps' products,
+                    // which keeps them all live and spills them (measured 20% slower than pairs)
+                    asm("" : "+x"(sum16[r]));
+                }
             }
-    }
+            for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], weight[p]));
+        }
 }
 
 // Q8_0: isum[r] += u . X over the block's 8 steps for the 8 rows of half h (the caller starts isum at
