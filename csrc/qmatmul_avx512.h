@@ -8,8 +8,6 @@
 #if defined(TM_AVX512)
 namespace tmk::qmm {
 
-constexpr int kPrefetch = 2048;  // bytes ahead in the weight stream
-
 // Unsigned 8-bit values of step j (inputs 4j..4j+3 of the block, 16 rows).
 template <int T>
 inline __m512i step_values(const uint8_t* qs, int j) {
@@ -89,8 +87,7 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
         const uint8_t* qs = w.qs_at(tile, b);
         const uint8_t* sc = w.sc_at(tile, b);
         if constexpr (MR <= 2) {  // few rows: the weight streams from memory, so ask for it early
-            for (int i = 0; i < qs_bytes(T); i += 64) _mm_prefetch((const char*)qs + kPrefetch + i, _MM_HINT_T0);
-            _mm_prefetch((const char*)sc + kPrefetch / 8, _MM_HINT_T0);
+            prefetch_ahead(T, qs, sc);
         }
         for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
         __m512i isum[MR];

@@ -21,6 +21,14 @@ constexpr int kSuper = 256;  // K-quant super block
 inline int qs_bytes(int t) { return t == Q8_0 ? 512 : t == Q5_0 ? 320 : t == Q6_K ? 384 : 256; }
 inline int sc_bytes(int t) { return t == Q4_1 ? 64 : 32; }
 inline int sup_bytes(int t) { return t == Q4_K ? 64 : t == Q6_K ? 32 : 0; }
+// Bytes ahead in the weight stream that the few-row (GEMV) kernels prefetch: there the weight comes
+// from memory and each block's work is too short for the hardware prefetcher to keep ahead alone.
+constexpr int kPrefetch = 2048;
+inline void prefetch_ahead(int t, const uint8_t* qs, const uint8_t* sc) {
+    for (int i = 0; i < qs_bytes(t); i += 64) __builtin_prefetch(qs + kPrefetch + i, 0, 3);
+    __builtin_prefetch(sc + kPrefetch / 8, 0, 3);  // the scales stream about 1/8 as fast
+}
+
 // Symmetric types: w = d * (u - offset), so the offset folds into the integer dot product.
 inline int int_offset(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q8_0 ? 128 : t == Q6_K ? 32 : 0; }
 
