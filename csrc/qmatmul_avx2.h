@@ -6,6 +6,8 @@
 // instructions of maddubs with the abs/sign trick on each plane (the head's GEMV, bench/qmatmul.py).
 #pragma once
 
+#include <vector>
+
 #include "qmatmul_layout.h"
 
 #if defined(TM_AVX2)
@@ -33,6 +35,36 @@ inline __m256i step_values2(const uint8_t* qs, int j, int h) {
     return v;
 }
 
+// A many-row call decodes each weight tile's values once into a buffer (decoded_tile), laid out as
+// Q8_0's blocks are: step j of half h at 64 j + 32 h in the block's 512 bytes. Without VNNI the
+// nibble and bit-plane decoding is a good share of the vector ALU work, and every MR-row pass and
+// plane would otherwise redo it (bench/qmatmul.py: Q4_1 ~10%, Q5_0 and Q6_K more).
+constexpr int kDecodedBlock = 512;
+constexpr int64_t kDecodeRows = 8;  // rows from which a call decodes its tiles first
+
+template <int T, bool kDecoded>
+inline __m256i step_at(const uint8_t* src, int j, int h) {
+    if constexpr (kDecoded)
+        return _mm256_loadu_si256((const __m256i*)(src + 64 * j + 32 * h));
+    else
+        return step_values2<T>(src, j, h);
+}
+
+template <int T>
+inline const uint8_t* decoded_tile(const Weight& w, int64_t tile) {
+    thread_local std::vector<uint8_t> buffer;  // each worker thread its own
+    const size_t bytes = size_t(w.blocks()) * kDecodedBlock;
+    if (buffer.size() < bytes) buffer.resize(bytes);
+    for (int64_t b = 0; b < w.blocks(); ++b) {
+        const uint8_t* qs = w.qs_at(tile, b);
+        uint8_t* dst = buffer.data() + b * kDecodedBlock;
+        for (int j = 0; j < 8; ++j)
+            for (int h = 0; h < 2; ++h)
+                _mm256_storeu_si256((__m256i*)(dst + 64 * j + 32 * h), step_values2<T>(qs, j, h));
+    }
+    return buffer.data();
+}
+
 // Steps whose maddubs sums add in int16 before widening: a pair's sum is at most 2 * vmax * 127, so
 // 4-bit values (<= 15) take the whole block of 8 steps (30480), Q5_0 (<= 31) 4 and Q6_K (<= 63) 2
 // (32004), all under 32767. Fewer widening madds is what counts without VNNI: maddubs and madd share
@@ -48,7 +80,7 @@ constexpr int int16_steps() {
 // With few rows both planes take each decoded step (decoding is most of a GEMV's work: one plane at a
 // time made Gemma 3's Q5_0 gate_up 1.4x slower at one row); with more, a plane at a time keeps the
 // MR int16 sums in registers (both at once spilled them at MR = 4), and the rows share the decode.
-template <int T, int MR>
+template <int T, int MR, bool kDecoded>
 inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int64_t K, int j0, int j1, __m256i* isum) {
     static_assert(T != Q8_0, "Q8_0 takes dot_steps_q8");
     constexpr int G = int16_steps<T>();
@@ -61,7 +93,7 @@ inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int64_t
                 for (int p = 0; p < P; ++p) sum16[r][p] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int s = 0; s < G; ++s) {
-                const __m256i v = step_values2<T>(qs, j + s, h);
+                const __m256i v = step_at<T, kDecoded>(qs, j + s, h);
                 for (int r = 0; r < MR; ++r)
                     for (int p = 0; p < P; ++p) {
                         const int8_t* xp = x[r] + (p0 + p) * K + 4 * (j + s);
@@ -121,9 +153,10 @@ inline __m256 load_u8_as_f32x8(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-template <int T, int MR>
-void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const int16_t* X, int64_t m0, float* out,
-                    int64_t ldo) {
+// dec: the tile's decoded values (kDecoded) or null.
+template <int T, int MR, bool kDecoded>
+void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const int16_t* X, const uint8_t* dec,
+                    int64_t m0, float* out, int64_t ldo) {
     const int64_t nb = w.blocks();
     constexpr int c = T == Q4_0 ? 8 : T == Q5_0 ? 16 : T == Q8_0 ? 128 : 32;
     __m256 acc[MR];
@@ -131,13 +164,13 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const i
     const int8_t* x[MR];
     const int16_t* xj[MR];
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* qs = w.qs_at(tile, b);
+        const uint8_t* qs = kDecoded ? dec + b * kDecodedBlock : w.qs_at(tile, b);
         const uint8_t* sc = w.sc_at(tile, b);
         // Few rows: the weight streams from memory, so ask for it early; the second half finds the
         // tile in L1 (both halves share its cache lines). Gemma 3's decode step: gate_up 1.03-1.12 ->
         // 0.79-0.81 ms. Not Q8_0: that is the output head, one long stream the hardware prefetcher
         // keeps up with, and the extra requests made it slower (Gemma 3's: 3.1 -> 3.9 ms a token).
-        if (T != Q8_0 && MR <= 2 && h == 0) {
+        if (T != Q8_0 && !kDecoded && MR <= 2 && h == 0) {
             prefetch_ahead(T, qs, sc);
         }
         for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
@@ -150,10 +183,10 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const i
             const __m256i sc_b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 16 + 8 * h)));
             __m256i half[MR];
             for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b));
-            dot_steps2<T, MR>(qs, h, x, w.K, 0, 4, half);
+            dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 0, 4, half);
             for (int r = 0; r < MR; ++r) isum[r] = _mm256_mullo_epi32(half[r], sc_a);
             for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b + 1));
-            dot_steps2<T, MR>(qs, h, x, w.K, 4, 8, half);
+            dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 4, 8, half);
             for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(half[r], sc_b));
             scale = load_halves8(w.sup_at(tile, b) + 16 * h);
         } else {
@@ -166,7 +199,7 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const i
             if constexpr (T == Q8_0)
                 dot_steps_q8<MR>(qs, h, xj, isum);
             else
-                dot_steps2<T, MR>(qs, h, x, w.K, 0, 8, isum);
+                dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 0, 8, isum);
             if constexpr (T == Q4_K)
                 scale = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 16 * h), load_u8_as_f32x8(sc + 8 * h));
             else
@@ -200,22 +233,34 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const i
 
 // Rows [m0, m1) of one tile into out (the tile's first column), both halves; for Q8_0, X holds those
 // rows joined (joined_rows).
-template <int T>
-void rows_avx2(const Weight& w, int64_t tile, const Acts& a, const int16_t* X, int64_t m0, int64_t m1, float* out,
-               int64_t ldo) {
+template <int T, bool kDecoded>
+void rows_avx2_from(const Weight& w, int64_t tile, const Acts& a, const int16_t* X, const uint8_t* dec, int64_t m0,
+                    int64_t m1, float* out, int64_t ldo) {
     constexpr int MR = 4;
     for (int h = 0; h < 2; ++h) {
         if (w.N - tile * kTile <= 8 * h) break;  // the tail tile's second half is padding only
         int64_t m = m0;
         auto rows_x = [&] { return X == nullptr ? nullptr : X + (m - m0) * w.K; };
-        for (; m + MR <= m1; m += MR) half_tile_avx2<T, MR>(w, tile, h, a, rows_x(), m, out, ldo);
+        for (; m + MR <= m1; m += MR) half_tile_avx2<T, MR, kDecoded>(w, tile, h, a, rows_x(), dec, m, out, ldo);
         switch (m1 - m) {
-            case 3: half_tile_avx2<T, 3>(w, tile, h, a, rows_x(), m, out, ldo); break;
-            case 2: half_tile_avx2<T, 2>(w, tile, h, a, rows_x(), m, out, ldo); break;
-            case 1: half_tile_avx2<T, 1>(w, tile, h, a, rows_x(), m, out, ldo); break;
+            case 3: half_tile_avx2<T, 3, kDecoded>(w, tile, h, a, rows_x(), dec, m, out, ldo); break;
+            case 2: half_tile_avx2<T, 2, kDecoded>(w, tile, h, a, rows_x(), dec, m, out, ldo); break;
+            case 1: half_tile_avx2<T, 1, kDecoded>(w, tile, h, a, rows_x(), dec, m, out, ldo); break;
             default: break;
         }
     }
+}
+
+template <int T>
+void rows_avx2(const Weight& w, int64_t tile, const Acts& a, const int16_t* X, int64_t m0, int64_t m1, float* out,
+               int64_t ldo) {
+    if constexpr (T != Q8_0) {  // Q8_0's bytes are its values already
+        if (m1 - m0 >= kDecodeRows) {
+            rows_avx2_from<T, true>(w, tile, a, X, decoded_tile<T>(w, tile), m0, m1, out, ldo);
+            return;
+        }
+    }
+    rows_avx2_from<T, false>(w, tile, a, X, nullptr, m0, m1, out, ldo);
 }
 
 }  // namespace tmk::qmm

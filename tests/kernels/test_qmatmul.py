@@ -193,7 +193,7 @@ def test_compiles_without_graph_break():
 @pytest.mark.parametrize("fill", [0xFF, 0x80])
 def test_extreme_values_do_not_saturate(variant, t, fill):
     """Largest weights (every value bit set; Q8_0 also -128) times activations of +-127 everywhere:
-    the worst case for AVX2's int16 maddubs sums."""
+    the worst case for AVX2's int16 maddubs sums (a whole block of 4-bit steps in int16)."""
     n, k = 16, k_for(t, 1)
     block, size = gguf.GGML_QUANT_SIZES[t]
     raw = np.full((n, k // block, size), fill, np.uint8)
@@ -202,8 +202,8 @@ def test_extreme_values_do_not_saturate(variant, t, fill):
     for at in scale_at:
         raw[..., at:at + 2] = one
     w = QuantizedWeight.from_gguf(raw.reshape(n, -1), t, (n, k))
-    x = torch.ones(2, k)
-    x[1] = -1
+    x = torch.ones(8, k)  # 8 rows: the AVX2 kernel's decoded-tile path too
+    x[1::2] = -1
     with native.use_variant(variant):
         got = qmatmul(x, w)
     ref = qmatmul_reference(x, w)
