@@ -6,8 +6,6 @@
 // instructions of maddubs with the abs/sign trick on each plane (the head's GEMV, bench/qmatmul.py).
 #pragma once
 
-#include <vector>
-
 #include "qmatmul_layout.h"
 
 #if defined(TM_AVX2)
@@ -35,13 +33,6 @@ inline __m256i step_values2(const uint8_t* qs, int j, int h) {
     return v;
 }
 
-// A many-row call decodes each weight tile's values once into a buffer (decoded_tile), laid out as
-// Q8_0's blocks are: step j of half h at 64 j + 32 h in the block's 512 bytes. Without VNNI the
-// nibble and bit-plane decoding is a good share of the vector ALU work, and every MR-row pass and
-// plane would otherwise redo it (bench/qmatmul.py: Q4_1 ~10%, Q5_0 and Q6_K more).
-constexpr int kDecodedBlock = 512;
-constexpr int64_t kDecodeRows = 8;  // rows from which a call decodes its tiles first
-
 template <int T, bool kDecoded>
 inline __m256i step_at(const uint8_t* src, int j, int h) {
     if constexpr (kDecoded)
@@ -51,18 +42,10 @@ inline __m256i step_at(const uint8_t* src, int j, int h) {
 }
 
 template <int T>
-inline const uint8_t* decoded_tile(const Weight& w, int64_t tile) {
-    thread_local std::vector<uint8_t> buffer;  // each worker thread its own
-    const size_t bytes = size_t(w.blocks()) * kDecodedBlock;
-    if (buffer.size() < bytes) buffer.resize(bytes);
-    for (int64_t b = 0; b < w.blocks(); ++b) {
-        const uint8_t* qs = w.qs_at(tile, b);
-        uint8_t* dst = buffer.data() + b * kDecodedBlock;
-        for (int j = 0; j < 8; ++j)
-            for (int h = 0; h < 2; ++h)
-                _mm256_storeu_si256((__m256i*)(dst + 64 * j + 32 * h), step_values2<T>(qs, j, h));
-    }
-    return buffer.data();
+inline const uint8_t* decoded_tile2(const Weight& w, int64_t tile) {
+    return decoded_tile(w, tile, [](const uint8_t* qs, int j, uint8_t* dst) {
+        for (int h = 0; h < 2; ++h) _mm256_storeu_si256((__m256i*)(dst + 32 * h), step_values2<T>(qs, j, h));
+    });
 }
 
 // Steps whose maddubs sums add in int16 before widening: a pair's sum is at most 2 * vmax * 127, so
@@ -251,12 +234,14 @@ void rows_avx2_from(const Weight& w, int64_t tile, const Acts& a, const int16_t*
     }
 }
 
+constexpr int64_t kDecodeRows2 = 8;  // rows from which a call decodes its tiles first
+
 template <int T>
 void rows_avx2(const Weight& w, int64_t tile, const Acts& a, const int16_t* X, int64_t m0, int64_t m1, float* out,
                int64_t ldo) {
     if constexpr (T != Q8_0) {  // Q8_0's bytes are its values already
-        if (m1 - m0 >= kDecodeRows) {
-            rows_avx2_from<T, true>(w, tile, a, X, decoded_tile<T>(w, tile), m0, m1, out, ldo);
+        if (m1 - m0 >= kDecodeRows2) {
+            rows_avx2_from<T, true>(w, tile, a, X, decoded_tile2<T>(w, tile), m0, m1, out, ldo);
             return;
         }
     }

@@ -34,6 +34,21 @@ inline __m512i step_values(const uint8_t* qs, int j) {
     return v;
 }
 
+template <int T, bool kDecoded>
+inline __m512i step_at(const uint8_t* src, int j) {
+    if constexpr (kDecoded)
+        return _mm512_loadu_si512(src + 64 * j);
+    else
+        return step_values<T>(src, j);
+}
+
+template <int T>
+inline const uint8_t* decoded_tile512(const Weight& w, int64_t tile) {
+    return decoded_tile(w, tile, [](const uint8_t* qs, int j, uint8_t* dst) {
+        _mm512_storeu_si512(dst, step_values<T>(qs, j));
+    });
+}
+
 // acc += u8 v x the 4 s8 at x broadcast to every lane, the broadcast folded into the instruction's
 // memory operand ({1to16}): GCC emits a separate vpbroadcastd per step otherwise, ~20% slower at
 // 64-512 rows (bench/qmatmul.py).
@@ -50,7 +65,7 @@ inline __m512 load_u8_as_f32(const uint8_t* p) {
 // joined and added to isum: isum += (q1 . u << kFine) + q2 . u. Each plane has its own vpdpbusd chain,
 // and with few rows even and odd steps too, so a GEMV is not bound by the chains' latency (integer
 // sums are exact: the split does not change any result).
-template <int T, int MR>
+template <int T, int MR, bool kDecoded>
 inline void dot_steps(const uint8_t* qs, const int8_t* const* x, int64_t K, int j0, int j1, __m512i* isum) {
     constexpr int kSplit = MR <= 2 ? 2 : 1;
     __m512i hi[kSplit][MR], lo[kSplit][MR];
@@ -58,7 +73,7 @@ inline void dot_steps(const uint8_t* qs, const int8_t* const* x, int64_t K, int 
         for (int r = 0; r < MR; ++r) hi[s][r] = lo[s][r] = _mm512_setzero_si512();
     for (int j = j0; j < j1; j += kSplit)
         for (int s = 0; s < kSplit; ++s) {
-            const __m512i v = step_values<T>(qs, j + s);
+            const __m512i v = step_at<T, kDecoded>(qs, j + s);
             for (int r = 0; r < MR; ++r) {
                 hi[s][r] = dpbusd_bcast(hi[s][r], v, x[r] + 4 * (j + s));
                 lo[s][r] = dpbusd_bcast(lo[s][r], v, x[r] + K + 4 * (j + s));
@@ -74,8 +89,10 @@ inline void dot_steps(const uint8_t* qs, const int8_t* const* x, int64_t K, int 
     }
 }
 
-template <int T, int MR>
-void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+// dec: the tile's decoded values (kDecoded) or null.
+template <int T, int MR, bool kDecoded>
+void tile_avx512(const Weight& w, int64_t tile, const Acts& a, const uint8_t* dec, int64_t m0, float* out,
+                 int64_t ldo) {
     const int64_t nb = w.blocks();
     const int64_t left = w.N - tile * kTile;
     const __mmask16 cols = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
@@ -84,9 +101,9 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
     const int8_t* x[MR];
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* qs = w.qs_at(tile, b);
+        const uint8_t* qs = kDecoded ? dec + b * kDecodedBlock : w.qs_at(tile, b);
         const uint8_t* sc = w.sc_at(tile, b);
-        if constexpr (MR <= 2) {  // few rows: the weight streams from memory, so ask for it early
+        if constexpr (MR <= 2 && !kDecoded) {  // few rows: the weight streams from memory, so ask for it early
             prefetch_ahead(T, qs, sc);
         }
         for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
@@ -97,10 +114,10 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
             const __m512i sc_b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + 16)));
             __m512i half[MR];
             for (int r = 0; r < MR; ++r) half[r] = _mm512_set1_epi32(-c * a.sum16(m0 + r, 2 * b));
-            dot_steps<T, MR>(qs, x, w.K, 0, 4, half);
+            dot_steps<T, MR, kDecoded>(qs, x, w.K, 0, 4, half);
             for (int r = 0; r < MR; ++r) isum[r] = _mm512_mullo_epi32(half[r], sc_a);
             for (int r = 0; r < MR; ++r) half[r] = _mm512_set1_epi32(-c * a.sum16(m0 + r, 2 * b + 1));
-            dot_steps<T, MR>(qs, x, w.K, 4, 8, half);
+            dot_steps<T, MR, kDecoded>(qs, x, w.K, 4, 8, half);
             for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(half[r], sc_b));
             scale = load_halves(w.sup_at(tile, b));
         } else {
@@ -110,7 +127,7 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
                 else
                     isum[r] = _mm512_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
             }
-            dot_steps<T, MR>(qs, x, w.K, 0, 8, isum);
+            dot_steps<T, MR, kDecoded>(qs, x, w.K, 0, 8, isum);
             if constexpr (T == Q4_K)
                 scale = _mm512_mul_ps(load_halves(w.sup_at(tile, b)), load_u8_as_f32(sc));
             else
@@ -140,19 +157,36 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float
 // Rows [m0, m1) of one tile into out (the tile's first column), MR at a time; the tail takes a smaller
 // MR with the same per-row math. Six rows (12 integer and 6 float accumulators) measured faster than
 // four or eight (bench/qmatmul.py, Zen 4).
-template <int T>
-void rows_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
+template <int T, bool kDecoded>
+void rows_avx512_from(const Weight& w, int64_t tile, const Acts& a, const uint8_t* dec, int64_t m0, int64_t m1,
+                      float* out, int64_t ldo) {
     constexpr int MR = 6;
     int64_t m = m0;
-    for (; m + MR <= m1; m += MR) tile_avx512<T, MR>(w, tile, a, m, out, ldo);
+    for (; m + MR <= m1; m += MR) tile_avx512<T, MR, kDecoded>(w, tile, a, dec, m, out, ldo);
     switch (m1 - m) {
-        case 5: tile_avx512<T, 5>(w, tile, a, m, out, ldo); break;
-        case 4: tile_avx512<T, 4>(w, tile, a, m, out, ldo); break;
-        case 3: tile_avx512<T, 3>(w, tile, a, m, out, ldo); break;
-        case 2: tile_avx512<T, 2>(w, tile, a, m, out, ldo); break;
-        case 1: tile_avx512<T, 1>(w, tile, a, m, out, ldo); break;
+        case 5: tile_avx512<T, 5, kDecoded>(w, tile, a, dec, m, out, ldo); break;
+        case 4: tile_avx512<T, 4, kDecoded>(w, tile, a, dec, m, out, ldo); break;
+        case 3: tile_avx512<T, 3, kDecoded>(w, tile, a, dec, m, out, ldo); break;
+        case 2: tile_avx512<T, 2, kDecoded>(w, tile, a, dec, m, out, ldo); break;
+        case 1: tile_avx512<T, 1, kDecoded>(w, tile, a, dec, m, out, ldo); break;
         default: break;
     }
+}
+
+constexpr int64_t kDecodeRows512 = 12;  // rows from which a call decodes its tiles first
+
+template <int T>
+void rows_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
+    // With VNNI only the K-quants gain from decoding first (bench/qmatmul.py at 64-512 rows, Zen 5:
+    // Gemma 3's Q4_K attn_out and Q6_K down 10-18% faster); the other 4/5-bit types measured the same
+    // or slower, and Q8_0's bytes are its values already.
+    if constexpr (T == Q4_K || T == Q6_K) {
+        if (m1 - m0 >= kDecodeRows512) {
+            rows_avx512_from<T, true>(w, tile, a, decoded_tile512<T>(w, tile), m0, m1, out, ldo);
+            return;
+        }
+    }
+    rows_avx512_from<T, false>(w, tile, a, nullptr, m0, m1, out, ldo);
 }
 
 }  // namespace tmk::qmm

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "common.h"
 
@@ -78,6 +79,22 @@ struct Weight {
         return sup + (tile * (K / kSuper) + b / (kSuper / kBlock)) * sup_bytes(type);
     }
 };
+
+// A many-row call decodes each weight tile's values once into a buffer and its MR-row passes (and
+// both activation planes) read them from there: the nibble and bit-plane decoding is a good share of
+// the vector ALU work, most of all without VNNI (bench/qmatmul.py). The layout is Q8_0's: block b's
+// step j (inputs 4j..4j+3 of its 16 rows, as unsigned bytes) at b * kDecodedBlock + 64 j.
+// store_step(qs, j, dst) writes step j of the packed block qs to dst (the variant's own decoding).
+constexpr int kDecodedBlock = 512;
+template <typename StoreStep>
+inline const uint8_t* decoded_tile(const Weight& w, int64_t tile, StoreStep store_step) {
+    thread_local std::vector<uint8_t> buffer;  // each worker thread its own
+    const size_t bytes = size_t(w.blocks()) * kDecodedBlock;
+    if (buffer.size() < bytes) buffer.resize(bytes);
+    for (int64_t b = 0; b < w.blocks(); ++b)
+        for (int j = 0; j < 8; ++j) store_step(w.qs_at(tile, b), j, buffer.data() + b * kDecodedBlock + 64 * j);
+    return buffer.data();
+}
 
 inline uint32_t load_u32(const void* p) {
     uint32_t v;
