@@ -50,8 +50,9 @@ inline const uint8_t* decoded_tile2(const Weight& w, int64_t tile) {
 
 // Steps whose maddubs sums add in int16 before widening: a pair's sum is at most 2 * vmax * 127, so
 // 4-bit values (<= 15) take the whole block of 8 steps (30480), Q5_0 (<= 31) 4 and Q6_K (<= 63) 2
-// (32004), all under 32767. Fewer widening madds is what counts without VNNI: maddubs and madd share
-// the multiply ports, and per 32 products the 4-bit types go from 3 multiplies to 2.25.
+// (32004), all under 32767. Fewer widening madds means fewer multiplies (maddubs and madd share the
+// multiply ports): per 32 products the 4-bit types go from 3 to 2.25 (SmolLM2's Q4_1 shapes 7-10%
+// faster at 64-512 rows, bench/qmatmul.py --variant avx2, Zen 5).
 template <int T>
 constexpr int int16_steps() {
     return T == Q6_K ? 2 : T == Q5_0 ? 4 : 8;
@@ -83,7 +84,7 @@ inline void dot_steps2(const uint8_t* qs, int h, const int8_t* const* x, int64_t
                         const __m256i xs = _mm256_set1_epi32(int(load_u32(xp)));
                         sum16[r][p] = _mm256_add_epi16(sum16[r][p], _mm256_maddubs_epi16(v, xs));
                         // GCC otherwise reassociates the sums into a tree over all G steps' products,
-                        // which keeps them all live and spills them (measured 20% slower than pairs)
+                        // which keeps them all live and spills them (Q5_0 came out 20% slower)
                         asm("" : "+x"(sum16[r][p]));
                     }
             }
@@ -150,9 +151,10 @@ void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const i
         const uint8_t* qs = kDecoded ? dec + b * kDecodedBlock : w.qs_at(tile, b);
         const uint8_t* sc = w.sc_at(tile, b);
         // Few rows: the weight streams from memory, so ask for it early; the second half finds the
-        // tile in L1 (both halves share its cache lines). Gemma 3's decode step: gate_up 1.03-1.12 ->
-        // 0.79-0.81 ms. Not Q8_0: that is the output head, one long stream the hardware prefetcher
-        // keeps up with, and the extra requests made it slower (Gemma 3's: 3.1 -> 3.9 ms a token).
+        // tile in L1 (both halves share its cache lines). Gemma 3's decode step (bench/profile_step.py
+        // --native-phases): down 0.65-0.75 -> 0.48-0.58 ms, o_proj 0.23-0.36 -> 0.20-0.27. Not Q8_0:
+        // that is the output head, one long stream the hardware prefetcher keeps up with, and the
+        // extra requests made it slower (Gemma 3's: 3.1 -> 3.9 ms a token).
         if (T != Q8_0 && !kDecoded && MR <= 2 && h == 0) {
             prefetch_ahead(T, qs, sc);
         }
