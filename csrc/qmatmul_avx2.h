@@ -137,83 +137,114 @@ inline __m256 load_u8_as_f32x8(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// dec: the tile's decoded values (kDecoded) or null.
+// acc[r] += half h of block b of the tile for rows m0.. m0 + MR - 1: the integer dot products of its 8
+// output columns, scaled. qs: the block's values (decoded, or as packed); for Q8_0, X holds the rows
+// joined (joined_rows).
 template <int T, int MR, bool kDecoded>
-void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const int16_t* X, const uint8_t* dec,
-                    int64_t m0, float* out, int64_t ldo) {
-    const int64_t nb = w.blocks();
+inline void block_half_avx2(const Weight& w, int64_t tile, int64_t b, int h, const uint8_t* qs, const Acts& a,
+                            const int16_t* X, int64_t m0, __m256* acc) {
     constexpr int c = T == Q4_0 ? 8 : T == Q5_0 ? 16 : T == Q8_0 ? 128 : 32;
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* sc = w.sc_at(tile, b);
     const int8_t* x[MR];
-    const int16_t* xj[MR];
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* qs = kDecoded ? dec + b * kDecodedBlock : w.qs_at(tile, b);
-        const uint8_t* sc = w.sc_at(tile, b);
-        // Few rows: the weight streams from memory, so ask for it early; the second half finds the
-        // tile in L1 (both halves share its cache lines). Gemma 3's decode step (bench/profile_step.py
-        // --native-phases): down 0.65-0.75 -> 0.48-0.58 ms, o_proj 0.23-0.36 -> 0.20-0.27. Not Q8_0:
-        // that is the output head, one long stream the hardware prefetcher keeps up with, and the
-        // extra requests made it slower (Gemma 3's: 3.1 -> 3.9 ms a token).
-        if (T != Q8_0 && !kDecoded && MR <= 2 && h == 0) {
-            prefetch_ahead(T, qs, sc);
-        }
-        for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
-        if constexpr (T == Q8_0)
-            for (int r = 0; r < MR; ++r) xj[r] = X + r * w.K + b * kBlock;
-        __m256i isum[MR];
-        __m256 scale;
-        if constexpr (T == Q6_K) {
-            const __m256i sc_a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * h)));
-            const __m256i sc_b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 16 + 8 * h)));
-            __m256i half[MR];
-            for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b));
-            dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 0, 4, half);
-            for (int r = 0; r < MR; ++r) isum[r] = _mm256_mullo_epi32(half[r], sc_a);
-            for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b + 1));
-            dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 4, 8, half);
-            for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(half[r], sc_b));
-            scale = load_halves8(w.sup_at(tile, b) + 16 * h);
-        } else {
-            for (int r = 0; r < MR; ++r) {
-                if constexpr (T == Q4_1 || T == Q4_K)
-                    isum[r] = _mm256_setzero_si256();
-                else
-                    isum[r] = _mm256_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
-            }
-            if constexpr (T == Q8_0)
-                dot_steps_q8<MR>(qs, h, xj, isum);
-            else
-                dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 0, 8, isum);
-            if constexpr (T == Q4_K)
-                scale = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 16 * h), load_u8_as_f32x8(sc + 8 * h));
-            else
-                scale = load_halves8(sc + 16 * h);
-        }
+    for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
+    __m256i isum[MR];
+    __m256 scale;
+    if constexpr (T == Q6_K) {
+        const __m256i sc_a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * h)));
+        const __m256i sc_b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 16 + 8 * h)));
+        __m256i half[MR];
+        for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b));
+        dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 0, 4, half);
+        for (int r = 0; r < MR; ++r) isum[r] = _mm256_mullo_epi32(half[r], sc_a);
+        for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b + 1));
+        dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 4, 8, half);
+        for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(half[r], sc_b));
+        scale = load_halves8(w.sup_at(tile, b) + 16 * h);
+    } else {
         for (int r = 0; r < MR; ++r) {
-            const __m256 dx = _mm256_set1_ps(a.dx(m0 + r, b));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            if constexpr (T == Q4_1 || T == Q4_K)
+                isum[r] = _mm256_setzero_si256();
+            else
+                isum[r] = _mm256_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
         }
-        if constexpr (T == Q4_1) {
-            const __m256 offset = load_halves8(sc + 32 + 16 * h);
-            for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+        if constexpr (T == Q8_0) {
+            const int16_t* xj[MR];
+            for (int r = 0; r < MR; ++r) xj[r] = X + r * w.K + b * kBlock;
+            dot_steps_q8<MR>(qs, h, xj, isum);
+        } else {
+            dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 0, 8, isum);
         }
-        if constexpr (T == Q4_K) {
-            const __m256 offset = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 32 + 16 * h), load_u8_as_f32x8(sc + 16 + 8 * h));
-            for (int r = 0; r < MR; ++r) acc[r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
-        }
+        if constexpr (T == Q4_K)
+            scale = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 16 * h), load_u8_as_f32x8(sc + 8 * h));
+        else
+            scale = load_halves8(sc + 16 * h);
     }
+    for (int r = 0; r < MR; ++r) {
+        const __m256 dx = _mm256_set1_ps(a.dx(m0 + r, b));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+    }
+    if constexpr (T == Q4_1) {
+        const __m256 offset = load_halves8(sc + 32 + 16 * h);
+        for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+    }
+    if constexpr (T == Q4_K) {
+        const __m256 offset = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 32 + 16 * h), load_u8_as_f32x8(sc + 16 + 8 * h));
+        for (int r = 0; r < MR; ++r) acc[r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+    }
+}
+
+// Half h's 8 columns of rows m0.. m0 + MR - 1 into out (the tile's first column); a tail tile writes
+// only its real columns.
+template <int MR>
+inline void store_half(const Weight& w, int64_t tile, int h, const __m256* acc, int64_t m0, float* out, int64_t ldo) {
     const int64_t cols = w.N - tile * kTile - 8 * h;
     for (int r = 0; r < MR; ++r) {
         float* o = out + (m0 + r) * ldo + 8 * h;
         if (cols >= 8) {
             _mm256_storeu_ps(o, acc[r]);
-        } else {
+        } else if (cols > 0) {
             alignas(32) float tmp[8];
             _mm256_store_ps(tmp, acc[r]);
             for (int64_t i = 0; i < cols; ++i) o[i] = tmp[i];
         }
     }
+}
+
+// Many rows: half h of the tile over every block, MR rows at a time (the rows share each decoded
+// step, and the MR int16 sums stay in registers). dec: the tile's decoded values (kDecoded) or null.
+template <int T, int MR, bool kDecoded>
+void half_tile_avx2(const Weight& w, int64_t tile, int h, const Acts& a, const int16_t* X, const uint8_t* dec,
+                    int64_t m0, float* out, int64_t ldo) {
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.blocks(); ++b) {
+        const uint8_t* qs = kDecoded ? dec + b * kDecodedBlock : w.qs_at(tile, b);
+        block_half_avx2<T, MR, kDecoded>(w, tile, b, h, qs, a, X, m0, acc);
+    }
+    store_half<MR>(w, tile, h, acc, m0, out, ldo);
+}
+
+// 1-2 rows (a GEMV, the weight streaming from memory): both halves of each block in turn, so the
+// weight is read once, in order, each cache line whole while it is in L1, rather than half of every
+// line per pass over the tile. Gemma 3's 262144 x 640 Q8_0 head at one row: 4.0-4.2 -> 3.5-3.9 ms (a
+// standalone timing alternated with the previous build), its AVX2 decode step 7.9-8.0 -> 6.4-6.7 ms
+// (bench/profile_step.py --batch 1 --native-phases). The other types also ask for the weight 2 KB
+// ahead, their per-block work being too long for the hardware prefetcher to keep ahead alone (Gemma
+// 3's decode step: down 0.65-0.75 -> 0.48-0.58 ms, o_proj 0.23-0.36 -> 0.20-0.27); Q8_0, the output
+// head, is one long stream that the prefetcher keeps up with, and the extra requests cost 0.4-0.6 ms
+// a step there. Each output takes the same operations as in half_tile_avx2.
+template <int T, int MR>
+void tile_gemv_avx2(const Weight& w, int64_t tile, const Acts& a, const int16_t* X, int64_t m0, float* out,
+                    int64_t ldo) {
+    __m256 acc[2][MR];
+    for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < MR; ++r) acc[h][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.blocks(); ++b) {
+        const uint8_t* qs = w.qs_at(tile, b);
+        if constexpr (T != Q8_0) prefetch_ahead(T, qs, w.sc_at(tile, b));
+        for (int h = 0; h < 2; ++h) block_half_avx2<T, MR, false>(w, tile, b, h, qs, a, X, m0, acc[h]);
+    }
+    for (int h = 0; h < 2; ++h) store_half<MR>(w, tile, h, acc[h], m0, out, ldo);
 }
 
 // Rows [m0, m1) of one tile into out (the tile's first column), both halves; for Q8_0, X holds those
@@ -241,6 +272,8 @@ constexpr int64_t kDecodeRows2 = 8;  // rows from which a call decodes its tiles
 template <int T>
 void rows_avx2(const Weight& w, int64_t tile, const Acts& a, const int16_t* X, int64_t m0, int64_t m1, float* out,
                int64_t ldo) {
+    if (m1 - m0 == 1) return tile_gemv_avx2<T, 1>(w, tile, a, X, m0, out, ldo);
+    if (m1 - m0 == 2) return tile_gemv_avx2<T, 2>(w, tile, a, X, m0, out, ldo);
     if constexpr (T != Q8_0) {  // Q8_0's bytes are its values already
         if (m1 - m0 >= kDecodeRows2) {
             rows_avx2_from<T, true>(w, tile, a, X, decoded_tile2<T>(w, tile), m0, m1, out, ldo);

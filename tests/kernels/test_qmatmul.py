@@ -130,6 +130,7 @@ def test_batch_and_thread_invariance(variant, t):
         for i in (0, 5, 36):
             assert torch.equal(qmatmul(x[i:i + 1], w), full[i:i + 1])
         assert torch.equal(qmatmul(x[3:11], w), full[3:11])
+        assert torch.equal(qmatmul(x[7:9], w), full[7:9])  # the two-row GEMV
         other = torch.cat([x[20:21], torch.randn(4, k) * 100])
         assert torch.equal(qmatmul(other, w)[0], full[20])
         try:
