@@ -373,4 +373,38 @@ inline void attend_row(const float* const* q, RowState* st, int G, const Tile& t
     }
 }
 
+// ---- Segments. A row's keys are taken a segment at a time: a fixed run of whole blocks (about
+// SEGMENT_KEYS positions, aligned to absolute positions), over which the row's softmax state starts
+// afresh, and which then joins the row's total in position order (fold_segment). Because the
+// segments are fixed, a long decode row's segments can run on different threads and be folded
+// afterwards with the same operations, in the same order, as when one thread walks them all: the
+// bits never depend on the split (paged_attention.cpp).
+constexpr int SEGMENT_KEYS = 256;
+inline int segment_blocks(int block_size) { return std::max(1, SEGMENT_KEYS / block_size); }
+
+inline void reset_state(RowState& s, int D) {
+    s.max = -std::numeric_limits<float>::infinity();
+    for (int l = 0; l < TILE; l += 16) vstore(s.lane_sums + l, vzero());
+    for (int d = 0; d < D; d += 16) vstore(s.acc + d, vzero());
+}
+
+// total (the row's earlier segments) joined by seg (the next one). An empty side leaves the other's
+// bits as they are.
+inline void fold_segment(RowState& total, const RowState& seg, int D) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    if (seg.max == neg_inf) return;
+    if (total.max == neg_inf) {
+        total.max = seg.max;
+        for (int l = 0; l < TILE; l += 16) vstore(total.lane_sums + l, vload(seg.lane_sums + l));
+        for (int d = 0; d < D; d += 16) vstore(total.acc + d, vload(seg.acc + d));
+        return;
+    }
+    const float m = std::max(total.max, seg.max);
+    const V16 a = vexp(vset1(total.max - m)), b = vexp(vset1(seg.max - m));
+    for (int l = 0; l < TILE; l += 16)
+        vstore(total.lane_sums + l, vfma(vload(seg.lane_sums + l), b, vmul(vload(total.lane_sums + l), a)));
+    for (int d = 0; d < D; d += 16) vstore(total.acc + d, vfma(vload(seg.acc + d), b, vmul(vload(total.acc + d), a)));
+    total.max = m;
+}
+
 }  // namespace tmk::attn

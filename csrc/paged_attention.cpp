@@ -43,18 +43,30 @@ struct Problem {
     const int32_t* cu_rows; const int32_t* start_pos; const int32_t* tables; int64_t table_width;
     int block_size, window;
     float scale;
+    int seg_blocks;  // blocks per segment (attention_tile.h)
 };
+
+// A decode row whose segments run as separate work items: each writes its heads' state per
+// segment into `states` ([segment][head][kStateFloats]), folded in order once all have run.
+struct SplitRow {
+    int seq, kv_head, first_head, num_heads;
+    int64_t first_segment, num_segments;
+    float* states;
+};
+inline int64_t state_floats(int D) { return D + TILE + 1; }  // acc, lane sums, max
 
 struct WorkItem {
     int seq, kv_head, first_row, num_rows;  // rows relative to the sequence's chunk
     int first_head, num_heads;              // of the kv head's query heads (all of them unless split)
     int64_t cost;
+    int64_t segment = -1;                   // the only segment it takes (-1: all of the row's keys)
+    const SplitRow* split = nullptr;        // where it leaves its state instead of the output
 };
 
 struct Scratch {
-    std::vector<float> kt, vt, q, acc, lane_sums;
+    std::vector<float> kt, vt, q, acc, lane_sums, total_acc, total_sums;
     std::vector<const float*> qp;
-    std::vector<RowState> st;
+    std::vector<RowState> st, total;
 };
 
 // Tiles ahead to prefetch, into L2 (the line-fill buffers of L1 are few, and filling them with
@@ -75,15 +87,22 @@ struct TileCursor {
 struct ItemTiles {
     const Problem& P;
     const int32_t* table;
-    int64_t head_row, lo, pos_last, last_block;
+    int64_t head_row, pos_last;  // pos_last: the last row's position
+    int64_t lo, hi, last_block;  // the keys taken: the rows' (within the item's segment if it has one)
     int per_block;
     ItemTiles(const Problem& p, const WorkItem& it)
         : P(p), table(p.tables + it.seq * p.table_width), head_row(int64_t(it.kv_head) * p.k.num_slots) {
         const int64_t pos0 = int64_t(P.start_pos[it.seq]) + it.first_row;
         pos_last = pos0 + it.num_rows - 1;
         lo = first_key(pos0);
+        hi = pos_last;
+        if (it.segment >= 0) {
+            const int64_t keys = int64_t(P.seg_blocks) * P.block_size;
+            lo = std::max(lo, it.segment * keys);
+            hi = std::min(hi, (it.segment + 1) * keys - 1);
+        }
         per_block = (P.block_size + TILE - 1) / TILE;
-        last_block = pos_last / P.block_size;
+        last_block = hi / P.block_size;
     }
     int64_t first_key(int64_t pos) const { return P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : int64_t(0); }
     // The first tile holding one of the item's keys.
@@ -97,7 +116,9 @@ struct ItemTiles {
     int64_t start(const TileCursor& c) const { return c.block * P.block_size + int64_t(c.tile) * TILE; }
     // The tile's last position (inclusive): 16 on, or the block's end.
     int64_t end(const TileCursor& c) const { return std::min<int64_t>(start(c) + TILE, (c.block + 1) * P.block_size) - 1; }
-    bool done(const TileCursor& c) const { return c.block > last_block || start(c) > pos_last; }
+    bool done(const TileCursor& c) const { return c.block > last_block || start(c) > hi; }
+    // Whether c is the first tile of a segment.
+    bool segment_start(const TileCursor& c) const { return c.tile == 0 && c.block % P.seg_blocks == 0; }
     int64_t row(const TileCursor& c) const { return head_row + int64_t(table[c.block]) * P.block_size + int64_t(c.tile) * TILE; }
     // Blocks are scattered, so the hardware prefetcher cannot guess the next one.
     void prefetch(const TileCursor& c) const {
@@ -112,7 +133,7 @@ struct ItemTiles {
         };
         if (done(c)) return;
         const int64_t r = row(c), s = start(c);
-        const int64_t bytes = (std::min(end(c), pos_last) - s + 1) * P.k.row_bytes;
+        const int64_t bytes = (std::min(end(c), hi) - s + 1) * P.k.row_bytes;
         const char* k = static_cast<const char*>(P.k.data) + r * P.k.row_bytes;
         const char* v = static_cast<const char*>(P.v.data) + r * P.k.row_bytes;
         for (int64_t off = 0; off < bytes; off += 64) {
@@ -135,16 +156,19 @@ struct ItemTiles {
         TileCursor c = first();
         for (int i = 0; i < PREFETCH_TILES; ++i, next(c, per_block)) prefetch(c);
     }
-    // f(ts, te, first, last, row) for each tile in order, the tile PREFETCH_TILES ahead prefetched:
-    // positions ts..te (inclusive), of which first..last (relative to ts) hold the item's keys, at
-    // cache row `row`.
+    // f(ts, te, first, last, row, new_segment) for each tile in order, the tile PREFETCH_TILES
+    // ahead prefetched: positions ts..te (inclusive), of which first..last (relative to ts) hold the
+    // item's keys, at cache row `row`; new_segment when an earlier tile of the item lay in another
+    // segment.
     template <typename F>
     void for_each(F&& f) const {
         TileCursor pf = ahead(first());
-        for (TileCursor c = first(); !done(c); next(c, per_block), next(pf, per_block)) {
+        const TileCursor c0 = first();
+        for (TileCursor c = c0; !done(c); next(c, per_block), next(pf, per_block)) {
             prefetch(pf);
             const int64_t ts = start(c), te = end(c);
-            f(ts, te, int(std::max(ts, lo) - ts), int(std::min(te, pos_last) - ts), row(c));
+            const bool new_segment = segment_start(c) && (c.block != c0.block || c.tile != c0.tile);
+            f(ts, te, int(std::max(ts, lo) - ts), int(std::min(te, hi) - ts), row(c), new_segment);
         }
     }
 };
@@ -156,6 +180,43 @@ inline void store_output(const Problem& P, const RowState* st, int n, int G, int
         const V16 total = vset1(vsum_all(vload(st[i].lane_sums)));
         float* dst = P.out + ((row0 + r) * P.H + head0 + g) * int64_t(P.D);
         for (int d = 0; d < P.D; d += 16) vstore(dst + d, vdiv(vload(st[i].acc + d), total));
+    }
+}
+
+// The end of an item's rows: the last segment folded into each (row, head)'s total and the output
+// written, or, for one segment of a split row, that segment's state left for the fold.
+inline void finish_item(const Problem& P, const WorkItem& it, RowState* st, RowState* total, int n, int64_t row0,
+                        int64_t head0) {
+    const int D = P.D;
+    if (it.split != nullptr) {
+        const SplitRow& sr = *it.split;
+        const int64_t stride = state_floats(D);
+        for (int g = 0; g < n; ++g) {
+            float* dst = sr.states + ((it.segment - sr.first_segment) * sr.num_heads + (it.first_head - sr.first_head) + g) * stride;
+            std::copy(st[g].acc, st[g].acc + D, dst);
+            std::copy(st[g].lane_sums, st[g].lane_sums + TILE, dst + D);
+            dst[D + TILE] = st[g].max;
+        }
+        return;
+    }
+    for (int i = 0; i < n; ++i) fold_segment(total[i], st[i], D);
+    store_output(P, total, n, it.num_heads, row0, head0);
+}
+
+// A split row's segments folded in order, then its output written.
+void fold_split_row(const Problem& P, const SplitRow& sr) {
+    const int D = P.D;
+    const int64_t stride = state_floats(D);
+    std::vector<float> acc(static_cast<size_t>(D)), sums(static_cast<size_t>(TILE));
+    const int64_t row0 = P.cu_rows[sr.seq];
+    for (int g = 0; g < sr.num_heads; ++g) {
+        RowState total{0.0f, sums.data(), acc.data()};
+        reset_state(total, D);
+        for (int64_t s = 0; s < sr.num_segments; ++s) {
+            float* src = sr.states + (s * sr.num_heads + g) * stride;
+            fold_segment(total, RowState{src[D + TILE], src + D, src}, D);
+        }
+        store_output(P, &total, 1, 1, row0, int64_t(sr.kv_head) * P.G + sr.first_head + g);
     }
 }
 
@@ -173,20 +234,25 @@ void run_decode_item(const Problem& P, const WorkItem& it) {
     const ItemTiles tiles(P, it);
     tiles.prefetch_first();
     alignas(64) float q[DECODE_MAX_HEADS * DECODE_MAX_D], acc[DECODE_MAX_HEADS * DECODE_MAX_D];
-    alignas(64) float sums[DECODE_MAX_HEADS * TILE];
+    alignas(64) float total_acc[DECODE_MAX_HEADS * DECODE_MAX_D];
+    alignas(64) float sums[DECODE_MAX_HEADS * TILE], total_sums[DECODE_MAX_HEADS * TILE];
     const float* qp[DECODE_MAX_HEADS];
-    RowState st[DECODE_MAX_HEADS];
+    RowState st[DECODE_MAX_HEADS], total[DECODE_MAX_HEADS];
     for (int g = 0; g < G; ++g) {
         const float* src = P.q + row0 * P.q_row_stride + (head0 + g) * P.q_head_stride;
-        for (int d = 0; d < D; ++d) q[g * D + d] = src[d] * P.scale, acc[g * D + d] = 0.0f;
-        for (int l = 0; l < TILE; ++l) sums[g * TILE + l] = 0.0f;
+        for (int d = 0; d < D; ++d) q[g * D + d] = src[d] * P.scale;
         qp[g] = q + g * D;
-        st[g] = RowState{-std::numeric_limits<float>::infinity(), sums + g * TILE, acc + g * D};
+        st[g] = RowState{0.0f, sums + g * TILE, acc + g * D};
+        total[g] = RowState{0.0f, total_sums + g * TILE, total_acc + g * D};
+        reset_state(st[g], D);
+        reset_state(total[g], D);
     }
-    tiles.for_each([&](int64_t, int64_t, int first, int last, int64_t row) {
+    tiles.for_each([&](int64_t, int64_t, int first, int last, int64_t row, bool new_segment) {
+        if (new_segment)
+            for (int g = 0; g < G; ++g) fold_segment(total[g], st[g], D), reset_state(st[g], D);
         attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D}, first, last, D);
     });
-    store_output(P, st, G, G, row0, head0);
+    finish_item(P, it, st, total, G, row0, head0);
 }
 #endif
 
@@ -209,12 +275,16 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
     const int64_t pos0 = tiles.pos_last - (it.num_rows - 1);
 
     sc.q.resize(size_t(n) * D);
-    sc.acc.assign(size_t(n) * D, 0.0f);
-    sc.lane_sums.assign(size_t(n) * TILE, 0.0f);
+    sc.acc.resize(size_t(n) * D);
+    sc.lane_sums.resize(size_t(n) * TILE);
+    sc.total_acc.resize(size_t(n) * D);
+    sc.total_sums.resize(size_t(n) * TILE);
     sc.qp.resize(size_t(n));
     sc.st.resize(size_t(n));
+    sc.total.resize(size_t(n));
     const float** qp = sc.qp.data();
     RowState* st = sc.st.data();
+    RowState* total = sc.total.data();
     for (int r = 0; r < it.num_rows; ++r)
         for (int g = 0; g < G; ++g) {
             const int i = r * G + g;
@@ -222,11 +292,15 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
             float* dst = sc.q.data() + size_t(i) * D;
             for (int d = 0; d < D; ++d) dst[d] = src[d] * P.scale;
             qp[i] = dst;
-            st[i] = RowState{-std::numeric_limits<float>::infinity(), sc.lane_sums.data() + size_t(i) * TILE,
-                             sc.acc.data() + size_t(i) * D};
+            st[i] = RowState{0.0f, sc.lane_sums.data() + size_t(i) * TILE, sc.acc.data() + size_t(i) * D};
+            total[i] = RowState{0.0f, sc.total_sums.data() + size_t(i) * TILE, sc.total_acc.data() + size_t(i) * D};
+            reset_state(st[i], D);
+            reset_state(total[i], D);
         }
 
-    tiles.for_each([&](int64_t ts, int64_t te, int first, int last, int64_t row) {
+    tiles.for_each([&](int64_t ts, int64_t te, int first, int last, int64_t row, bool new_segment) {
+        if (new_segment)
+            for (int i = 0; i < n; ++i) fold_segment(total[i], st[i], D), reset_state(st[i], D);
 #if defined(TM_AVX512) || defined(TM_AVX2)
         if (it.num_rows == 1) {
             attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D}, first, last, D);
@@ -237,13 +311,52 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
         load_v_tile<TYPE>(P.v, row, first, last, sc.vt.data());
         const ScratchTile tile{sc.kt.data(), sc.vt.data(), D};
         for (int r = 0; r < it.num_rows; ++r) {
-            const int64_t pos = pos0 + r, a = std::max(ts, tiles.first_key(pos)), e = std::min(te, pos);
+            const int64_t pos = pos0 + r;
+            const int64_t a = std::max({ts, tiles.first_key(pos), tiles.lo}), e = std::min({te, pos, tiles.hi});
             if (a > e) continue;
             attend_row(qp + r * G, st + r * G, G, tile, int(a - ts), int(e - ts), D);
         }
     });
+    finish_item(P, it, st, total, n, row0, head0);
+}
 
-    store_output(P, st, n, G, row0, head0);
+// Each decode item whose keys span several segments becomes one item per segment, writing its
+// state into split_states for fold_split_row.
+void split_into_segments(const Problem& P, std::vector<WorkItem>& items, std::vector<SplitRow>& split_rows,
+                         std::vector<float>& split_states) {
+    const int64_t seg_keys = int64_t(P.seg_blocks) * P.block_size;
+    auto keys_of = [&](const WorkItem& it) {  // first and last key of a decode row
+        const int64_t pos = int64_t(P.start_pos[it.seq]) + it.first_row;
+        return std::pair<int64_t, int64_t>{P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : 0, pos};
+    };
+    auto segments_of = [&](const WorkItem& it) -> int64_t {
+        if (it.num_rows != 1) return 1;
+        const auto [lo, hi] = keys_of(it);
+        return hi / seg_keys - lo / seg_keys + 1;
+    };
+    size_t floats = 0, rows = 0;
+    for (const WorkItem& it : items)
+        if (segments_of(it) > 1) floats += size_t(segments_of(it) * it.num_heads * state_floats(P.D)), ++rows;
+    if (rows == 0) return;
+    split_states.resize(floats);
+    split_rows.reserve(rows);  // the items point into it: no reallocation
+    float* next = split_states.data();
+    std::vector<WorkItem> out;
+    for (const WorkItem& it : items) {
+        const int64_t n = segments_of(it);
+        if (n <= 1) { out.push_back(it); continue; }
+        const auto [lo, hi] = keys_of(it);
+        split_rows.push_back({it.seq, it.kv_head, it.first_head, it.num_heads, lo / seg_keys, n, next});
+        next += n * it.num_heads * state_floats(P.D);
+        for (int64_t s = lo / seg_keys; s <= hi / seg_keys; ++s) {
+            WorkItem sub = it;
+            sub.segment = s;
+            sub.split = &split_rows.back();
+            sub.cost = (std::min(hi, (s + 1) * seg_keys - 1) - std::max(lo, s * seg_keys) + 1) * 5;
+            out.push_back(sub);
+        }
+    }
+    items.swap(out);
 }
 
 // Query rows per work item: enough to amortise each tile's conversion and transposition, few
@@ -263,7 +376,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
               CacheView{ptr<const void>(k_cache), cache_type == CACHE_I8 ? ptr<const float>(k_scale) : nullptr, num_slots, D, row_bytes},
               CacheView{ptr<const void>(v_cache), cache_type == CACHE_I8 ? ptr<const float>(v_scale) : nullptr, num_slots, D, row_bytes},
               ptr<const int32_t>(cu_rows), ptr<const int32_t>(start_pos), ptr<const int32_t>(block_tables), table_width,
-              block_size, window, float(scale)};
+              block_size, window, float(scale), segment_blocks(block_size)};
 
     // Check every block the kernel will read before any thread starts (no throwing inside OpenMP).
     const int64_t num_blocks = num_slots / block_size;
@@ -289,17 +402,25 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
             for (int h = 0; h < Hkv; ++h) items.push_back({s, h, r, n, 0, P.G, keys * (n + 4)});
         }
     }
-    // Too few items to keep every thread busy (one sequence decoding, few kv heads): split each
-    // item's query heads. Heads never interact, so this changes no result, only who loads the tiles.
+    // Too few items to keep every thread busy (one sequence decoding, few kv heads): split each long
+    // decode row into its segments, then the items' query heads. Neither changes a bit of the
+    // result (segments fold in order, fold_split_row; heads never interact), only who loads the
+    // tiles: split by heads alone, every thread read all of the row's keys.
     const int threads_wanted = num_threads();
+    std::vector<SplitRow> split_rows;
+    std::vector<float> split_states;
+    if (threads_wanted > 1 && int64_t(items.size()) < 2 * threads_wanted)
+        split_into_segments(P, items, split_rows, split_states);
     while (int64_t(items.size()) < 2 * threads_wanted) {
         std::vector<WorkItem> split;
         for (const WorkItem& it : items) {
             if (it.num_heads < 2) { split.push_back(it); continue; }
             const int half = it.num_heads / 2;
-            split.push_back({it.seq, it.kv_head, it.first_row, it.num_rows, it.first_head, half, it.cost / 2});
-            split.push_back({it.seq, it.kv_head, it.first_row, it.num_rows, it.first_head + half, it.num_heads - half,
-                             it.cost - it.cost / 2});
+            WorkItem a = it, b = it;
+            a.num_heads = half, a.cost = it.cost / 2;
+            b.first_head = it.first_head + half, b.num_heads = it.num_heads - half, b.cost = it.cost - it.cost / 2;
+            split.push_back(a);
+            split.push_back(b);
         }
         if (split.size() == items.size()) break;
         items.swap(split);
@@ -319,8 +440,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
     if (threads <= 1) {
         Scratch sc; scratch(sc);
         for (const WorkItem& it : items) run(it, sc);
-        return;
-    }
+    } else {
 #ifdef _OPENMP
     std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
@@ -340,6 +460,8 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
     Scratch sc; scratch(sc);
     for (const WorkItem& it : items) run(it, sc);
 #endif
+    }
+    for (const SplitRow& sr : split_rows) fold_split_row(P, sr);
 }
 
 }  // namespace
