@@ -195,7 +195,7 @@ def test_batch_company_decode_vs_prefill_and_threads_are_bitwise_invariant(varia
     shared = run(c, [(1, 89, 1), (3, 0, 160), (0, 200, 100), (2, 0, 1)])
     assert torch.equal(shared[161:261], alone)
     # each row as a decode row (a chunk of one), alone (too few work items: the kernel splits the
-    # query heads over threads) and in a batch of decodes
+    # row's key segments and query heads over threads) and in a batch of decodes
     decodes = torch.cat([run(c, [(0, p, 1)]) for p in range(200, 300, 7)])
     assert torch.equal(decodes, alone[::7])
     batch = run(c, [(1, 89, 1)] + [(0, p, 1) for p in range(200, 300, 7)] + [(3, 159, 1)])
