@@ -212,26 +212,27 @@ def test_batch_company_decode_vs_prefill_and_threads_are_bitwise_invariant(varia
 
 @dims
 @dtypes
-@pytest.mark.parametrize("window", [0, 300])
-def test_long_decode_rows_split_into_segments_are_bitwise_invariant(variant, d, dtype, window):
-    """A decode row alone leaves threads idle, so the kernel runs its key segments (256 positions)
-    as separate work items and folds them afterwards: the same bits as the row in a batch of decodes
-    (one item, segments folded as it goes), as a prefill row, and at any thread count."""
-    c = make_cache([1100, 40], d, dtype, seed=11)
+@pytest.mark.parametrize("window,block_size", [(0, BS), (300, BS), (0, 48), (0, 512)])
+def test_long_decode_rows_split_into_segments_are_bitwise_invariant(variant, d, dtype, window, block_size):
+    """A decode row alone leaves threads idle, so the kernel runs its key segments (whole blocks,
+    about 256 positions) as separate work items and folds them afterwards: the same bits as the row
+    in a batch of decodes (one item, segments folded as it goes), as a prefill row, and at any
+    thread count."""
+    c = make_cache([1100, 40], d, dtype, seed=11, block_size=block_size)
     positions = [255, 256, 600, 1099]
-    alone = [run(c, [(0, p, 1)], window) for p in positions]
-    prefill = run(c, [(0, 200, 900)], window)
-    batch = run(c, [(1, 39, 1)] * 4 + [(0, p, 1) for p in positions], window)
+    alone = [run(c, [(0, p, 1)], window, block_size) for p in positions]
+    prefill = run(c, [(0, 200, 900)], window, block_size)
+    batch = run(c, [(1, 39, 1)] * 4 + [(0, p, 1) for p in positions], window, block_size)
     for i, p in enumerate(positions):
         assert torch.equal(batch[4 + i:5 + i], alone[i]), p
         if 200 <= p < 1100:
             assert torch.equal(prefill[p - 200:p - 199], alone[i]), p
-        assert_close(alone[i], run(c, [(0, p, 1)], window, reference=True))
+        assert_close(alone[i], run(c, [(0, p, 1)], window, block_size, reference=True))
     saved = torch.get_num_threads()
     try:
         for threads in (1, 3):
             native.set_num_threads(threads)
-            assert torch.equal(run(c, [(0, 1099, 1)], window), alone[-1]), threads
+            assert torch.equal(run(c, [(0, 1099, 1)], window, block_size), alone[-1]), threads
     finally:
         native.set_num_threads(saved)
 
