@@ -28,7 +28,7 @@ struct Problem {
 // A decode row whose segments run as separate work items: each writes its heads' state per
 // segment into `states` ([segment][head][state_floats(D)]), folded in order once all have run.
 struct SplitRow {
-    int seq, kv_head, first_head, num_heads;
+    int seq, first_row, kv_head, first_head, num_heads;
     int64_t first_segment, num_segments;
     float* states;
 };

@@ -78,7 +78,7 @@ void fold_split_row(const Problem& P, const SplitRow& sr) {
     const int D = P.D;
     const int64_t stride = state_floats(D);
     std::vector<float> acc(static_cast<size_t>(D)), sums(static_cast<size_t>(TILE));
-    const int64_t row0 = P.cu_rows[sr.seq];
+    const int64_t row0 = P.cu_rows[sr.seq] + sr.first_row;
     for (int g = 0; g < sr.num_heads; ++g) {
         RowState total{0.0f, sums.data(), acc.data()};
         reset_state(total, D);
@@ -216,7 +216,7 @@ void split_into_segments(const Problem& P, std::vector<WorkItem>& items, std::ve
         const int64_t n = segments_of(it);
         if (n <= 1) { out.push_back(it); continue; }
         const auto [lo, hi] = keys_of(it);
-        split_rows.push_back({it.seq, it.kv_head, it.first_head, it.num_heads, lo / seg_keys, n, next});
+        split_rows.push_back({it.seq, it.first_row, it.kv_head, it.first_head, it.num_heads, lo / seg_keys, n, next});
         next += n * it.num_heads * state_floats(P.D);
         for (int64_t s = lo / seg_keys; s <= hi / seg_keys; ++s) {
             WorkItem sub = it;

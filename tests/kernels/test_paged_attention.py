@@ -228,6 +228,12 @@ def test_long_decode_rows_split_into_segments_are_bitwise_invariant(variant, d, 
         if 200 <= p < 1100:
             assert torch.equal(prefill[p - 200:p - 199], alone[i]), p
         assert_close(alone[i], run(c, [(0, p, 1)], window, block_size, reference=True))
+    # a chunk whose last work item is a single row (rows per item: 32 at d=64, 16 at d=256): that
+    # row alone is split into segments, and its output still lands on its own row
+    rows = 33 if d == 64 else 17
+    tail = run(c, [(0, 1099 - rows + 1, rows)], window, block_size)
+    assert torch.equal(tail[-1:], alone[-1])
+    assert torch.equal(tail[:-1], prefill[1099 - rows + 1 - 200:-1])
     saved = torch.get_num_threads()
     try:
         for threads in (1, 3):
