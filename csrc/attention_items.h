@@ -90,8 +90,6 @@ struct ItemTiles {
     // The tile's last position (inclusive): 16 on, or the block's end.
     int64_t end(const TileCursor& c) const { return std::min<int64_t>(start(c) + TILE, (c.block + 1) * P.block_size) - 1; }
     bool done(const TileCursor& c) const { return c.block > last_block || start(c) > hi; }
-    // Whether c is the first tile of a segment.
-    bool segment_start(const TileCursor& c) const { return c.tile == 0 && c.block % P.seg_blocks == 0; }
     int64_t row(const TileCursor& c) const { return head_row + int64_t(table[c.block]) * P.block_size + int64_t(c.tile) * TILE; }
     // Blocks are scattered, so the hardware prefetcher cannot guess the next one.
     void prefetch(const TileCursor& c) const {
@@ -137,10 +135,13 @@ struct ItemTiles {
     void for_each(F&& f) const {
         TileCursor pf = ahead(first());
         const TileCursor c0 = first();
+        // The next segment's first block, stepped rather than found by a division per tile
+        int64_t boundary = (c0.block / P.seg_blocks + 1) * P.seg_blocks;
         for (TileCursor c = c0; !done(c); next(c, per_block), next(pf, per_block)) {
             prefetch(pf);
             const int64_t ts = start(c), te = end(c);
-            const bool new_segment = segment_start(c) && (c.block != c0.block || c.tile != c0.tile);
+            const bool new_segment = c.block == boundary && c.tile == 0;
+            if (new_segment) boundary += P.seg_blocks;
             f(ts, te, int(std::max(ts, lo) - ts), int(std::min(te, hi) - ts), row(c), new_segment);
         }
     }

@@ -118,8 +118,7 @@ void run_decode_item(const Problem& P, const WorkItem& it) {
         reset_state(total[g], D);
     }
     tiles.for_each([&](int64_t, int64_t, int first, int last, int64_t row, bool new_segment) {
-        if (new_segment)
-            for (int g = 0; g < G; ++g) fold_segment(total[g], st[g], D), reset_state(st[g], D);
+        if (new_segment) close_segment(total, st, G, D);
         attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D}, first, last, D);
     });
     finish_item(P, it, st, total, G, row0, head0);
@@ -169,8 +168,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
         }
 
     tiles.for_each([&](int64_t ts, int64_t te, int first, int last, int64_t row, bool new_segment) {
-        if (new_segment)
-            for (int i = 0; i < n; ++i) fold_segment(total[i], st[i], D), reset_state(st[i], D);
+        if (new_segment) close_segment(total, st, n, D);
 #if defined(TM_AVX512) || defined(TM_AVX2)
         if (it.num_rows == 1) {
             attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D}, first, last, D);
