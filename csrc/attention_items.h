@@ -25,14 +25,19 @@ struct Problem {
     int seg_blocks;  // blocks per segment (attention_tile.h)
 };
 
+inline int64_t state_floats(int D) { return D + TILE + 1; }  // acc, lane sums, max
+
 // A decode row whose segments run as separate work items: each writes its heads' state per
 // segment into `states` ([segment][head][state_floats(D)]), folded in order once all have run.
 struct SplitRow {
     int seq, first_row, kv_head, first_head, num_heads;
     int64_t first_segment, num_segments;
     float* states;
+    // The state of segment `segment` (absolute) for the row's head'th head.
+    float* state(int64_t segment, int head, int D) const {
+        return states + ((segment - first_segment) * num_heads + head) * state_floats(D);
+    }
 };
-inline int64_t state_floats(int D) { return D + TILE + 1; }  // acc, lane sums, max
 
 struct WorkItem {
     int seq, kv_head, first_row, num_rows;  // rows relative to the sequence's chunk

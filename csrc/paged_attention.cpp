@@ -60,9 +60,8 @@ inline void finish_item(const Problem& P, const WorkItem& it, RowState* st, RowS
     const int D = P.D;
     if (it.split != nullptr) {
         const SplitRow& sr = *it.split;
-        const int64_t stride = state_floats(D);
         for (int g = 0; g < n; ++g) {
-            float* dst = sr.states + ((it.segment - sr.first_segment) * sr.num_heads + (it.first_head - sr.first_head) + g) * stride;
+            float* dst = sr.state(it.segment, it.first_head - sr.first_head + g, D);
             std::copy(st[g].acc, st[g].acc + D, dst);
             std::copy(st[g].lane_sums, st[g].lane_sums + TILE, dst + D);
             dst[D + TILE] = st[g].max;
@@ -76,14 +75,13 @@ inline void finish_item(const Problem& P, const WorkItem& it, RowState* st, RowS
 // A split row's segments folded in order, then its output written.
 void fold_split_row(const Problem& P, const SplitRow& sr) {
     const int D = P.D;
-    const int64_t stride = state_floats(D);
     std::vector<float> acc(static_cast<size_t>(D)), sums(static_cast<size_t>(TILE));
     const int64_t row0 = P.cu_rows[sr.seq] + sr.first_row;
     for (int g = 0; g < sr.num_heads; ++g) {
         RowState total{0.0f, sums.data(), acc.data()};
         reset_state(total, D);
         for (int64_t s = 0; s < sr.num_segments; ++s) {
-            float* src = sr.states + (s * sr.num_heads + g) * stride;
+            float* src = sr.state(sr.first_segment + s, g, D);
             fold_segment(total, RowState{src[D + TILE], src + D, src}, D);
         }
         store_output(P, &total, 1, 1, row0, int64_t(sr.kv_head) * P.G + sr.first_head + g);
