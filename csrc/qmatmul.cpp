@@ -167,9 +167,21 @@ static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t l
     parallel_for(w.tiles(), grain, [&](int64_t t0, int64_t t1) {
         for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
             const int64_t m1 = std::min(M, m0 + kRowChunk);
-            for (int64_t t = t0; t < t1; ++t) {
+            for (int64_t t = t0; t < t1;) {
+#if defined(TM_AVX512)
+                if constexpr (kGrouped<T>) {
+                    if (takes_group(w, t, t1, m1 - m0)) {
+                        for (int64_t next = t + kGroupTiles; m0 == 0 && next < std::min(t + 2 * kGroupTiles, t1); ++next)
+                            prefetch_tile(w, next);
+                        rows_group_avx512<T>(w, t, a, m0, m1, out + t * kTile, ldo);
+                        t += kGroupTiles;
+                        continue;
+                    }
+                }
+#endif
                 if (m0 == 0 && t + 1 < t1 && M > 2) prefetch_tile(w, t + 1);
                 rows<T>(w, t, a, X == nullptr ? nullptr : X + m0 * w.K, m0, m1, out + t * kTile, ldo);
+                ++t;
             }
         }
 #if defined(TM_AVX512)

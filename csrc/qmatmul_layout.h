@@ -31,7 +31,7 @@ inline void prefetch_ahead(int t, const uint8_t* qs, const uint8_t* sc) {
 }
 
 // Symmetric types: w = d * (u - offset), so the offset folds into the integer dot product.
-inline int int_offset(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q8_0 ? 128 : t == Q6_K ? 32 : 0; }
+constexpr int int_offset(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q8_0 ? 128 : t == Q6_K ? 32 : 0; }
 
 // An input row is quantized as two int8 planes per block of 32: q1 = round(x / d1) with d1 = absmax/127
 // (llama.cpp's Q8 activations), and q2 = round((x - d1 q1) / (d1/128)) in [-64, 64], the rounding
