@@ -122,8 +122,8 @@ def test_native_matches_reference(variant, t, several):
 @pytest.mark.parametrize("variant", VARIANTS[1:])
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_batch_and_thread_invariance(variant, t):
-    # 53 outputs: three whole tiles and a partial one, so AVX-512 takes two tiles together at 3+ rows
-    # (one thread: tiles 0-1; two threads: 0-1 and 2-3 minus the partial) and the rest one at a time.
+    # 53 outputs: three whole tiles and a partial one. At 3+ rows AVX-512 takes whole tiles two at a
+    # time where a thread's range allows (tiles 0-1) and the others one at a time.
     n, k = 53, k_for(t, 2)
     w = QuantizedWeight.from_gguf(random_gguf(t, n, k), t, (n, k))
     x = torch.randn(37, k)
