@@ -143,7 +143,7 @@ inline __m256 load_u8_as_f32x8(const uint8_t* p) {
 template <int T, int MR, bool kDecoded>
 inline void block_half_avx2(const Weight& w, int64_t tile, int64_t b, int h, const uint8_t* qs, const Acts& a,
                             const int16_t* X, int64_t m0, __m256* acc) {
-    constexpr int c = T == Q4_0 ? 8 : T == Q5_0 ? 16 : T == Q8_0 ? 128 : 32;
+    constexpr int c = int_offset(T);
     const uint8_t* sc = w.sc_at(tile, b);
     const int8_t* x[MR];
     for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
@@ -165,7 +165,7 @@ inline void block_half_avx2(const Weight& w, int64_t tile, int64_t b, int h, con
             if constexpr (T == Q4_1 || T == Q4_K)
                 isum[r] = _mm256_setzero_si256();
             else
-                isum[r] = _mm256_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
+                isum[r] = _mm256_set1_epi32(-c * a.block_sum(m0 + r, b));
         }
         if constexpr (T == Q8_0) {
             const int16_t* xj[MR];
@@ -274,7 +274,7 @@ void tile_both_halves_avx2(const Weight& w, int64_t tile, const Acts& a, const u
         __m256i isum[2][MR];
         for (int r = 0; r < MR; ++r)
             isum[0][r] = isum[1][r] = c == 0 ? _mm256_setzero_si256()
-                                             : _mm256_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
+                                             : _mm256_set1_epi32(-c * a.block_sum(m0 + r, b));
         for (int j = 0; j < 8; j += G)
             for (int p = 0; p < 2; ++p) {
                 __m256i sum16[2][MR];

@@ -96,7 +96,7 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, const uint8_t* de
     const int64_t nb = w.blocks();
     const int64_t left = w.N - tile * kTile;
     const __mmask16 cols = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    constexpr int c = T == Q4_0 ? 8 : T == Q5_0 ? 16 : T == Q8_0 ? 128 : 32;
+    constexpr int c = int_offset(T);
     __m512 acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
     const int8_t* x[MR];
@@ -125,7 +125,7 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, const uint8_t* de
                 if constexpr (T == Q4_1 || T == Q4_K)
                     isum[r] = _mm512_setzero_si512();
                 else
-                    isum[r] = _mm512_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
+                    isum[r] = _mm512_set1_epi32(-c * a.block_sum(m0 + r, b));
             }
             dot_steps<T, MR, kDecoded>(qs, x, w.K, 0, 8, isum);
             if constexpr (T == Q4_K)
@@ -185,8 +185,9 @@ constexpr bool kGrouped = T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q8_0;
 constexpr int kGroupTiles = 2;
 constexpr int kGroupRows = 3;
 
-// Whether a pass over `rows` rows (of a kGrouped type) takes tiles [t, t + kGroupTiles) of a thread's [.., t1) as a group:
-// whole tiles only, and not an output written with streaming stores (the vocabulary-wide head).
+// Whether a pass over `rows` rows (of a kGrouped type) takes tiles [t, t + kGroupTiles) of a thread's
+// range [.., t1) as a group: whole tiles only, and not an output written with streaming stores (the
+// vocabulary-wide head, whose stores the group's plain ones would slow).
 inline bool takes_group(const Weight& w, int64_t t, int64_t t1, int64_t rows) {
     return rows >= kGroupRows && !w.stream_out && t + kGroupTiles <= t1 &&
            (t + kGroupTiles) * kTile <= w.N;
@@ -209,7 +210,7 @@ void tile_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0,
         for (int r = 0; r < MR; ++r) {
             // The symmetric types' offset enters as the fine plane's start, as isum's in tile_avx512.
             const __m512i start = c == 0 ? _mm512_setzero_si512()
-                                         : _mm512_set1_epi32(-c * (a.sum16(m0 + r, 2 * b) + a.sum16(m0 + r, 2 * b + 1)));
+                                         : _mm512_set1_epi32(-c * a.block_sum(m0 + r, b));
             for (int h = 0; h < NT; ++h) {
                 hi[r][h] = _mm512_setzero_si512();
                 lo[r][h] = start;

@@ -56,6 +56,7 @@ struct Acts {
     float dx(int64_t m, int64_t b) const { return load<float>(at(m) + 2 * K + 4 * b); }
     float dsum(int64_t m, int64_t b) const { return load<float>(at(m) + 2 * K + 4 * (K / kBlock) + 4 * b); }
     int32_t sum16(int64_t m, int64_t half) const { return load<int32_t>(at(m) + 2 * K + 8 * (K / kBlock) + 4 * half); }
+    int32_t block_sum(int64_t m, int64_t b) const { return sum16(m, 2 * b) + sum16(m, 2 * b + 1); }  // S of block b
     template <typename V>
     static V load(const uint8_t* p) {
         V v;
