@@ -186,10 +186,11 @@ constexpr int kGroupTiles = 2;
 constexpr int kGroupRows = 3;
 
 // Whether a pass over `rows` rows (of a kGrouped type) takes tiles [t, t + kGroupTiles) of a thread's
-// range [.., t1) as a group: whole tiles only, and not an output written with streaming stores (the
-// vocabulary-wide head, whose stores the group's plain ones would slow).
+// range [.., t1) as a group: whole tiles only. The vocabulary-wide head groups too (SmolLM2's at 64
+// rows ~20% faster, bench/qmatmul.py; its 64-sequence decode step 41.8-44.7 -> 38.6-40.4 ms,
+// bench/profile_step.py, alternated).
 inline bool takes_group(const Weight& w, int64_t t, int64_t t1, int64_t rows) {
-    return rows >= kGroupRows && !w.stream_out && t + kGroupTiles <= t1 &&
+    return rows >= kGroupRows && t + kGroupTiles <= t1 &&
            (t + kGroupTiles) * kTile <= w.N;
 }
 
@@ -243,8 +244,16 @@ void tile_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0,
             }
         }
     }
+    // As tile_avx512: a wide output (the head) by streaming stores of whole aligned lines.
+    const bool stream = w.stream_out && (reinterpret_cast<uintptr_t>(out) & 63) == 0 && (ldo & 15) == 0;
     for (int r = 0; r < MR; ++r)
-        for (int h = 0; h < NT; ++h) _mm512_storeu_ps(out + (m0 + r) * ldo + h * kTile, acc[r][h]);
+        for (int h = 0; h < NT; ++h) {
+            float* o = out + (m0 + r) * ldo + h * kTile;
+            if (stream)
+                _mm512_stream_ps(o, acc[r][h]);
+            else
+                _mm512_storeu_ps(o, acc[r][h]);
+        }
 }
 
 // Rows [m0, m1) of kGroupTiles whole tiles from tile on into out (the first tile's first column).
