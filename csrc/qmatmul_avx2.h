@@ -137,6 +137,34 @@ inline __m256 load_u8_as_f32x8(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
+// acc[r] += block b's integer sums isum[r] (rows m0 + r) for half h of the tile, times its scales and the
+// row's dx, then the offset term (Q4_1 plus, Q4_K minus): the float work per block of every pass, so
+// which pass took a row never changes a bit.
+template <int T, int MR>
+inline void add_block_avx2(const Weight& w, int64_t tile, int64_t b, int h, const Acts& a, int64_t m0,
+                           const __m256i* isum, __m256* acc) {
+    const uint8_t* sc = w.sc_at(tile, b);
+    __m256 scale;
+    if constexpr (T == Q6_K)
+        scale = load_halves8(w.sup_at(tile, b) + 16 * h);
+    else if constexpr (T == Q4_K)
+        scale = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 16 * h), load_u8_as_f32x8(sc + 8 * h));
+    else
+        scale = load_halves8(sc + 16 * h);
+    for (int r = 0; r < MR; ++r) {
+        const __m256 dx = _mm256_set1_ps(a.dx(m0 + r, b));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+    }
+    if constexpr (T == Q4_1) {
+        const __m256 offset = load_halves8(sc + 32 + 16 * h);
+        for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+    }
+    if constexpr (T == Q4_K) {
+        const __m256 offset = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 32 + 16 * h), load_u8_as_f32x8(sc + 16 + 8 * h));
+        for (int r = 0; r < MR; ++r) acc[r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+    }
+}
+
 // acc[r] += half h of block b of the tile for rows m0.. m0 + MR - 1: the integer dot products of its 8
 // output columns, scaled. qs: the block's values (decoded, or as packed); for Q8_0, X holds the rows
 // joined (joined_rows).
@@ -148,7 +176,6 @@ inline void block_half_avx2(const Weight& w, int64_t tile, int64_t b, int h, con
     const int8_t* x[MR];
     for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
     __m256i isum[MR];
-    __m256 scale;
     if constexpr (T == Q6_K) {
         const __m256i sc_a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * h)));
         const __m256i sc_b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 16 + 8 * h)));
@@ -159,7 +186,6 @@ inline void block_half_avx2(const Weight& w, int64_t tile, int64_t b, int h, con
         for (int r = 0; r < MR; ++r) half[r] = _mm256_set1_epi32(-c * a.sum16(m0 + r, 2 * b + 1));
         dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 4, 8, half);
         for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(half[r], sc_b));
-        scale = load_halves8(w.sup_at(tile, b) + 16 * h);
     } else {
         for (int r = 0; r < MR; ++r) {
             if constexpr (T == Q4_1 || T == Q4_K)
@@ -174,23 +200,8 @@ inline void block_half_avx2(const Weight& w, int64_t tile, int64_t b, int h, con
         } else {
             dot_steps2<T, MR, kDecoded>(qs, h, x, w.K, 0, 8, isum);
         }
-        if constexpr (T == Q4_K)
-            scale = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 16 * h), load_u8_as_f32x8(sc + 8 * h));
-        else
-            scale = load_halves8(sc + 16 * h);
     }
-    for (int r = 0; r < MR; ++r) {
-        const __m256 dx = _mm256_set1_ps(a.dx(m0 + r, b));
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-    }
-    if constexpr (T == Q4_1) {
-        const __m256 offset = load_halves8(sc + 32 + 16 * h);
-        for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
-    }
-    if constexpr (T == Q4_K) {
-        const __m256 offset = _mm256_mul_ps(load_halves8(w.sup_at(tile, b) + 32 + 16 * h), load_u8_as_f32x8(sc + 16 + 8 * h));
-        for (int r = 0; r < MR; ++r) acc[r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[r]);
-    }
+    add_block_avx2<T, MR>(w, tile, b, h, a, m0, isum, acc);
 }
 
 // Half h's 8 columns of rows m0.. m0 + MR - 1 into out (the tile's first column); a tail tile writes
@@ -295,19 +306,7 @@ void tile_both_halves_avx2(const Weight& w, int64_t tile, const Acts& a, const u
                     for (int r = 0; r < MR; ++r)
                         isum[h][r] = _mm256_add_epi32(isum[h][r], _mm256_madd_epi16(sum16[h][r], weight[p]));
             }
-        const uint8_t* sc = w.sc_at(tile, b);
-        for (int h = 0; h < 2; ++h) {
-            const __m256 scale = load_halves8(sc + 16 * h);
-            for (int r = 0; r < MR; ++r) {
-                const __m256 dx = _mm256_set1_ps(a.dx(m0 + r, b));
-                acc[h][r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(isum[h][r]), acc[h][r]);
-            }
-            if constexpr (T == Q4_1) {
-                const __m256 offset = load_halves8(sc + 32 + 16 * h);
-                for (int r = 0; r < MR; ++r)
-                    acc[h][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum(m0 + r, b)), acc[h][r]);
-            }
-        }
+        for (int h = 0; h < 2; ++h) add_block_avx2<T, MR>(w, tile, b, h, a, m0, isum[h], acc[h]);
     }
     for (int h = 0; h < 2; ++h) store_half<MR>(w, tile, h, acc[h], m0, out, ldo);
 }

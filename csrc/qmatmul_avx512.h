@@ -89,6 +89,34 @@ inline void dot_steps(const uint8_t* qs, const int8_t* const* x, int64_t K, int 
     }
 }
 
+// acc[r] += block b's integer sums isum[r] (rows m0 + r) times the tile's scales and the row's dx, then
+// the offset term (Q4_1 plus, Q4_K minus): the float work per block of every pass, one tile or a group,
+// so how rows and tiles are grouped never changes a bit.
+template <int T, int MR>
+inline void add_block_avx512(const Weight& w, int64_t tile, int64_t b, const Acts& a, int64_t m0,
+                             const __m512i* isum, __m512* acc) {
+    const uint8_t* sc = w.sc_at(tile, b);
+    __m512 scale;
+    if constexpr (T == Q6_K)
+        scale = load_halves(w.sup_at(tile, b));
+    else if constexpr (T == Q4_K)
+        scale = _mm512_mul_ps(load_halves(w.sup_at(tile, b)), load_u8_as_f32(sc));
+    else
+        scale = load_halves(sc);
+    for (int r = 0; r < MR; ++r) {
+        const __m512 dx = _mm512_set1_ps(a.dx(m0 + r, b));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+    }
+    if constexpr (T == Q4_1) {
+        const __m512 offset = load_halves(sc + 32);
+        for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+    }
+    if constexpr (T == Q4_K) {
+        const __m512 offset = _mm512_mul_ps(load_halves(w.sup_at(tile, b) + 32), load_u8_as_f32(sc + 16));
+        for (int r = 0; r < MR; ++r) acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r]);
+    }
+}
+
 // dec: the tile's decoded values (kDecoded) or null.
 template <int T, int MR, bool kDecoded>
 void tile_avx512(const Weight& w, int64_t tile, const Acts& a, const uint8_t* dec, int64_t m0, float* out,
@@ -108,7 +136,6 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, const uint8_t* de
         }
         for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
         __m512i isum[MR];
-        __m512 scale;
         if constexpr (T == Q6_K) {
             const __m512i sc_a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sc));
             const __m512i sc_b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + 16)));
@@ -119,7 +146,6 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, const uint8_t* de
             for (int r = 0; r < MR; ++r) half[r] = _mm512_set1_epi32(-c * a.sum16(m0 + r, 2 * b + 1));
             dot_steps<T, MR, kDecoded>(qs, x, w.K, 4, 8, half);
             for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(half[r], sc_b));
-            scale = load_halves(w.sup_at(tile, b));
         } else {
             for (int r = 0; r < MR; ++r) {
                 if constexpr (T == Q4_1 || T == Q4_K)
@@ -128,23 +154,8 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, const uint8_t* de
                     isum[r] = _mm512_set1_epi32(-c * a.block_sum(m0 + r, b));
             }
             dot_steps<T, MR, kDecoded>(qs, x, w.K, 0, 8, isum);
-            if constexpr (T == Q4_K)
-                scale = _mm512_mul_ps(load_halves(w.sup_at(tile, b)), load_u8_as_f32(sc));
-            else
-                scale = load_halves(sc);
         }
-        for (int r = 0; r < MR; ++r) {
-            const __m512 dx = _mm512_set1_ps(a.dx(m0 + r, b));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
-        }
-        if constexpr (T == Q4_1) {
-            const __m512 offset = load_halves(sc + 32);
-            for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r]);
-        }
-        if constexpr (T == Q4_K) {
-            const __m512 offset = _mm512_mul_ps(load_halves(w.sup_at(tile, b) + 32), load_u8_as_f32(sc + 16));
-            for (int r = 0; r < MR; ++r) acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r]);
-        }
+        add_block_avx512<T, MR>(w, tile, b, a, m0, isum, acc);
     }
     // Whole aligned lines only: a partial line would be merged in memory, slower than a normal store.
     if (w.stream_out && left >= kTile && (reinterpret_cast<uintptr_t>(out) & 63) == 0 && (ldo & 15) == 0) {
@@ -199,9 +210,9 @@ void tile_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0,
     static_assert(kGrouped<T>);
     constexpr int c = int_offset(T);
     const int64_t nb = w.blocks();
-    __m512 acc[MR][NT];
-    for (int r = 0; r < MR; ++r)
-        for (int h = 0; h < NT; ++h) acc[r][h] = _mm512_setzero_ps();
+    __m512 acc[NT][MR];
+    for (int h = 0; h < NT; ++h)
+        for (int r = 0; r < MR; ++r) acc[h][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* qs[NT];
         for (int h = 0; h < NT; ++h) qs[h] = w.qs_at(tile + h, b);
@@ -231,17 +242,9 @@ void tile_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0,
             }
         }
         for (int h = 0; h < NT; ++h) {
-            const __m512 scale = load_halves(w.sc_at(tile + h, b));
-            for (int r = 0; r < MR; ++r) {
-                const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(hi[r][h], kFine), lo[r][h]);
-                const __m512 dx = _mm512_set1_ps(a.dx(m0 + r, b));
-                acc[r][h] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(isum), acc[r][h]);
-            }
-            if constexpr (T == Q4_1) {
-                const __m512 offset = load_halves(w.sc_at(tile + h, b) + 32);
-                for (int r = 0; r < MR; ++r)
-                    acc[r][h] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r][h]);
-            }
+            __m512i isum[MR];
+            for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(_mm512_slli_epi32(hi[r][h], kFine), lo[r][h]);
+            add_block_avx512<T, MR>(w, tile + h, b, a, m0, isum, acc[h]);
         }
     }
     // As tile_avx512: a wide output (the head) by streaming stores of whole aligned lines.
@@ -250,9 +253,9 @@ void tile_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0,
         for (int h = 0; h < NT; ++h) {
             float* o = out + (m0 + r) * ldo + h * kTile;
             if (stream)
-                _mm512_stream_ps(o, acc[r][h]);
+                _mm512_stream_ps(o, acc[h][r]);
             else
-                _mm512_storeu_ps(o, acc[r][h]);
+                _mm512_storeu_ps(o, acc[h][r]);
         }
 }
 
