@@ -50,7 +50,8 @@ struct WorkItem {
 // Tiles ahead to prefetch, into L2 (the line-fill buffers of L1 are few, and filling them with
 // prefetches stalled the loads of the tile being computed). Measured with the per-key decode path,
 // 64 sequences x 112 and x 1024 keys (bench/paged_attention.py, Zen 4): 1-3 tiles ahead ran alike,
-// 4 and 8 up to 1.4x slower.
+// 4 and 8 up to 1.4x slower. With the prefetches spread over the tile (TileAhead), 2-4 ran alike
+// on Zen 5, 1 about 7% slower.
 constexpr int PREFETCH_TILES = 2;
 
 // A tile of a work item's keys: block `block` of the sequence's table, tile `tile` of that block.
@@ -96,30 +97,13 @@ struct ItemTiles {
     int64_t end(const TileCursor& c) const { return std::min<int64_t>(start(c) + TILE, (c.block + 1) * P.block_size) - 1; }
     bool done(const TileCursor& c) const { return c.block > last_block || start(c) > hi; }
     int64_t row(const TileCursor& c) const { return head_row + int64_t(table[c.block]) * P.block_size + int64_t(c.tile) * TILE; }
-    // Blocks are scattered, so the hardware prefetcher cannot guess the next one.
-    void prefetch(const TileCursor& c) const {
-        // Volatile asm: gcc proves a function whose only effects are __builtin_prefetch pure, and
-        // drops its calls.
-        auto l2 = [](const void* p) {
-#if defined(__x86_64__)
-            asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-            __builtin_prefetch(p, 0, 2);
-#endif
-        };
-        if (done(c)) return;
-        const int64_t r = row(c), s = start(c);
-        const int64_t bytes = (std::min(end(c), hi) - s + 1) * P.k.row_bytes;
-        const char* k = static_cast<const char*>(P.k.data) + r * P.k.row_bytes;
-        const char* v = static_cast<const char*>(P.v.data) + r * P.k.row_bytes;
-        for (int64_t off = 0; off < bytes; off += 64) {
-            l2(k + off);
-            l2(v + off);
-        }
-        if (P.k.scale != nullptr) {  // int8: the rows' scales too
-            l2(P.k.scale + r);
-            l2(P.v.scale + r);
-        }
+    // The item's keys of tile c, for the prefetch ahead (none once c is past the item's end).
+    TileAhead ahead_of(const TileCursor& c) const {
+        if (done(c)) return {};
+        const int64_t r = row(c);
+        return {static_cast<const char*>(P.k.data) + r * P.k.row_bytes, static_cast<const char*>(P.v.data) + r * P.k.row_bytes,
+                P.k.scale != nullptr ? P.k.scale + r : nullptr, P.v.scale != nullptr ? P.v.scale + r : nullptr,
+                P.k.row_bytes, int(std::min(end(c), hi) - start(c) + 1)};
     }
     // The tile PREFETCH_TILES after c.
     TileCursor ahead(TileCursor c) const {
@@ -130,12 +114,12 @@ struct ItemTiles {
     // its tiles would be waited for one after another.
     void prefetch_first() const {
         TileCursor c = first();
-        for (int i = 0; i < PREFETCH_TILES; ++i, next(c, per_block)) prefetch(c);
+        for (int i = 0; i < PREFETCH_TILES; ++i, next(c, per_block)) ahead_of(c).all();
     }
-    // f(ts, te, first, last, row, new_segment) for each tile in order, the tile PREFETCH_TILES
-    // ahead prefetched: positions ts..te (inclusive), of which first..last (relative to ts) hold the
-    // item's keys, at cache row `row`; new_segment when an earlier tile of the item lay in another
-    // segment.
+    // f(ts, te, first, last, row, new_segment, ahead) for each tile in order: positions ts..te
+    // (inclusive), of which first..last (relative to ts) hold the item's keys, at cache row `row`;
+    // new_segment when an earlier tile of the item lay in another segment; ahead, the tile
+    // PREFETCH_TILES on, which f prefetches (TileAhead).
     template <typename F>
     void for_each(F&& f) const {
         TileCursor pf = ahead(first());
@@ -143,11 +127,10 @@ struct ItemTiles {
         // The next segment's first block, stepped rather than found by a division per tile
         int64_t boundary = (c0.block / P.seg_blocks + 1) * P.seg_blocks;
         for (TileCursor c = c0; !done(c); next(c, per_block), next(pf, per_block)) {
-            prefetch(pf);
             const int64_t ts = start(c), te = end(c);
             const bool new_segment = c.block == boundary && c.tile == 0;
             if (new_segment) boundary += P.seg_blocks;
-            f(ts, te, int(std::max(ts, lo) - ts), int(std::min(te, hi) - ts), row(c), new_segment);
+            f(ts, te, int(std::max(ts, lo) - ts), int(std::min(te, hi) - ts), row(c), new_segment, ahead_of(pf));
         }
     }
 };

@@ -115,9 +115,9 @@ void run_decode_item(const Problem& P, const WorkItem& it) {
         reset_state(st[g], D);
         reset_state(total[g], D);
     }
-    tiles.for_each([&](int64_t, int64_t, int first, int last, int64_t row, bool new_segment) {
+    tiles.for_each([&](int64_t, int64_t, int first, int last, int64_t row, bool new_segment, const TileAhead& ahead) {
         if (new_segment) close_segment(total, st, G, D);
-        attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D}, first, last, D);
+        attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D, &ahead}, first, last, D);
     });
     finish_item(P, it, st, total, G, row0, head0);
 }
@@ -165,14 +165,16 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
             reset_state(total[i], D);
         }
 
-    tiles.for_each([&](int64_t ts, int64_t te, int first, int last, int64_t row, bool new_segment) {
+    tiles.for_each([&](int64_t ts, int64_t te, int first, int last, int64_t row, bool new_segment,
+                       const TileAhead& ahead) {
         if (new_segment) close_segment(total, st, n, D);
 #if defined(TM_AVX512) || defined(TM_AVX2)
         if (it.num_rows == 1) {
-            attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D}, first, last, D);
+            attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D, &ahead}, first, last, D);
             return;
         }
 #endif
+        ahead.all();  // a tile's work for many rows is long enough to hide the burst
         load_k_tile<TYPE>(P.k, row, first, last, sc.kt.data());
         load_v_tile<TYPE>(P.v, row, first, last, sc.vt.data());
         const ScratchTile tile{sc.kt.data(), sc.vt.data(), D};
