@@ -52,11 +52,13 @@ struct TileAhead {
         __builtin_prefetch(p, 0, 2);
 #endif
     }
-    // Key j's K and V rows (and, with key 0, the tile's int8 scales).
+    // Key j's K and V rows (and, with key 0, the tile's int8 scales). ROW_BYTES: row_bytes when
+    // known at compile time (0: not).
+    template <int ROW_BYTES = 0>
     void key(int j) const {
         if (j >= keys) return;
-        const int64_t off = j * row_bytes;
-        for (int64_t b = 0; b < row_bytes; b += 64) {
+        const int64_t n = ROW_BYTES > 0 ? ROW_BYTES : row_bytes, off = j * n;
+        for (int64_t b = 0; b < n; b += 64) {
             l2(k + off + b);
             l2(v + off + b);
         }
@@ -79,14 +81,16 @@ inline float load_one(const CacheView& c, int64_t row, int d) {  // row = head *
 }
 
 #if defined(TM_AVX512)
-template <int TYPE>
+// DIM: the head dim when known at compile time (0: c.D).
+template <int TYPE, int DIM = 0>
 inline __m512 load_row16(const CacheView& c, int64_t row, int d) {
-    if constexpr (TYPE == CACHE_F32) return _mm512_loadu_ps(static_cast<const float*>(c.data) + row * c.D + d);
-    else if constexpr (TYPE == CACHE_BF16) return load_bf16x16(static_cast<const uint16_t*>(c.data) + row * c.D + d);
+    const int64_t D = DIM > 0 ? DIM : c.D;
+    if constexpr (TYPE == CACHE_F32) return _mm512_loadu_ps(static_cast<const float*>(c.data) + row * D + d);
+    else if constexpr (TYPE == CACHE_BF16) return load_bf16x16(static_cast<const uint16_t*>(c.data) + row * D + d);
     else if constexpr (TYPE == CACHE_F16)
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(c.data) + row * c.D + d)));
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(c.data) + row * D + d)));
     else {
-        __m128i b = _mm_loadu_si128((const __m128i*)(static_cast<const int8_t*>(c.data) + row * c.D + d));
+        __m128i b = _mm_loadu_si128((const __m128i*)(static_cast<const int8_t*>(c.data) + row * D + d));
         return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(c.scale[row]));
     }
 }
@@ -132,14 +136,15 @@ void load_v_tile(const CacheView& c, int64_t row0, int first, int last, float* v
         for (int d = 0; d < c.D; d += 16) _mm512_storeu_ps(vt + j * c.D + d, load_row16<TYPE>(c, row0 + j, d));
 }
 #elif defined(TM_AVX2)
-template <int TYPE>
+template <int TYPE, int DIM = 0>
 inline __m256 load_row8(const CacheView& c, int64_t row, int d) {
-    if constexpr (TYPE == CACHE_F32) return _mm256_loadu_ps(static_cast<const float*>(c.data) + row * c.D + d);
-    else if constexpr (TYPE == CACHE_BF16) return load_bf16x8(static_cast<const uint16_t*>(c.data) + row * c.D + d);
+    const int64_t D = DIM > 0 ? DIM : c.D;
+    if constexpr (TYPE == CACHE_F32) return _mm256_loadu_ps(static_cast<const float*>(c.data) + row * D + d);
+    else if constexpr (TYPE == CACHE_BF16) return load_bf16x8(static_cast<const uint16_t*>(c.data) + row * D + d);
     else if constexpr (TYPE == CACHE_F16)
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(c.data) + row * c.D + d)));
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(c.data) + row * D + d)));
     else {
-        __m128i b = _mm_loadl_epi64((const __m128i*)(static_cast<const int8_t*>(c.data) + row * c.D + d));
+        __m128i b = _mm_loadl_epi64((const __m128i*)(static_cast<const int8_t*>(c.data) + row * D + d));
         return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(c.scale[row]));
     }
 }
@@ -267,18 +272,19 @@ struct ScratchTile {
     const float* kt;
     const float* vt;
     int D;
+    int dim() const { return D; }
     template <int N>
     void scores(const float* const* q, int, int, V16* s) const { tile_scores<N>(q, kt, D, s); }
     V16 v(int j, int d) const { return vload(vt + j * D + d); }
 };
 
 #if defined(TM_AVX512) || defined(TM_AVX2)
-template <int TYPE>
+template <int TYPE, int DIM = 0>
 inline V16 load16(const CacheView& c, int64_t row, int d) {
 #if defined(TM_AVX512)
-    return {load_row16<TYPE>(c, row, d)};
+    return {load_row16<TYPE, DIM>(c, row, d)};
 #else
-    return {load_row8<TYPE>(c, row, d), load_row8<TYPE>(c, row, d + 8)};
+    return {load_row8<TYPE, DIM>(c, row, d), load_row8<TYPE, DIM>(c, row, d + 8)};
 #endif
 }
 
@@ -317,35 +323,39 @@ inline V16 reduce_lanes(V16 t[16]) {
 
 // A decode row's tile read straight from the cache: K rows dotted with the queries without a
 // transposed copy, V rows converted as they are accumulated. Worth it for one query row; several
-// rows share the ScratchTile's conversions instead.
-template <int TYPE>
+// rows share the ScratchTile's conversions instead. DIM: the head dim when known at compile time
+// (0: D), which lets the compiler unroll a key's dims and keep the queries in registers.
+template <int TYPE, int DIM = 0>
 struct CacheTile {
     const CacheView* k;
     const CacheView* vc;
     int64_t row0;
     int D;
     const TileAhead* ahead;  // the tile ahead: scores() prefetches its key j with key j
+    static constexpr int ROW_BYTES = DIM * (TYPE == CACHE_F32 ? 4 : TYPE == CACHE_I8 ? 1 : 2);
+    int dim() const { return DIM > 0 ? DIM : D; }
     template <int N>
     void scores(const float* const* q, int first, int last, V16* s) const {
+        const int D = dim();
         V16 t[N][TILE];
         for (int j = 0; j < TILE; ++j) {
-            ahead->key(j);
+            ahead->key<ROW_BYTES>(j);
             if (j < first || j > last) {
                 for (int n = 0; n < N; ++n) t[n][j] = vzero();
                 continue;
             }
             V16 acc[N];
-            const V16 k0 = load16<TYPE>(*k, row0 + j, 0);
+            const V16 k0 = load16<TYPE, DIM>(*k, row0 + j, 0);
             for (int n = 0; n < N; ++n) acc[n] = vmul(vload(q[n]), k0);
             for (int d = 16; d < D; d += 16) {
-                const V16 kd = load16<TYPE>(*k, row0 + j, d);
+                const V16 kd = load16<TYPE, DIM>(*k, row0 + j, d);
                 for (int n = 0; n < N; ++n) acc[n] = vfma(vload(q[n] + d), kd, acc[n]);
             }
             for (int n = 0; n < N; ++n) t[n][j] = acc[n];
         }
         for (int n = 0; n < N; ++n) s[n] = reduce_lanes(t[n]);
     }
-    V16 v(int j, int d) const { return load16<TYPE>(*vc, row0 + j, d); }
+    V16 v(int j, int d) const { return load16<TYPE, DIM>(*vc, row0 + j, d); }
 };
 #endif
 
@@ -373,7 +383,8 @@ inline void accumulate_block(RowState* st, const float (*p)[TILE], const bool* r
 }
 
 template <int N, typename Tile>
-inline void attend_group(const float* const* q, RowState* st, const Tile& tile, int first, int last, int D) {
+inline void attend_group(const float* const* q, RowState* st, const Tile& tile, int first, int last) {
+    const int D = tile.dim();
     const float neg_inf = -std::numeric_limits<float>::infinity();
     V16 s[N], alpha[N];
     for (int n = 0; n < N; ++n) alpha[n] = vset1(1.0f);
@@ -404,13 +415,13 @@ inline void attend_group(const float* const* q, RowState* st, const Tile& tile, 
 
 // The G heads of one row, in groups of at most MAX_GROUP.
 template <typename Tile>
-inline void attend_row(const float* const* q, RowState* st, int G, const Tile& tile, int first, int last, int D) {
+inline void attend_row(const float* const* q, RowState* st, int G, const Tile& tile, int first, int last) {
     for (int g = 0; g < G; g += MAX_GROUP) {
         switch (std::min(MAX_GROUP, G - g)) {
-            case 1: attend_group<1>(q + g, st + g, tile, first, last, D); break;
-            case 2: attend_group<2>(q + g, st + g, tile, first, last, D); break;
-            case 3: if constexpr (MAX_GROUP >= 3) attend_group<3>(q + g, st + g, tile, first, last, D); break;
-            default: if constexpr (MAX_GROUP >= 4) attend_group<4>(q + g, st + g, tile, first, last, D); break;
+            case 1: attend_group<1>(q + g, st + g, tile, first, last); break;
+            case 2: attend_group<2>(q + g, st + g, tile, first, last); break;
+            case 3: if constexpr (MAX_GROUP >= 3) attend_group<3>(q + g, st + g, tile, first, last); break;
+            default: if constexpr (MAX_GROUP >= 4) attend_group<4>(q + g, st + g, tile, first, last); break;
         }
     }
 }

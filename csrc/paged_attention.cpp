@@ -117,7 +117,7 @@ void run_decode_item(const Problem& P, const WorkItem& it) {
     }
     tiles.for_each([&](int64_t, int64_t, int first, int last, int64_t row, bool new_segment, const TileAhead& ahead) {
         if (new_segment) close_segment(total, st, G, D);
-        attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D, &ahead}, first, last, D);
+        attend_row(qp, st, G, CacheTile<TYPE, DIM>{&P.k, &P.v, row, D, &ahead}, first, last);
     });
     finish_item(P, it, st, total, G, row0, head0);
 }
@@ -170,7 +170,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
         if (new_segment) close_segment(total, st, n, D);
 #if defined(TM_AVX512) || defined(TM_AVX2)
         if (it.num_rows == 1) {
-            attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D, &ahead}, first, last, D);
+            attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D, &ahead}, first, last);
             return;
         }
 #endif
@@ -182,7 +182,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
             const int64_t pos = pos0 + r;
             const int64_t a = std::max({ts, tiles.first_key(pos), tiles.lo}), e = std::min({te, pos, tiles.hi});
             if (a > e) continue;
-            attend_row(qp + r * G, st + r * G, G, tile, int(a - ts), int(e - ts), D);
+            attend_row(qp + r * G, st + r * G, G, tile, int(a - ts), int(e - ts));
         }
     });
     finish_item(P, it, st, total, n, row0, head0);
