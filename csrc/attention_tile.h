@@ -72,6 +72,8 @@ struct TileAhead {
     }
 };
 
+inline constexpr TileAhead NO_TILE_AHEAD{};  // keys = 0: prefetches nothing
+
 template <int TYPE>
 inline float load_one(const CacheView& c, int64_t row, int d) {  // row = head * num_slots + slot
     if constexpr (TYPE == CACHE_F32) return static_cast<const float*>(c.data)[row * c.D + d];
@@ -273,6 +275,7 @@ struct ScratchTile {
     const float* vt;
     int D;
     int dim() const { return D; }
+    ScratchTile without_prefetch() const { return *this; }
     template <int N>
     void scores(const float* const* q, int, int, V16* s) const { tile_scores<N>(q, kt, D, s); }
     V16 v(int j, int d) const { return vload(vt + j * D + d); }
@@ -324,7 +327,7 @@ inline V16 reduce_lanes(V16 t[16]) {
 // A decode row's tile read straight from the cache: K rows dotted with the queries without a
 // transposed copy, V rows converted as they are accumulated. Worth it for one query row; several
 // rows share the ScratchTile's conversions instead. DIM: the head dim when known at compile time
-// (0: D), which lets the compiler unroll a key's dims and keep the queries in registers.
+// (0: D), which lets the compiler unroll a key's dims and drop the loop's index arithmetic.
 template <int TYPE, int DIM = 0>
 struct CacheTile {
     const CacheView* k;
@@ -334,6 +337,12 @@ struct CacheTile {
     const TileAhead* ahead;  // the tile ahead: scores() prefetches its key j with key j
     static constexpr int ROW_BYTES = DIM * (TYPE == CACHE_F32 ? 4 : TYPE == CACHE_I8 ? 1 : 2);
     int dim() const { return DIM > 0 ? DIM : D; }
+    // The same tile for a row's later head groups: the first group already prefetched the tile ahead.
+    CacheTile without_prefetch() const {
+        CacheTile t = *this;
+        t.ahead = &NO_TILE_AHEAD;
+        return t;
+    }
     template <int N>
     void scores(const float* const* q, int first, int last, V16* s) const {
         const int D = dim();
@@ -413,15 +422,17 @@ inline void attend_group(const float* const* q, RowState* st, const Tile& tile, 
     for (; d < D; d += 16) accumulate_block<N, 16>(st, p, rescale, alpha, first, last, tile, d);
 }
 
-// The G heads of one row, in groups of at most MAX_GROUP.
+// The G heads of one row, in groups of at most MAX_GROUP (AVX2: SmolLM2's 3 in 2 + 1, Gemma's 4 in 2 + 2).
 template <typename Tile>
 inline void attend_row(const float* const* q, RowState* st, int G, const Tile& tile, int first, int last) {
+    const Tile rest = tile.without_prefetch();
     for (int g = 0; g < G; g += MAX_GROUP) {
+        const Tile& t = g == 0 ? tile : rest;
         switch (std::min(MAX_GROUP, G - g)) {
-            case 1: attend_group<1>(q + g, st + g, tile, first, last); break;
-            case 2: attend_group<2>(q + g, st + g, tile, first, last); break;
-            case 3: if constexpr (MAX_GROUP >= 3) attend_group<3>(q + g, st + g, tile, first, last); break;
-            default: if constexpr (MAX_GROUP >= 4) attend_group<4>(q + g, st + g, tile, first, last); break;
+            case 1: attend_group<1>(q + g, st + g, t, first, last); break;
+            case 2: attend_group<2>(q + g, st + g, t, first, last); break;
+            case 3: if constexpr (MAX_GROUP >= 3) attend_group<3>(q + g, st + g, t, first, last); break;
+            default: if constexpr (MAX_GROUP >= 4) attend_group<4>(q + g, st + g, t, first, last); break;
         }
     }
 }
