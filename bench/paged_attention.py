@@ -2,8 +2,9 @@
 """The compiled paged-attention kernel (kernels.attention.paged_attention) on decode and prefill.
 
 Decode: --seqs sequences, one query row each, at each --contexts length, blocks scattered over the
-cache; reports the K/V bytes read per second against this machine's read speed (a big torch sum
-measured in the same run), alternating with today's eager decode (model.attention.decode_attention).
+cache; reports the K/V bytes read per second against this machine's read speed (a torch sum over
+512 MB, timed in the same rounds as the kernel: read speed on these shared machines swings 2x from
+minute to minute), alternating with today's eager decode (model.attention.decode_attention).
 Prefill: one --prefill-token chunk with no earlier context, against today's paths on the same data
 (scaled_dot_product_attention with enable_gqa, and causal_pieces, which the engine uses from 512
 tokens), alternating. Shapes: SmolLM2 (9 q heads, 3 kv heads, dim 64) and Gemma 3 270M (4, 1, 256);
@@ -24,11 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.bench.common import cpu_flags, cpu_model
+from tokenmill.engine.config import EngineConfig
 from tokenmill.kernels import native
 from tokenmill.kernels.attention import paged_attention, write_kv
 from tokenmill.model.attention import DecodeGroup, causal_pieces, decode_attention
 
-BLOCK_SIZE = 16  # tokens per KV block: the engine's default (--block-size)
+BLOCK_SIZE = EngineConfig.block_size  # tokens per KV block: the engine's default (--block-size)
 SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}
 
 
@@ -51,11 +53,17 @@ def alternate(fns: dict, rounds: int, reps: int) -> dict[str, tuple[float, float
     return {name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for name, t in times.items()}
 
 
-def read_speed(rounds: int) -> tuple[float, float]:
-    """GB/s of a sum over 512 MB (well out of cache): per wall second, and per CPU second."""
-    x = torch.ones(128 << 20)
-    wall, cpu = alternate({"sum": lambda: x.sum()}, rounds, 3)["sum"]
-    return x.numel() * 4 / wall / 1e9, x.numel() * 4 / cpu / 1e9
+READ_BUFFER = torch.ones(128 << 20)  # 512 MB, well out of cache
+
+
+def read_sum() -> None:
+    READ_BUFFER.sum()
+
+
+def read_gbs(wall_cpu: tuple[float, float]) -> tuple[float, float]:
+    """GB/s of read_sum from its (wall, CPU) seconds: per wall second, and per CPU second."""
+    n = READ_BUFFER.numel() * 4
+    return n / wall_cpu[0] / 1e9, n / wall_cpu[1] / 1e9
 
 
 def make_cache(h_kv: int, d: int, num_blocks: int, dtype: torch.dtype, bs: int):
@@ -71,7 +79,7 @@ def make_cache(h_kv: int, d: int, num_blocks: int, dtype: torch.dtype, bs: int):
     return k_cache, v_cache, scales
 
 
-def bench_decode(name, dtype, seqs, context, rounds, mem_gbs, bs):
+def bench_decode(name, dtype, seqs, context, rounds, bs):
     h, h_kv, d = SHAPES[name]
     blocks_per_seq = -(-context // bs)
     num_blocks = seqs * blocks_per_seq + 1
@@ -81,18 +89,20 @@ def bench_decode(name, dtype, seqs, context, rounds, mem_gbs, bs):
     cu = torch.arange(seqs + 1, dtype=torch.int32)
     start = torch.full((seqs,), context - 1, dtype=torch.int32)
     scale = d ** -0.5
-    fns = {"kernel": lambda: paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, start, tables, bs, scale)}
+    fns = {"kernel": lambda: paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, start, tables, bs, scale),
+           "read": read_sum}
     if dtype != torch.int8:
         group = DecodeGroup(slice(0, seqs), tables.view(-1).long(), seqs, blocks_per_seq, None)
         qd = q.to(dtype)
         fns["torch"] = lambda: decode_attention(qd, k_cache, v_cache, group, bs, scale)
     both = alternate(fns, rounds, 3)
     t = {name: wall for name, (wall, _) in both.items()}
+    mem_gbs = read_gbs(both["read"])
     elem = k_cache.element_size()
     bytes_read = 2 * seqs * context * h_kv * (d * elem + (4 if dtype == torch.int8 else 0))
     gbs, gbs_cpu = bytes_read / t["kernel"] / 1e9, bytes_read / both["kernel"][1] / 1e9
     line = (f"decode  {name:8s} {str(dtype).split('.')[-1]:9s} {seqs:3d} seqs x {context:5d}: kernel {t['kernel'] * 1e3:7.2f} ms "
-            f"{gbs:5.1f} GB/s = {gbs / mem_gbs[0]:4.0%} of read speed; per CPU-second {gbs_cpu:5.1f} GB/s = "
+            f"{gbs:5.1f} GB/s = {gbs / mem_gbs[0]:4.0%} of read speed ({mem_gbs[0]:4.1f}); per CPU-second {gbs_cpu:5.1f} GB/s = "
             f"{gbs_cpu / mem_gbs[1]:4.0%} of the sum's")
     if "torch" in t:
         line += f" | torch decode {t['torch'] * 1e3:7.2f} ms ({t['torch'] / t['kernel']:.2f}x kernel)"
@@ -151,14 +161,13 @@ def main() -> int:
     dtypes = {"f16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "fp32": torch.float32}
     print(f"cpu: {cpu_model()}; flags: {cpu_flags()}")
     print(f"kernel variant: {native.describe()}; torch threads {torch.get_num_threads()}; block size {bs}")
-    mem = read_speed(args.rounds)
-    print(f"read speed (torch sum over 512 MB): {mem[0]:.1f} GB/s; {mem[1]:.1f} GB/s per CPU-second "
-          f"(on a shared machine the CPU-time ratios are the steadier ones); load average {os.getloadavg()[0]:.1f}")
+    print(f"read speed: a torch sum over 512 MB, in the same rounds as each decode case (on a shared machine "
+          f"the CPU-time ratios are the steadier ones); load average {os.getloadavg()[0]:.1f}")
     for name in args.shapes:
         for dt in args.dtypes:
             if not args.skip_decode:
                 for ctx in args.contexts:
-                    bench_decode(name, dtypes[dt], args.seqs, ctx, args.rounds, mem, bs)
+                    bench_decode(name, dtypes[dt], args.seqs, ctx, args.rounds, bs)
             if not args.skip_prefill:
                 bench_prefill(name, dtypes[dt], args.prefill_tokens, args.rounds, bs)
     return 0
