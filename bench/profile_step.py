@@ -30,6 +30,7 @@ def main() -> int:
     p.add_argument("--warm-steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV cache block")
     p.add_argument("--compile", action="store_true", help="decode through the compiled graphs (the server default)")
     p.add_argument("--kernel-profile", action="store_true",
                    help="with --compile: name each inductor kernel in the profile (compiles graphs of its own)")
@@ -42,7 +43,8 @@ def main() -> int:
         torch._inductor.config.cpp.enable_kernel_profile = True
 
     engine = LLMEngine.from_path(resolve_model(args.model), EngineConfig(dtype=args.dtype, parallel=max(64, args.batch),
-                                                                                compile=args.compile))
+                                                                                compile=args.compile,
+                                                                                block_size=args.block_size))
     params = SamplingParams(max_tokens=args.warm_steps + args.steps + 50, temperature=0, ignore_eos=True)
     for ids in corpus_prompts(engine.tokenizer.encode, args.batch, args.prompt_len):
         engine.add_request(ids, params)

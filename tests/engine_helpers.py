@@ -8,7 +8,13 @@ from tokenmill.model import LoadedModel
 from tokenmill.tokenizer import Tokenizer
 
 
+# The engine tests' prompts and KV budgets are sized in 16-token blocks: tiny prompts then cross many
+# block boundaries (sharing, copy-on-write, preemption). The default (64) is for speed.
+TEST_BLOCK_SIZE = 16
+
+
 def make_engine(loaded: LoadedModel, **cfg) -> LLMEngine:
+    cfg.setdefault("block_size", TEST_BLOCK_SIZE)
     return LLMEngine(loaded, Tokenizer.from_gguf_metadata(loaded.gguf.metadata), EngineConfig(**cfg))
 
 

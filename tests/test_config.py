@@ -119,10 +119,12 @@ def test_env_and_flag_errors_name_their_source(tmp_path):
         load_config(serve_args("--config", str(tmp_path / "missing.toml")), env={})
 
 
-def test_policies_match_the_engine():
-    from tokenmill.engine.config import POLICIES as ENGINE_POLICIES
+def test_policies_and_block_size_match_the_engine():
+    from tokenmill.engine.config import DEFAULT_BLOCK_SIZE, POLICIES as ENGINE_POLICIES, EngineConfig
 
     assert POLICIES == ENGINE_POLICIES
+    assert Config().block_size == DEFAULT_BLOCK_SIZE == EngineConfig().block_size
+    assert Config().engine_config().block_size == DEFAULT_BLOCK_SIZE
 
 
 def test_print_config_shows_values_and_sources(tmp_path, capsys, monkeypatch):

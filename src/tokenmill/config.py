@@ -26,6 +26,7 @@ DEFAULT_PORT = 11434  # Ollama's, so Ollama clients work unconfigured
 CONFIG_ENV = "TOKENMILL_CONFIG"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 POLICIES = ("fifo", "priority", "sjf")  # engine.config.POLICIES (a test keeps them equal)
+DEFAULT_BLOCK_SIZE = 64  # engine.config.DEFAULT_BLOCK_SIZE (a test keeps them equal)
 
 
 class ConfigError(ValueError):
@@ -99,7 +100,7 @@ OPTIONS: tuple[Option, ...] = (
            ("--ctx", "--num-ctx"), env=("TOKENMILL_CTX",), lo=2, zero_ok=True),
     Option("kv_size", int, 65536, "KV cache size in tokens, shared by all sequences (max_total_tokens)",
            ("--kv-size",), lo=16),
-    Option("block_size", int, 16, "tokens per KV cache block", ("--block-size",), lo=1),
+    Option("block_size", int, DEFAULT_BLOCK_SIZE, "tokens per KV cache block", ("--block-size",), lo=1),
     Option("parallel", int, 64, "most sequences running at once", ("--parallel",), lo=1),
     Option("n_batch", int, 512, "token budget of one engine step (decodes + prefill chunks)", ("--batch-size",),
            env=("TOKENMILL_BATCH",), lo=1),
@@ -152,7 +153,7 @@ class Config:
     kv_dtype: str = "auto"
     num_ctx: int = 0
     kv_size: int = 65536
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     parallel: int = 64
     n_batch: int = 512
     n_ubatch: int = 512

@@ -108,7 +108,7 @@ def test_serve_bench_counts_errors(server, tmp_path):
 def test_shared_prefix_bench(server, tiny_gguf, tmp_path, capsys):
     srv, host = server
     out = tmp_path / "shared.json"
-    rc = main(["bench", "shared-prefix", "--url", srv.url, "--burst", "4", "--prefix-len", "48",
+    rc = main(["bench", "shared-prefix", "--url", srv.url, "--burst", "4", "--prefix-len", "100",
                "--question-len", "6", "--max-tokens", "2", "--tokenizer", str(tiny_gguf), "--json", str(out)])
     assert rc == 0
     assert "shared median TTFT / unique median TTFT" in capsys.readouterr().out

@@ -36,7 +36,6 @@ MAX_CORPUS_PROMPTS = 64
 # name -> (load_model mode, int4, kv_dtype)
 FORMATS = {"fp32": ("fp32", False, "auto"), "bf16": ("bf16", False, "auto"), "bf16-int4": ("bf16", True, "auto"),
            "gguf": ("gguf", False, "auto"), "gguf-kv8": ("gguf", False, "int8")}
-BLOCK = 16
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -84,8 +83,9 @@ class DirectRunner:
         cfg = engine.loaded.config
         self.model = engine.loaded.model
         self.runner = engine.runner
-        num_blocks = -(-max_tokens // BLOCK)
-        self.kv = KVStorage(cfg.n_layers, num_blocks, BLOCK, cfg.n_kv_heads, cfg.head_dim, engine.kv.dtype)
+        bs = engine.kv.block_size  # the runner's attention metadata is built for it
+        num_blocks = -(-max_tokens // bs)
+        self.kv = KVStorage(cfg.n_layers, num_blocks, bs, cfg.n_kv_heads, cfg.head_dim, engine.kv.dtype)
         self.table = list(reversed(range(num_blocks)))
 
     def forward(self, ids: list[int], start: int):
@@ -115,7 +115,8 @@ def greedy_engine(loaded, tokenizer, prompts: list[list[int]], n: int, fmt_name:
     from tokenmill.engine import EngineConfig, LLMEngine
 
     mode, _, kv_dtype = FORMATS[fmt_name]
-    room = -(-(max(len(p) for p in prompts) + n + 1) // BLOCK) * BLOCK
+    block = EngineConfig.block_size
+    room = -(-(max(len(p) for p in prompts) + n + 1) // block) * block
     return LLMEngine(loaded, tokenizer, EngineConfig(dtype=mode, kv_dtype=kv_dtype, max_total_tokens=max(room, 256),
                                                      parallel=1, enable_prefix_caching=False, compile=compile))
 

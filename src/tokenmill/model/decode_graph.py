@@ -27,7 +27,7 @@ from tokenmill.model.attention import GraphDecodeMeta
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 512
-MAX_BLOCKS = 256   # block-table width the dynamic graph is guarded for; wider tables run eagerly
+MAX_BLOCKS = 256   # most block-table width the dynamic graph is guarded for; wider tables run eagerly
 MIN_BLOCKS = 2     # tables are padded to at least this, so width 1 never specialises the graph
 WARMUP_BATCH, WARMUP_BLOCKS = 64, 16
 _graph_ids = itertools.count()
@@ -72,11 +72,14 @@ class DecodeGraph:
         self.block_size = block_size
         self.num_blocks = k_caches[0].shape[1] // block_size
         self.context_length = model.config.context_length
+        # No table is wider than the context's blocks, and dynamo guards the width to that bound
+        # (through the rotary table's length): declaring more fails the graph's guards.
+        self.max_blocks = max(MIN_BLOCKS, min(MAX_BLOCKS, -(-self.context_length // block_size)))
         self._step = compile_private(_DecodeStep(model, block_size), "decode_step")
         self.ready = False
 
     def accepts(self, batch_size: int, table_width: int) -> bool:
-        return self.ready and 1 <= batch_size <= MAX_BATCH and table_width <= MAX_BLOCKS
+        return self.ready and 1 <= batch_size <= MAX_BATCH and table_width <= self.max_blocks
 
     def padded_width(self, table_width: int) -> int:
         return max(MIN_BLOCKS, table_width)
@@ -87,7 +90,7 @@ class DecodeGraph:
         if ids.shape[0] > 1:
             for t in inputs:
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=MAX_BATCH)
-        torch._dynamo.mark_dynamic(block_ids, 1, min=MIN_BLOCKS, max=MAX_BLOCKS)
+        torch._dynamo.mark_dynamic(block_ids, 1, min=MIN_BLOCKS, max=self.max_blocks)
         return self._step(*inputs, self.k_caches, self.v_caches)
 
     @torch.inference_mode()
@@ -98,7 +101,7 @@ class DecodeGraph:
         typical serving batch: 64 sequences (and one) of 256 tokens. Returns the seconds it took."""
         start = time.perf_counter()
         slots_total = self.num_blocks * self.block_size
-        width = max(MIN_BLOCKS, min(WARMUP_BLOCKS, self.num_blocks))
+        width = max(MIN_BLOCKS, min(WARMUP_BLOCKS, self.num_blocks, self.max_blocks))
         keys = width * self.block_size
         for batch in (1, WARMUP_BATCH):
             rows = torch.arange(batch)
