@@ -72,6 +72,7 @@ class ModelHost:
         self._default_spec: LoadSpec | None = None
         self.error: str | None = None          # the default model's failed load
         self._waiting = 0
+        self._releasing = 0  # models out of the tables whose engines are still shutting down
         self._closed = False
         self._wake_reaper = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="tokenmill-reaper", daemon=True)
@@ -97,6 +98,12 @@ class ModelHost:
     def loaded_models(self) -> list[ServedModel]:
         with self._lock:
             return list(self._models.values())
+
+    @property
+    def releasing(self) -> int:
+        """Models already gone from loaded_models (and /api/ps) whose memory is not yet given back."""
+        with self._lock:
+            return self._releasing
 
     def find_loaded(self, name: str) -> ServedModel | None:
         with self._lock:
@@ -417,15 +424,20 @@ class ModelHost:
         return True
 
     def _forget(self, served: ServedModel) -> None:
-        """Under the lock: take `served` out of the tables (its engine is shut down after)."""
+        """Under the lock: take `served` out of the tables (its engine is shut down after, by _shutdown)."""
         for key, m in list(self._models.items()):
             if m is served:
                 del self._models[key]
+        self._releasing += 1
 
     def _shutdown(self, served: ServedModel) -> None:
-        served.aengine.shutdown()
-        gc.collect()  # the engine's tensors go now, not at some later collection
-        release_free_memory()
+        try:
+            served.aengine.shutdown()
+            gc.collect()  # the engine's tensors go now, not at some later collection
+            release_free_memory()
+        finally:
+            with self._lock:
+                self._releasing -= 1
         log.info("unloaded model %s", served.name)
 
     def _retire(self, old: ServedModel) -> None:
