@@ -8,6 +8,7 @@ from tokenmill.engine.sampler import (
     Sampler,
     SamplerInput,
     apply_penalties,
+    greedy_tokens,
     make_generator,
     truncate_logits,
 )
@@ -40,6 +41,18 @@ def test_greedy_is_argmax():
     torch.manual_seed(0)
     logits = torch.randn(6, 100)
     assert run(logits, [SamplingParams(temperature=0)] * 6) == logits.argmax(-1).tolist()
+
+
+def test_greedy_takes_the_first_of_tied_maxima_and_nan_as_argmax_does():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randint(0, 4, (64, 4097), generator=g).float()  # every row has many tied maxima
+    logits[3, 17] = logits[3, 900] = float("nan")
+    logits[5] = float("-inf")
+    logits[5, 4096] = logits[5, 4000] = 0.0
+    tokens = greedy_tokens(logits)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert tokens[3] == 17 and tokens[5] == 4000
+    assert all(t == int((row == row.max()).nonzero()[0]) for t, row in zip(tokens[6:], logits[6:]))
 
 
 def test_bf16_logits_give_the_float32_answers():

@@ -82,8 +82,8 @@ class Sampler:
         if n == 0:
             return SampleResult(token_ids=[])
 
-        # Penalties, temperature and cumulative sums want float32, and so does argmax: on bf16 it
-        # runs 2.3x slower than a widening copy (0.26 ms at 64 rows) plus a float32 argmax.
+        # Penalties, temperature and cumulative sums want float32, and so does the greedy max: on
+        # bf16 argmax ran 2.3x slower than a widening copy (0.26 ms at 64 rows) plus a float32 one.
         logits = logits.float()
         penalised = apply_penalties(logits, params, inp.recent_token_ids)
         if inp.token_masks is not None:
@@ -94,7 +94,7 @@ class Sampler:
 
         greedy = [p.is_greedy for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens(logits)
         else:
             tokens = torch.empty(n, dtype=torch.long, device=logits.device)
             gens = inp.generators or [None] * n
@@ -103,7 +103,7 @@ class Sampler:
             seeded_rows = [i for i in range(n) if not greedy[i] and gens[i] is not None]
             if greedy_rows:
                 idx = _index(greedy_rows, logits.device)
-                tokens[idx] = logits[idx].argmax(dim=-1)
+                tokens[idx] = greedy_tokens(logits[idx])
             if shared_rows:
                 idx = _index(shared_rows, logits.device)
                 sub = logits if len(shared_rows) == n else logits[idx]
@@ -118,6 +118,13 @@ class Sampler:
         result = SampleResult(token_ids=token_list)
         _add_logprobs(result, logits, tokens, params)
         return result
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first index on ties (documented for torch.max over a dim, as for
+    argmax). torch's CPU argmax kernel is slower: 2.0 against 0.8 ms at 64 rows x 49,152 float32
+    on 2 threads (3.7 ms a step inside SmolLM2's 64-sequence decode step, 6% of it)."""
+    return logits.max(dim=-1).indices
 
 
 def apply_penalties(
