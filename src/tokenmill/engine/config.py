@@ -7,7 +7,7 @@ POLICIES = ("fifo", "priority", "sjf")
 KV_DTYPES = ("auto", "f16", "bf16", "int8")
 # Tokens per KV block. A block holds a head's keys contiguously, and the blocks of a sequence lie
 # wherever the free list put them: 64 keys make an 8 KB run for SmolLM2 (head dim 64, f16), where 16
-# made 2 KB runs that the decode kernel read at 58% of memory speed against 82% (64 sequences x 4k,
+# made 2 KB runs that the decode kernel read at 58-64% of memory speed against 82-83% (64 sequences x 4k,
 # bench/paged_attention.py --block-size). vLLM's CPU backend defaults to 128 for the same reason.
 # The cost: prefixes are shared in whole blocks, and a sequence's last block is partly empty.
 DEFAULT_BLOCK_SIZE = 64
