@@ -6,7 +6,7 @@ import glob
 import os
 import sys
 
-from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext, has_flag
 from setuptools import setup
 
 ParallelCompile("TOKENMILL_BUILD_JOBS", default=os.cpu_count() or 1).install()
@@ -31,6 +31,11 @@ def extension(variant: str, flags: list[str]) -> Pybind11Extension:
         extra_compile_args=COMMON + flags, extra_link_args=["-fopenmp"], optional=True)
 
 
+# AMX-INT8 (csrc/qmatmul_amx.h) rides in the avx512 variant when the compiler knows the flags (gcc 11+);
+# it only runs where the CPU has it and Linux grants the tile state (csrc/cpu.cpp).
+AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]
+
+
 class BuildVariants(build_ext):
     """The variants compile the same sources with other flags, so each gets its own object directory,
     and they build one after another (setuptools' parallel build would race on the shared build_temp;
@@ -41,6 +46,8 @@ class BuildVariants(build_ext):
         self.parallel = None
 
     def build_extension(self, ext):
+        if ext.name.endswith("_avx512") and all(has_flag(self.compiler, f) for f in AMX_FLAGS):
+            ext.extra_compile_args = ext.extra_compile_args + AMX_FLAGS
         base = self.build_temp
         self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
         try:

@@ -4,7 +4,8 @@ read the ratios, not the absolute times).
 
     PYTHONPATH=src python bench/qmatmul.py [--threads 2] [--rows 1,8,64,512] [--only smol|gemma] [--variant avx2]
 
-qmatmul's time includes quantizing the activations. GB/s counts the repacked weight's bytes per call;
+qmatmul's time includes quantizing the activations. Where the CPU has AMX-INT8, the `vnni` column is
+the same call with AMX off (the same bits; compare the two speeds). GB/s counts the repacked weight's bytes per call;
 at M=1 the last column is a peer for it: torch's max() reading as many bytes, timed in the same rounds.
 """
 from __future__ import annotations
@@ -46,6 +47,11 @@ def random_gguf(t: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
+def without_amx(fn):
+    with native.use_amx(False):
+        return fn()
+
+
 def timed(fn, reps: int) -> float:
     fn()
     t = time.perf_counter()
@@ -69,8 +75,10 @@ def main() -> None:
     with native.use_variant(args.variant or native.variant()):
         print(f"qmatmul variant: {native.variant()}, threads {args.threads}; onednn bf16: "
               f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+        amx = native.amx()
         print(f"{'model':6} {'weight':9} {'type':5} {'N x K':>13} {'M':>4} | {'qmatmul':>10} {'GB/s':>6} | "
-              f"{'bf16 dnn':>10} {'fp32':>10} | {'vs bf16':>7} {'vs fp32':>7} | {'read GB/s':>9}")
+              f"{'bf16 dnn':>10} {'fp32':>10} | {'vs bf16':>7} {'vs fp32':>7} | {'read GB/s':>9}"
+              + (f" | {'vnni':>10} {'amx gain':>8}" if amx else ""))
         for model, shapes in SHAPES.items():
             if args.only and model != args.only:
                 continue
@@ -90,6 +98,8 @@ def main() -> None:
                            "fp32": lambda: F.linear(x, dense)}
                     if m == 1:
                         fns["read"] = lambda: peer.max()
+                    if amx:
+                        fns["vnni"] = lambda: without_amx(lambda: qmatmul(x, w))
                     times = {key: [] for key in fns}
                     for _ in range(args.rounds):
                         for key, fn in fns.items():
@@ -97,7 +107,9 @@ def main() -> None:
                     tq, tb, tf = (min(times[key]) for key in ("q", "bf16", "fp32"))
                     print(f"{model:6} {name:9} {t.name:5} {f'{n}x{k}':>13} {m:4} | {tq * 1e6:8.0f}us {w.nbytes / tq / 1e9:6.1f} | "
                           f"{tb * 1e6:8.0f}us {tf * 1e6:8.0f}us | {tb / tq:6.2f}x {tf / tq:6.2f}x | "
-                          + (f"{w.nbytes / min(times['read']) / 1e9:9.1f}" if "read" in times else ""), flush=True)
+                          + (f"{w.nbytes / min(times['read']) / 1e9:9.1f}" if "read" in times else f"{'':9}")
+                          + (f" | {min(times['vnni']) * 1e6:8.0f}us {min(times['vnni']) / tq:7.2f}x" if amx else ""),
+                          flush=True)
                 del dense, packed, peer
 
 

@@ -23,6 +23,11 @@ namespace tmk {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TM_AVX2 1
 #endif
+// The avx512 variant carries AMX-INT8 code when the compiler takes its flags (setup.py); it runs only
+// where cpu.cpp's amx_enabled() says the CPU has it and Linux granted the tile state.
+#if defined(TM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define TM_AMX 1
+#endif
 
 // Threads the kernels use; set from Python (kernels.set_num_threads) so --threads is honoured.
 int num_threads();

@@ -4,12 +4,62 @@
 
 #include "common.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace py = pybind11;
 
 namespace tmk {
 static int g_threads = 1;
 int num_threads() { return g_threads; }
 void set_num_threads(int n) { g_threads = n < 1 ? 1 : n; }
+
+// CPUID leaf 7: AMX-TILE is EDX bit 24, AMX-INT8 bit 25 (gcc 12's __builtin_cpu_supports has no name for them).
+static bool cpu_has_amx_int8() {
+#if defined(__x86_64__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    return (d >> 24 & 1) && (d >> 25 & 1);
+#else
+    return false;
+#endif
+}
+
+// Linux hands out the 8 KB tile state only to a process that asks for it (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA); a tile instruction without it is SIGILL. Asked once, for the
+// whole process.
+static bool amx_permitted() {
+#if defined(__linux__) && defined(__x86_64__)
+    static const bool granted = cpu_has_amx_int8() && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                                              18 /* XFEATURE_XTILEDATA */) == 0;
+    return granted;
+#else
+    return false;
+#endif
+}
+
+static bool g_amx = false;
+namespace qmm {
+bool amx_enabled() { return g_amx; }
+}  // namespace qmm
+
+// Turns the AMX qmatmul on (where this variant carries it, the CPU has it and Linux grants it) or off;
+// returns whether it is on. Off by default: kernels/native.py turns it on.
+static bool set_amx(bool on) {
+#if defined(TM_AMX)
+    g_amx = on && amx_permitted();
+#else
+    (void)on;
+    (void)amx_permitted;
+    g_amx = false;
+#endif
+    return g_amx;
+}
 }  // namespace tmk
 
 static py::dict cpu_features() {
@@ -25,6 +75,7 @@ static py::dict cpu_features() {
     d["avx512dq"] = bool(__builtin_cpu_supports("avx512dq"));
     d["avx512vnni"] = bool(__builtin_cpu_supports("avx512vnni"));
     d["avx512bf16"] = bool(__builtin_cpu_supports("avx512bf16"));
+    d["amx_int8"] = tmk::cpu_has_amx_int8();
 #endif
     return d;
 }
@@ -33,6 +84,8 @@ void register_cpu(py::module_& m) {
     m.def("cpu_features", &cpu_features, "instruction-set extensions this CPU supports");
     m.def("set_num_threads", &tmk::set_num_threads, py::arg("n"));
     m.def("num_threads", &tmk::num_threads);
+    m.def("set_amx", &tmk::set_amx, py::arg("on"), "turn the AMX-INT8 qmatmul on or off; returns whether it is on");
+    m.def("amx", &tmk::qmm::amx_enabled, "whether qmatmul takes AMX-INT8 for whole groups of 16 rows");
     m.def("openmp", []() {
 #ifdef _OPENMP
         return true;

@@ -12,6 +12,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "common.h"
 #include "kernels.h"
+#include "qmatmul_amx.h"
 #include "qmatmul_avx2.h"
 #include "qmatmul_avx512.h"
 #include "qmatmul_layout.h"
@@ -147,6 +148,29 @@ static inline void prefetch_tile(const Weight& w, int64_t tile) {
 // Rows per pass over a thread's tiles: their activations stay in L1/L2 while the weight tiles stream.
 constexpr int64_t kRowChunk = 64;
 
+#if defined(TM_AMX)
+// Rows per pass of the AMX path: each weight tile is decoded once per pass, and 256 rows' activations
+// (330 KB for SmolLM2) stay in L2 while the tiles stream.
+constexpr int64_t kAmxRowChunk = 256;
+
+// Tiles [t0, t1) of a thread: whole groups of 16 rows on AMX, the rest of each pass's rows on the
+// AVX-512 kernels (the same bits either way).
+template <int T>
+static void tiles_amx(const Weight& w, const Acts& a, int64_t M, int64_t t0, int64_t t1, float* out, int64_t ldo) {
+    amx_configure();
+    for (int64_t m0 = 0; m0 < M; m0 += kAmxRowChunk) {
+        const int64_t m1 = std::min(M, m0 + kAmxRowChunk), whole = m0 + (m1 - m0) / kAmxRows * kAmxRows;
+        for (int64_t t = t0; t < t1; ++t) {
+            if (m0 == 0 && t + 1 < t1) prefetch_tile(w, t + 1);
+            const uint8_t* v = amx_values<T>(w, t);
+            for (int64_t m = m0; m < whole; m += kAmxRows) tile_amx<T>(w, t, a, v, m, out + t * kTile, ldo);
+            if (whole < m1) rows_avx512<T>(w, t, a, whole, m1, out + t * kTile, ldo);
+        }
+    }
+    _tile_release();
+}
+#endif
+
 template <int T>
 static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t ldo) {
     // Enough tiles per thread that a small GEMV is not all fork/join; the split never changes results.
@@ -165,6 +189,15 @@ static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t l
     }
 #endif
     parallel_for(w.tiles(), grain, [&](int64_t t0, int64_t t1) {
+#if defined(TM_AMX)
+        if constexpr (kAmxType<T>) {
+            if (M >= kAmxRows && amx_enabled()) {
+                tiles_amx<T>(w, a, M, t0, t1, out, ldo);
+                if (w.stream_out) _mm_sfence();
+                return;
+            }
+        }
+#endif
         for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
             const int64_t m1 = std::min(M, m0 + kRowChunk);
             for (int64_t t = t0; t < t1;) {

@@ -89,32 +89,45 @@ inline void dot_steps(const uint8_t* qs, const int8_t* const* x, int64_t K, int 
     }
 }
 
-// acc[r] += block b's integer sums isum[r] (rows m0 + r) times the tile's scales and the row's dx, then
-// the offset term (Q4_1 plus, Q4_K minus): the float work per block of every pass, one tile or a group,
-// so how rows and tiles are grouped never changes a bit.
+// A block's float factors for one tile: the scale of its integer sums, and the offset term's factor
+// (Q4_1 adds offset * dsum, Q4_K subtracts it).
+template <int T>
+struct BlockScales {
+    __m512 scale, offset;
+    BlockScales(const Weight& w, int64_t tile, int64_t b) {
+        const uint8_t* sc = w.sc_at(tile, b);
+        if constexpr (T == Q6_K)
+            scale = load_halves(w.sup_at(tile, b));
+        else if constexpr (T == Q4_K)
+            scale = _mm512_mul_ps(load_halves(w.sup_at(tile, b)), load_u8_as_f32(sc));
+        else
+            scale = load_halves(sc);
+        if constexpr (T == Q4_1)
+            offset = load_halves(sc + 32);
+        else if constexpr (T == Q4_K)
+            offset = _mm512_mul_ps(load_halves(w.sup_at(tile, b) + 32), load_u8_as_f32(sc + 16));
+        else
+            offset = _mm512_setzero_ps();
+    }
+};
+
+// acc += row m's integer sums of block b times the tile's scales and the row's dx, then the offset
+// term: the float work per block and row of every kernel (VNNI, grouped or AMX), so how rows and tiles
+// are grouped never changes a bit.
+template <int T>
+inline __m512 add_row_avx512(const BlockScales<T>& f, const Acts& a, int64_t m, int64_t b, __m512i isum, __m512 acc) {
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(f.scale, _mm512_set1_ps(a.dx(m, b))), _mm512_cvtepi32_ps(isum), acc);
+    if constexpr (T == Q4_1) acc = _mm512_fmadd_ps(f.offset, _mm512_set1_ps(a.dsum(m, b)), acc);
+    if constexpr (T == Q4_K) acc = _mm512_fnmadd_ps(f.offset, _mm512_set1_ps(a.dsum(m, b)), acc);
+    return acc;
+}
+
+// acc[r] += block b's integer sums isum[r] (rows m0 + r), scaled: add_row_avx512 for MR rows.
 template <int T, int MR>
 inline void add_block_avx512(const Weight& w, int64_t tile, int64_t b, const Acts& a, int64_t m0,
                              const __m512i* isum, __m512* acc) {
-    const uint8_t* sc = w.sc_at(tile, b);
-    __m512 scale;
-    if constexpr (T == Q6_K)
-        scale = load_halves(w.sup_at(tile, b));
-    else if constexpr (T == Q4_K)
-        scale = _mm512_mul_ps(load_halves(w.sup_at(tile, b)), load_u8_as_f32(sc));
-    else
-        scale = load_halves(sc);
-    for (int r = 0; r < MR; ++r) {
-        const __m512 dx = _mm512_set1_ps(a.dx(m0 + r, b));
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
-    }
-    if constexpr (T == Q4_1) {
-        const __m512 offset = load_halves(sc + 32);
-        for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r]);
-    }
-    if constexpr (T == Q4_K) {
-        const __m512 offset = _mm512_mul_ps(load_halves(w.sup_at(tile, b) + 32), load_u8_as_f32(sc + 16));
-        for (int r = 0; r < MR; ++r) acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(a.dsum(m0 + r, b)), acc[r]);
-    }
+    const BlockScales<T> f(w, tile, b);
+    for (int r = 0; r < MR; ++r) acc[r] = add_row_avx512<T>(f, a, m0 + r, b, isum[r], acc[r]);
 }
 
 // dec: the tile's decoded values (kDecoded) or null.

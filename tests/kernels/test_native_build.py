@@ -43,7 +43,26 @@ def test_the_best_runnable_variant_is_chosen_by_default():
     assert kernels.variant() == (runnable[0] if runnable else "torch")
 
 
-@pytest.mark.parametrize("name,forbidden", [("avx2", "zmm"), ("scalar", "ymm")])
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_int8" in f.read().split()
+    except OSError:
+        return False
+
+
+def test_amx_runs_where_the_cpu_has_it_and_can_be_turned_off():
+    code = "from tokenmill import kernels; print(kernels.amx()); print(kernels.describe())"
+    on = _python(code)
+    assert on.returncode == 0, on.stderr
+    expected = kernels.variant() == "avx512" and _cpu_has_amx() and not os.environ.get("TOKENMILL_AMX")
+    assert on.stdout.split("\n")[0] == str(expected)
+    assert ("avx512+amx" in on.stdout) == expected
+    off = _python(code, TOKENMILL_AMX="0")
+    assert off.stdout.split("\n")[0] == "False" and "+amx" not in off.stdout, off.stderr
+
+
+@pytest.mark.parametrize("name,forbidden", [("avx2", "zmm"), ("avx2", "tmm"), ("scalar", "ymm"), ("scalar", "tmm")])
 def test_each_variant_holds_only_its_own_instructions(name, forbidden):
     """A variant built with another's objects would still pass every test on this CPU, and crash on
     the CPUs it exists for."""

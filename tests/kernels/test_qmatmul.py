@@ -145,6 +145,48 @@ def test_batch_and_thread_invariance(variant, t):
         assert torch.equal(one, full) and torch.equal(two, full)
 
 
+def _amx_runs() -> bool:
+    with native.use_variant(native.variant()), native.use_amx(True) as on:
+        return on
+
+
+@pytest.mark.skipif(not _amx_runs(), reason="this CPU (or build) has no AMX-INT8")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", [1, 2, 5])
+def test_amx_gives_the_vnni_kernels_bits(t, blocks):
+    """AMX takes whole groups of 16 rows (the rest stay on VNNI) and must give the same bits: one
+    block and two (the two-deep pipeline's edges), partial tiles, more rows than one AMX pass (256),
+    1 or 2 threads."""
+    n, k = 53, k_for(t, min(blocks, 2) if t in (Q.Q4_K, Q.Q6_K) else blocks)
+    w = QuantizedWeight.from_gguf(random_gguf(t, n, k, seed=blocks), t, (n, k))
+    for m in (16, 37, 300):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        with native.use_amx(False):
+            vnni = qmatmul(x, w)
+        try:
+            for threads in (1, 2):
+                native.set_num_threads(threads)
+                with native.use_amx(True):
+                    assert torch.equal(qmatmul(x, w), vnni), f"{t.name} m={m} threads={threads}"
+        finally:
+            native.set_num_threads(torch.get_num_threads())
+    with native.use_amx(True):  # a row alone (VNNI) and inside an AMX group
+        assert torch.equal(qmatmul(x[40:41], w), qmatmul(x[32:64], w)[8:9])
+
+
+@pytest.mark.skipif(not _amx_runs(), reason="this CPU (or build) has no AMX-INT8")
+def test_amx_vocabulary_wide_output():
+    n, k = 16384 + 8, 64
+    w = QuantizedWeight.from_gguf(random_gguf(Q.Q8_0, n, k), Q.Q8_0, (n, k))
+    x = torch.randn(20, k)
+    with native.use_amx(False):
+        vnni = qmatmul(x, w)
+    with native.use_amx(True):
+        lines = torch.full((20, n + 8), float("nan"))
+        amx = qmatmul(x, w, out=lines[:, :n])
+    assert torch.equal(amx, vnni) and lines[:, n:].isnan().all()
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_out_column_slice_and_shared_activations(variant):
     k = 256

@@ -115,7 +115,8 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-SIMD_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c")
+SIMD_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "amx_int8", "avx2", "fma",
+              "f16c")
 
 
 def _cpuinfo(key: str) -> str:
@@ -137,9 +138,9 @@ def cpu_model() -> str:
 
 
 def _kernels() -> str:
-    from tokenmill.kernels import variant
+    from tokenmill.kernels import native
 
-    return variant()
+    return f"{native.variant()}+amx" if native.amx() else native.variant()
 
 
 def environment() -> dict[str, Any]:

@@ -2,6 +2,6 @@
 custom op with a fake implementation (so compiled graphs call it without a break) and a PyTorch
 reference of the same signature: the tests' oracle, and what runs when the extension is absent or
 TOKENMILL_NATIVE=0."""
-from tokenmill.kernels.native import describe, runnable_variants, set_num_threads, use_variant, variant
+from tokenmill.kernels.native import amx, describe, runnable_variants, set_num_threads, use_amx, use_variant, variant
 
-__all__ = ["describe", "runnable_variants", "set_num_threads", "use_variant", "variant"]
+__all__ = ["amx", "describe", "runnable_variants", "set_num_threads", "use_amx", "use_variant", "variant"]

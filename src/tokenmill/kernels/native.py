@@ -1,7 +1,11 @@
 """Which compiled variant runs: the best of avx512 / avx2 / scalar that this CPU supports and that
 was built, or none (the PyTorch reference path). TOKENMILL_NATIVE=0 turns the compiled core off;
 TOKENMILL_NATIVE=avx2 (or scalar) asks for a lesser variant, e.g. to measure an AVX2-only machine's
-kernels on an AVX-512 one. Tests pin a variant with `use_variant`."""
+kernels on an AVX-512 one. Tests pin a variant with `use_variant`.
+
+On CPUs with AMX-INT8 the avx512 variant's qmatmul takes tiles for whole groups of 16 rows (bitwise the
+same results as its VNNI kernel); TOKENMILL_AMX=0 keeps it on VNNI, and `use_amx` switches it in tests
+and benchmarks."""
 from __future__ import annotations
 
 import contextlib
@@ -44,7 +48,7 @@ def runnable_variants() -> list[str]:
 
 def _choose() -> tuple[ModuleType | None, str]:
     wanted = os.environ.get("TOKENMILL_NATIVE", "").strip().lower()
-    if wanted in ("0", "false", "off", "no"):
+    if _off("TOKENMILL_NATIVE"):
         return None, "TOKENMILL_NATIVE=0"
     runnable = runnable_variants()
     if not runnable:
@@ -56,7 +60,14 @@ def _choose() -> tuple[ModuleType | None, str]:
     return _import(runnable[0]), ""
 
 
+def _off(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("0", "false", "off", "no")
+
+
 _module, _why_not = _choose()
+for _v in VARIANTS:  # the AMX switch lives in each module; only an avx512 build on an AMX CPU takes it
+    if (_mod := _import(_v)) is not None and hasattr(_mod, "set_amx"):
+        _mod.set_amx(not _off("TOKENMILL_AMX"))
 if _module is None:
     log.warning("native kernels off (%s): running on the PyTorch reference path", _why_not)
 else:
@@ -73,12 +84,18 @@ def variant() -> str:
     return _module.variant if _module is not None else "torch"
 
 
+def amx() -> bool:
+    """Whether the running variant's qmatmul takes AMX-INT8 tiles."""
+    return _module is not None and bool(_module.amx())
+
+
 def describe() -> str:
     """One line for --version, /api/version and /health: the variant and the CPU flags it relies on."""
     if _module is None:
         return f"torch (native kernels off: {_why_not})"
     features = sorted(f for f, on in _module.cpu_features().items() if on)
-    return f"{_module.variant} ({_module.num_threads()} threads; cpu: {' '.join(features) or 'no SIMD flags read'})"
+    kernel = f"{_module.variant}+amx" if amx() else _module.variant
+    return f"{kernel} ({_module.num_threads()} threads; cpu: {' '.join(features) or 'no SIMD flags read'})"
 
 
 def set_num_threads(n: int) -> None:
@@ -102,6 +119,21 @@ def use_variant(name: str | None) -> Iterator[None]:
         yield
     finally:
         _module = saved
+
+
+@contextlib.contextmanager
+def use_amx(on: bool) -> Iterator[bool]:
+    """Run the body with the AMX qmatmul on or off (yields whether it is on: only where the CPU has
+    it); for tests and benchmarks."""
+    mod = _module
+    if mod is None:
+        yield False
+        return
+    saved = bool(mod.amx())
+    try:
+        yield bool(mod.set_amx(on))
+    finally:
+        mod.set_amx(saved)
 
 
 set_num_threads(torch.get_num_threads())

@@ -1,0 +1,147 @@
+// AMX-INT8 qmatmul for many rows (Sapphire Rapids and later; the avx512 variant built with AMX flags,
+// used when cpu.cpp's amx_enabled() says Linux granted the tile state). A 16-row x 16-column x 32-input
+// block is one TDPBSUD per activation plane: the activation rows are the signed A tile, and the
+// repacked weight block is already the unsigned B tile's layout (step j = inputs 4j..4j+3 of the 16
+// columns, 64 bytes), decoded first for the 4/5/6-bit types. The products are exact int32 sums, the
+// same integers the VNNI kernel forms, and the float work per block is add_block_avx512's, so the
+// outputs are bit-identical to qmatmul_avx512.h's at any row count: AMX and VNNI rows may share a call.
+#pragma once
+
+#include "qmatmul_avx512.h"
+
+#if defined(TM_AMX)
+namespace tmk::qmm {
+
+bool amx_enabled();  // cpu.cpp
+
+constexpr int64_t kAmxRows = 16;  // rows of an A tile: a call takes AMX for whole groups of 16
+
+// Types with one scale per block of 32. Q6_K's integer scales are per 16 inputs: with a tile product
+// per half block it measured no faster than VNNI (bench/qmatmul.py, Gemma 3's down), so it stays there.
+template <int T>
+constexpr bool kAmxType = T != Q6_K;
+
+// Tiles: 0 and 1 hold the two activation planes' rows of a block (16 x 32 bytes), 2 the weight block
+// (B: 8 rows of 64 bytes), 4..7 the int32 sums (16 x 16) of two planes x two blocks in flight.
+struct TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+inline void amx_configure() {
+    TileConfig c;
+    for (int i : {0, 1}) {
+        c.rows[i] = kAmxRows;
+        c.colsb[i] = kBlock;
+    }
+    c.rows[2] = kBlock / 4;
+    c.colsb[2] = 64;
+    for (int i = 4; i < 8; ++i) {
+        c.rows[i] = kAmxRows;
+        c.colsb[i] = 64;
+    }
+    // Not gcc 12's _tile_loadconfig: its asm tells the compiler it reads 8 bytes, so the stores of
+    // the rest of the configuration may be dropped, and ldtilecfg faults on what the stack held.
+    asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+// gcc 12's _tile_loadd does not tell the compiler what it reads. Its inputs here are written before
+// the call (the activations) or before amx_values' compiler barrier (the decoded weight), so the tile
+// loads need no "memory" clobber, which would make the compiler reload every value it keeps in memory
+// after each of them. A store names the 1 KB it writes (16 rows of 64 bytes), so the scaling loop's
+// reads of the sums stay after it.
+struct SumTile {
+    int32_t v[256];
+};
+#define TM_TILE_LOAD(t, base, stride) asm volatile("tileloadd (%0,%1,1), %%tmm" #t : : "r"(base), "r"((long)(stride)))
+#define TM_TILE_STORE(t, base)                                                                             \
+    asm volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*reinterpret_cast<SumTile*>(base)) : "r"(base), \
+                 "r"(64L))
+
+// Both planes' products of a block of 16 rows (x: the first row's q1, rows `stride` bytes apart, q2 K
+// bytes after q1) with the weight columns v, into sum tiles C1 and C2; then stored to sums (int32
+// [2][16][16]). gcc's tile intrinsics paste their tile numbers into the
+// assembly, so they must be literal numbers: macros, not templates.
+#define TM_AMX_PRODUCTS(C1, C2, x, K, stride, v) \
+    do {                                           \
+        TM_TILE_LOAD(0, (x), (stride));            \
+        TM_TILE_LOAD(1, (x) + (K), (stride));      \
+        TM_TILE_LOAD(2, (v), 64);                  \
+        _tile_zero(C1);                            \
+        _tile_zero(C2);                            \
+        _tile_dpbsud(C1, 0, 2);                    \
+        _tile_dpbsud(C2, 1, 2);                    \
+    } while (0)
+#define TM_AMX_STORE(C1, C2, sums)            \
+    do {                                      \
+        TM_TILE_STORE(C1, (sums));            \
+        TM_TILE_STORE(C2, (sums) + 256);      \
+    } while (0)
+
+// Rows [m0, m0 + 16) of one tile into out (the tile's first column). v: the tile's values in the
+// decoded layout (block b at v + b * kDecodedBlock). A pipeline two blocks deep: block b + 1's sums are
+// stored and block b + 2's products issued (into the sum tiles block b left) before block b's sums,
+// stored one block earlier, are read back, so the scaling does not wait on the tile unit.
+template <int T>
+void tile_amx(const Weight& w, int64_t tile, const Acts& a, const uint8_t* v, int64_t m0, float* out, int64_t ldo) {
+    static_assert(kAmxType<T>);
+    constexpr int c = int_offset(T);
+    constexpr int R = int(kAmxRows);
+    const int64_t nb = w.blocks(), stride = Acts::row_bytes(w.K);
+    const int8_t* x0 = a.row(m0);
+    alignas(64) int32_t sums[2][2][R][16];  // [block parity][plane][row][column]
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    TM_AMX_PRODUCTS(4, 5, x0, w.K, stride, v);
+    if (nb > 1) TM_AMX_PRODUCTS(6, 7, x0 + kBlock, w.K, stride, v + kDecodedBlock);
+    TM_AMX_STORE(4, 5, &sums[0][0][0][0]);
+    for (int64_t b = 0; b < nb; ++b) {
+        if (b + 1 < nb) {
+            if (b & 1)
+                TM_AMX_STORE(4, 5, &sums[0][0][0][0]);
+            else
+                TM_AMX_STORE(6, 7, &sums[1][0][0][0]);
+        }
+        if (b + 2 < nb) {
+            const int8_t* x = x0 + (b + 2) * kBlock;
+            const uint8_t* vb = v + (b + 2) * kDecodedBlock;
+            if (b & 1)
+                TM_AMX_PRODUCTS(6, 7, x, w.K, stride, vb);
+            else
+                TM_AMX_PRODUCTS(4, 5, x, w.K, stride, vb);
+        }
+        const BlockScales<T> f(w, tile, b);
+        const int32_t* s = &sums[b & 1][0][0][0];
+#pragma GCC unroll 16  // acc stays in registers
+        for (int r = 0; r < R; ++r) {
+            __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(s + 16 * r), kFine),
+                                            _mm512_load_si512(s + 256 + 16 * r));
+            if constexpr (c != 0) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(-c * a.block_sum(m0 + r, b)));
+            acc[r] = add_row_avx512<T>(f, a, m0 + r, b, isum, acc[r]);
+        }
+    }
+    const int64_t left = w.N - tile * kTile;
+    const __mmask16 cols = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    if (w.stream_out && left >= kTile && (reinterpret_cast<uintptr_t>(out) & 63) == 0 && (ldo & 15) == 0) {
+        for (int r = 0; r < R; ++r) _mm512_stream_ps(out + (m0 + r) * ldo, acc[r]);
+    } else {
+        for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ldo, cols, acc[r]);
+    }
+}
+
+// The tile's values in the decoded layout: Q8_0's blocks are that layout already.
+template <int T>
+inline const uint8_t* amx_values(const Weight& w, int64_t tile) {
+    if constexpr (T == Q8_0) {
+        return w.qs_at(tile, 0);
+    } else {
+        const uint8_t* v = decoded_tile512<T>(w, tile);
+        asm volatile("" : : : "memory");  // the decoded values are in memory before any tile load
+        return v;
+    }
+}
+
+}  // namespace tmk::qmm
+#endif
