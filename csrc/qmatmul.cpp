@@ -149,23 +149,25 @@ static inline void prefetch_tile(const Weight& w, int64_t tile) {
 constexpr int64_t kRowChunk = 64;
 
 #if defined(TM_AMX)
-// Rows per pass of the AMX path: each weight tile is decoded once per pass, and 256 rows' activations
-// (330 KB for SmolLM2) stay in L2 while the tiles stream.
-constexpr int64_t kAmxRowChunk = 256;
+// Tiles per pass of the AMX path: a pass decodes them once (72 KB for SmolLM2's K = 576, into L2), then
+// takes each group of 16 rows over all of them, so the group's activations stay in L1 while the
+// weight tiles come from L2 (at 512 rows, SmolLM2's gate_up 1.x faster than a tile at a time over all
+// rows, bench/qmatmul.py).
+constexpr int64_t kAmxTileChunk = 8;
 
-// Tiles [t0, t1) of a thread: whole groups of 16 rows on AMX, the rest of each pass's rows on the
-// AVX-512 kernels (the same bits either way).
+// Tiles [t0, t1) of a thread: whole groups of 16 rows on AMX, the other rows on the AVX-512 kernels
+// (the same bits either way).
 template <int T>
 static void tiles_amx(const Weight& w, const Acts& a, int64_t M, int64_t t0, int64_t t1, float* out, int64_t ldo) {
     amx_configure();
-    for (int64_t m0 = 0; m0 < M; m0 += kAmxRowChunk) {
-        const int64_t m1 = std::min(M, m0 + kAmxRowChunk), whole = m0 + (m1 - m0) / kAmxRows * kAmxRows;
-        for (int64_t t = t0; t < t1; ++t) {
-            if (m0 == 0 && t + 1 < t1) prefetch_tile(w, t + 1);
-            const uint8_t* v = amx_values<T>(w, t);
-            for (int64_t m = m0; m < whole; m += kAmxRows) tile_amx<T>(w, t, a, v, m, out + t * kTile, ldo);
-            if (whole < m1) rows_avx512<T>(w, t, a, whole, m1, out + t * kTile, ldo);
-        }
+    const int64_t whole = M / kAmxRows * kAmxRows, per_tile = w.blocks() * kDecodedBlock;
+    for (int64_t tc = t0; tc < t1; tc += kAmxTileChunk) {
+        const int64_t n = std::min(kAmxTileChunk, t1 - tc);
+        for (int64_t t = tc + n; t < std::min(tc + 2 * n, t1); ++t) prefetch_tile(w, t);
+        const uint8_t* v = amx_values<T>(w, tc, n);
+        for (int64_t m = 0; m < whole; m += kAmxRows)
+            for (int64_t i = 0; i < n; ++i) tile_amx<T>(w, tc + i, a, v + i * per_tile, m, out + (tc + i) * kTile, ldo);
+        for (int64_t i = 0; whole < M && i < n; ++i) rows_avx512<T>(w, tc + i, a, whole, M, out + (tc + i) * kTile, ldo);
     }
     _tile_release();
 }

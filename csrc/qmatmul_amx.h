@@ -131,15 +131,23 @@ void tile_amx(const Weight& w, int64_t tile, const Acts& a, const uint8_t* v, in
     }
 }
 
-// The tile's values in the decoded layout: Q8_0's blocks are that layout already.
+// Tiles [t0, t0 + n)'s values in the decoded layout, tile i at the result + i * blocks * kDecodedBlock:
+// Q8_0's blocks are that layout already; the others are decoded into the thread's buffer.
 template <int T>
-inline const uint8_t* amx_values(const Weight& w, int64_t tile) {
+inline const uint8_t* amx_values(const Weight& w, int64_t t0, int64_t n) {
     if constexpr (T == Q8_0) {
-        return w.qs_at(tile, 0);
+        return w.qs_at(t0, 0);
     } else {
-        const uint8_t* v = decoded_tile512<T>(w, tile);
+        thread_local std::vector<uint8_t> buffer;
+        const int64_t per_tile = w.blocks() * kDecodedBlock;
+        if (buffer.size() < size_t(n * per_tile)) buffer.resize(size_t(n * per_tile));
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t b = 0; b < w.blocks(); ++b)
+                for (int j = 0; j < 8; ++j)
+                    _mm512_storeu_si512(buffer.data() + i * per_tile + b * kDecodedBlock + 64 * j,
+                                        step_values<T>(w.qs_at(t0 + i, b), j));
         asm volatile("" : : : "memory");  // the decoded values are in memory before any tile load
-        return v;
+        return buffer.data();
     }
 }
 
