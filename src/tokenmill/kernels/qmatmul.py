@@ -12,7 +12,9 @@ products double. The weights are used exactly as the GGUF holds them; everything
 products is fp32. The native kernels differ from `qmatmul_reference` only by fp32 summation order.
 
 Every output row goes through the same fp32 operations whatever the batch holds and however many
-threads run (the kernels split N, never K), so results are batch invariant bitwise.
+threads run (the kernels split N, never K), so results are batch invariant bitwise. On AMX-INT8 CPUs
+the AVX-512 variant computes whole groups of 16 rows' integer dot products on the tile unit
+(csrc/qmatmul_amx.h): the same integers, then the same fp32 operations, so the same bits.
 
 Repacked layout (see csrc/qmatmul_layout.h, which the kernels read): output rows are interleaved in
 tiles of 16, so one 512-bit register holds 16 output columns. For each tile and each block of 32 inputs:
