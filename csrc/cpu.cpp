@@ -2,6 +2,8 @@
 // the kernels' thread count.
 #include <pybind11/pybind11.h>
 
+#include <atomic>
+
 #include "common.h"
 
 #if defined(__x86_64__)
@@ -43,9 +45,10 @@ static bool amx_permitted() {
 #endif
 }
 
-static bool g_amx = false;
+// Read by the kernel threads, switched from Python (tests flip it between calls).
+static std::atomic<bool> g_amx{false};
 namespace qmm {
-bool amx_enabled() { return g_amx; }
+bool amx_enabled() { return g_amx.load(std::memory_order_relaxed); }
 }  // namespace qmm
 
 // Turns the AMX qmatmul on (where this variant carries it, the CPU has it and Linux grants it) or off;
@@ -58,7 +61,7 @@ static bool set_amx(bool on) {
     (void)amx_permitted;
     g_amx = false;
 #endif
-    return g_amx;
+    return g_amx.load();
 }
 }  // namespace tmk
 

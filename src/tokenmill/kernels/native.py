@@ -46,6 +46,10 @@ def runnable_variants() -> list[str]:
     return [v for v in VARIANTS if all(features.get(f) for f in REQUIRED_FEATURES[v]) and _import(v) is not None]
 
 
+def _off(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("0", "false", "off", "no")
+
+
 def _choose() -> tuple[ModuleType | None, str]:
     wanted = os.environ.get("TOKENMILL_NATIVE", "").strip().lower()
     if _off("TOKENMILL_NATIVE"):
@@ -60,14 +64,16 @@ def _choose() -> tuple[ModuleType | None, str]:
     return _import(runnable[0]), ""
 
 
-def _off(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("0", "false", "off", "no")
+def _configure_amx() -> None:
+    """Each module holds its own AMX switch; only an avx512 build on an AMX CPU can turn it on."""
+    for v in VARIANTS:
+        mod = _import(v)
+        if mod is not None:
+            mod.set_amx(not _off("TOKENMILL_AMX"))
 
 
 _module, _why_not = _choose()
-for _v in VARIANTS:  # the AMX switch lives in each module; only an avx512 build on an AMX CPU takes it
-    if (_mod := _import(_v)) is not None and hasattr(_mod, "set_amx"):
-        _mod.set_amx(not _off("TOKENMILL_AMX"))
+_configure_amx()
 if _module is None:
     log.warning("native kernels off (%s): running on the PyTorch reference path", _why_not)
 else:
