@@ -196,8 +196,11 @@ def _replica_actor(replica_id: str):
 
 
 def _running_replicas(app: str = "tokenmill") -> int:
-    status = serve.status().applications[app].deployments["tokenmill-replica"]
-    return status.replica_states.get("RUNNING", 0)
+    # An application being deployed may be listed before its deployment is (seen: KeyError
+    # 'tokenmill-replica' while `tokenmill serve --ray` was deploying): none running yet.
+    application = serve.status().applications.get(app)
+    status = application.deployments.get("tokenmill-replica") if application is not None else None
+    return status.replica_states.get("RUNNING", 0) if status is not None else 0
 
 
 def _replica_ids() -> set[str]:
