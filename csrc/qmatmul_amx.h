@@ -61,18 +61,23 @@ struct SumTile {
                  "r"(64L))
 
 // Both planes' products of a block of 16 rows (x: the first row's q1, rows `stride` bytes apart, q2 K
-// bytes after q1) with the weight columns v, into sum tiles C1 and C2; then stored to sums (int32
-// [2][16][16]). gcc's tile intrinsics paste their tile numbers into the
+// bytes after q1) with the weight columns v, into sum tiles C1 and C2; signed weights (SIGNED true)
+// take TDPBSSD, unsigned ones TDPBSUD. gcc's tile intrinsics paste their tile numbers into the
 // assembly, so they must be literal numbers: macros, not templates.
-#define TM_AMX_PRODUCTS(C1, C2, x, K, stride, v) \
-    do {                                           \
-        TM_TILE_LOAD(0, (x), (stride));            \
-        TM_TILE_LOAD(1, (x) + (K), (stride));      \
-        TM_TILE_LOAD(2, (v), 64);                  \
-        _tile_zero(C1);                            \
-        _tile_zero(C2);                            \
-        _tile_dpbsud(C1, 0, 2);                    \
-        _tile_dpbsud(C2, 1, 2);                    \
+#define TM_AMX_PRODUCTS(SIGNED, C1, C2, x, K, stride, v) \
+    do {                                                   \
+        TM_TILE_LOAD(0, (x), (stride));                    \
+        TM_TILE_LOAD(1, (x) + (K), (stride));              \
+        TM_TILE_LOAD(2, (v), 64);                          \
+        _tile_zero(C1);                                    \
+        _tile_zero(C2);                                    \
+        if constexpr (SIGNED) {                            \
+            _tile_dpbssd(C1, 0, 2);                        \
+            _tile_dpbssd(C2, 1, 2);                        \
+        } else {                                           \
+            _tile_dpbsud(C1, 0, 2);                        \
+            _tile_dpbsud(C2, 1, 2);                        \
+        }                                                  \
     } while (0)
 #define TM_AMX_STORE(C1, C2, sums)            \
     do {                                      \
@@ -87,15 +92,15 @@ struct SumTile {
 template <int T>
 void tile_amx(const Weight& w, int64_t tile, const Acts& a, const uint8_t* v, int64_t m0, float* out, int64_t ldo) {
     static_assert(kAmxType<T>);
-    constexpr int c = int_offset(T);
+    constexpr bool kSigned = int_offset(T) != 0;  // amx_values took the offset off
     constexpr int R = int(kAmxRows);
     const int64_t nb = w.blocks(), stride = Acts::row_bytes(w.K);
     const int8_t* x0 = a.row(m0);
     alignas(64) int32_t sums[2][2][R][16];  // [block parity][plane][row][column]
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    TM_AMX_PRODUCTS(4, 5, x0, w.K, stride, v);
-    if (nb > 1) TM_AMX_PRODUCTS(6, 7, x0 + kBlock, w.K, stride, v + kDecodedBlock);
+    TM_AMX_PRODUCTS(kSigned, 4, 5, x0, w.K, stride, v);
+    if (nb > 1) TM_AMX_PRODUCTS(kSigned, 6, 7, x0 + kBlock, w.K, stride, v + kDecodedBlock);
     TM_AMX_STORE(4, 5, &sums[0][0][0][0]);
     for (int64_t b = 0; b < nb; ++b) {
         if (b + 1 < nb) {
@@ -108,17 +113,16 @@ void tile_amx(const Weight& w, int64_t tile, const Acts& a, const uint8_t* v, in
             const int8_t* x = x0 + (b + 2) * kBlock;
             const uint8_t* vb = v + (b + 2) * kDecodedBlock;
             if (b & 1)
-                TM_AMX_PRODUCTS(6, 7, x, w.K, stride, vb);
+                TM_AMX_PRODUCTS(kSigned, 6, 7, x, w.K, stride, vb);
             else
-                TM_AMX_PRODUCTS(4, 5, x, w.K, stride, vb);
+                TM_AMX_PRODUCTS(kSigned, 4, 5, x, w.K, stride, vb);
         }
         const BlockScales<T> f(w, tile, b);
         const int32_t* s = &sums[b & 1][0][0][0];
 #pragma GCC unroll 16  // acc stays in registers
         for (int r = 0; r < R; ++r) {
-            __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(s + 16 * r), kFine),
-                                            _mm512_load_si512(s + 256 + 16 * r));
-            if constexpr (c != 0) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(-c * a.block_sum(m0 + r, b)));
+            const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(s + 16 * r), kFine),
+                                                  _mm512_load_si512(s + 256 + 16 * r));
             acc[r] = add_row_avx512<T>(f, a, m0 + r, b, isum, acc[r]);
         }
     }
@@ -131,24 +135,27 @@ void tile_amx(const Weight& w, int64_t tile, const Acts& a, const uint8_t* v, in
     }
 }
 
-// Tiles [t0, t0 + n)'s values in the decoded layout, tile i at the result + i * blocks * kDecodedBlock:
-// Q8_0's blocks are that layout already; the others are decoded into the thread's buffer.
+// Tiles [t0, t0 + n)'s values in the decoded layout, tile i at the result + i * blocks * kDecodedBlock,
+// decoded into the thread's buffer. The symmetric types' values are stored signed, offset taken off
+// (u - c fits int8 for each of them: Q8_0's is the GGUF's own q), so their products need no offset
+// term: the same integers the VNNI kernel forms as u . x - c S, with two vector ops a row fewer in
+// the scaling: SmolLM2's Q8_0 head at 64 rows 7.5-8.2 -> 7.0-7.4 ms, Gemma 3's Q5_0 gate_up at 512
+// rows 4.1-4.6 -> 3.8 ms (alternated builds, two rounds each).
 template <int T>
 inline const uint8_t* amx_values(const Weight& w, int64_t t0, int64_t n) {
-    if constexpr (T == Q8_0) {
-        return w.qs_at(t0, 0);
-    } else {
-        thread_local std::vector<uint8_t> buffer;
-        const int64_t per_tile = w.blocks() * kDecodedBlock;
-        if (buffer.size() < size_t(n * per_tile)) buffer.resize(size_t(n * per_tile));
-        for (int64_t i = 0; i < n; ++i)
-            for (int64_t b = 0; b < w.blocks(); ++b)
-                for (int j = 0; j < 8; ++j)
-                    _mm512_storeu_si512(buffer.data() + i * per_tile + b * kDecodedBlock + 64 * j,
-                                        step_values<T>(w.qs_at(t0 + i, b), j));
-        asm volatile("" : : : "memory");  // the decoded values are in memory before any tile load
-        return buffer.data();
-    }
+    constexpr int c = int_offset(T);
+    thread_local std::vector<uint8_t> buffer;
+    const int64_t per_tile = w.blocks() * kDecodedBlock;
+    if (buffer.size() < size_t(n * per_tile)) buffer.resize(size_t(n * per_tile));
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t b = 0; b < w.blocks(); ++b)
+            for (int j = 0; j < 8; ++j) {
+                __m512i v = step_values<T>(w.qs_at(t0 + i, b), j);
+                if constexpr (c != 0) v = _mm512_sub_epi8(v, _mm512_set1_epi8(char(c)));
+                _mm512_storeu_si512(buffer.data() + i * per_tile + b * kDecodedBlock + 64 * j, v);
+            }
+    asm volatile("" : : : "memory");  // the decoded values are in memory before any tile load
+    return buffer.data();
 }
 
 }  // namespace tmk::qmm
