@@ -1,10 +1,10 @@
 // AMX-INT8 qmatmul for many rows (Sapphire Rapids and later; the avx512 variant built with AMX flags,
 // used when cpu.cpp's amx_enabled() says Linux granted the tile state). A 16-row x 16-column x 32-input
-// block is one TDPBSUD per activation plane: the activation rows are the signed A tile, and the
-// repacked weight block is already the unsigned B tile's layout (step j = inputs 4j..4j+3 of the 16
-// columns, 64 bytes), decoded first for the 4/5/6-bit types. The products are exact int32 sums, the
-// same integers the VNNI kernel forms, and the float work per block is add_block_avx512's, so the
-// outputs are bit-identical to qmatmul_avx512.h's at any row count: AMX and VNNI rows may share a call.
+// block is one TDPBSUD (TDPBSSD for the symmetric types) per activation plane: the activation rows are
+// the signed A tile, and a weight block decoded to bytes is the B tile's layout (step j = inputs
+// 4j..4j+3 of the 16 columns, 64 bytes). The products are exact int32 sums, the same integers the VNNI
+// kernel forms, and the float work per block and row is add_row_avx512's, so the outputs are
+// bit-identical to qmatmul_avx512.h's at any row count: AMX and VNNI rows may share a call.
 #pragma once
 
 #include "qmatmul_avx512.h"
