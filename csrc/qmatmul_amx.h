@@ -98,6 +98,7 @@ void tile_amx(const Weight& w, int64_t tile, const Acts& a, const uint8_t* v, in
     const int8_t* x0 = a.row(m0);
     alignas(64) int32_t sums[2][2][R][16];  // [block parity][plane][row][column]
     __m512 acc[R];
+#pragma GCC unroll 16  // every loop over acc is unrolled: one indexed access keeps all of acc in memory
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     TM_AMX_PRODUCTS(kSigned, 4, 5, x0, w.K, stride, v);
     if (nb > 1) TM_AMX_PRODUCTS(kSigned, 6, 7, x0 + kBlock, w.K, stride, v + kDecodedBlock);
@@ -129,8 +130,10 @@ void tile_amx(const Weight& w, int64_t tile, const Acts& a, const uint8_t* v, in
     const int64_t left = w.N - tile * kTile;
     const __mmask16 cols = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     if (w.stream_out && left >= kTile && (reinterpret_cast<uintptr_t>(out) & 63) == 0 && (ldo & 15) == 0) {
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) _mm512_stream_ps(out + (m0 + r) * ldo, acc[r]);
     } else {
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ldo, cols, acc[r]);
     }
 }
