@@ -48,7 +48,7 @@ inline void amx_configure() {
 }
 
 // gcc 12's _tile_loadd does not tell the compiler what it reads. Its inputs here are written before
-// the call (the activations) or before amx_values' compiler barrier (the decoded weight), so the tile
+// the call (the activations) or between amx_values' compiler barriers (the decoded weight), so the tile
 // loads need no "memory" clobber, which would make the compiler reload every value it keeps in memory
 // after each of them. A store names the 1 KB it writes (16 rows of 64 bytes), so the scaling loop's
 // reads of the sums stay after it.
@@ -88,7 +88,7 @@ struct SumTile {
 // Rows [m0, m0 + 16) of one tile into out (the tile's first column). v: the tile's values in the
 // decoded layout (block b at v + b * kDecodedBlock). A pipeline two blocks deep: block b + 1's sums are
 // stored and block b + 2's products issued (into the sum tiles block b left) before block b's sums,
-// stored one block earlier, are read back, so the scaling does not wait on the tile unit.
+// stored one block earlier, are read back, so the scaling never waits for products just issued.
 template <int T>
 void tile_amx(const Weight& w, int64_t tile, const Acts& a, const uint8_t* v, int64_t m0, float* out, int64_t ldo) {
     static_assert(kAmxType<T>);
@@ -149,6 +149,7 @@ inline const uint8_t* amx_values(const Weight& w, int64_t t0, int64_t n) {
     constexpr int c = int_offset(T);
     thread_local std::vector<uint8_t> buffer;
     const int64_t per_tile = w.blocks() * kDecodedBlock;
+    asm volatile("" : : : "memory");  // and the last pass's tile loads are done with the buffer first
     if (buffer.size() < size_t(n * per_tile)) buffer.resize(size_t(n * per_tile));
     for (int64_t i = 0; i < n; ++i)
         for (int64_t b = 0; b < w.blocks(); ++b)
