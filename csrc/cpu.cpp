@@ -47,8 +47,10 @@ static bool amx_permitted() {
 
 // Read by the kernel threads, switched from Python (tests flip it between calls).
 static std::atomic<bool> g_amx{false};
+static std::atomic<int64_t> g_amx_passes{0};
 namespace qmm {
 bool amx_enabled() { return g_amx.load(std::memory_order_relaxed); }
+void count_amx_pass() { g_amx_passes.fetch_add(1, std::memory_order_relaxed); }
 }  // namespace qmm
 
 // Turns the AMX qmatmul on (where this variant carries it, the CPU has it and Linux grants it) or off;
@@ -89,6 +91,7 @@ void register_cpu(py::module_& m) {
     m.def("num_threads", &tmk::num_threads);
     m.def("set_amx", &tmk::set_amx, py::arg("on"), "turn the AMX-INT8 qmatmul on or off; returns whether it is on");
     m.def("amx", &tmk::qmm::amx_enabled, "whether qmatmul takes AMX-INT8 for whole groups of 16 rows");
+    m.def("amx_passes", []() { return tmk::g_amx_passes.load(); }, "thread passes of qmatmul that took AMX so far");
     m.def("openmp", []() {
 #ifdef _OPENMP
         return true;

@@ -159,6 +159,7 @@ constexpr int64_t kAmxTileChunk = 8;
 // (the same bits either way).
 template <int T>
 static void tiles_amx(const Weight& w, const Acts& a, int64_t M, int64_t t0, int64_t t1, float* out, int64_t ldo) {
+    count_amx_pass();
     amx_configure();
     const int64_t whole = M / kAmxRows * kAmxRows, per_tile = w.blocks() * kDecodedBlock;
     for (int64_t tc = t0; tc < t1; tc += kAmxTileChunk) {

@@ -13,6 +13,7 @@
 namespace tmk::qmm {
 
 bool amx_enabled();  // cpu.cpp
+void count_amx_pass();  // cpu.cpp: how many thread passes took AMX, so tests can see that it ran
 
 constexpr int64_t kAmxRows = 16;  // rows of an A tile: a call takes AMX for whole groups of 16
 

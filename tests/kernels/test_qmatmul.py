@@ -155,19 +155,24 @@ def _amx_runs() -> bool:
 @pytest.mark.parametrize("blocks", [1, 2, 5])
 def test_amx_gives_the_vnni_kernels_bits(t, blocks):
     """AMX takes whole groups of 16 rows (the rest stay on VNNI) and must give the same bits: one
-    block and two (the two-deep pipeline's edges), partial tiles, more rows than one AMX pass (256),
-    1 or 2 threads."""
+    block and two (the two-deep pipeline's edges), a partial tile, tails, 1 or 2 threads. Q6_K is
+    not an AMX type: turning AMX on must leave it alone."""
     n, k = 53, k_for(t, min(blocks, 2) if t in (Q.Q4_K, Q.Q6_K) else blocks)
     w = QuantizedWeight.from_gguf(random_gguf(t, n, k, seed=blocks), t, (n, k))
+    passes = native.module().amx_passes
     for m in (16, 37, 300):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         with native.use_amx(False):
+            before = passes()
             vnni = qmatmul(x, w)
+            assert passes() == before
         try:
             for threads in (1, 2):
                 native.set_num_threads(threads)
                 with native.use_amx(True):
+                    before = passes()
                     assert torch.equal(qmatmul(x, w), vnni), f"{t.name} m={m} threads={threads}"
+                    assert passes() > before or t == Q.Q6_K  # it did run on AMX (Q6_K stays on VNNI)
         finally:
             native.set_num_threads(torch.get_num_threads())
     with native.use_amx(True):  # a row alone (VNNI) and inside an AMX group
@@ -182,8 +187,10 @@ def test_amx_vocabulary_wide_output():
     with native.use_amx(False):
         vnni = qmatmul(x, w)
     with native.use_amx(True):
+        before = native.module().amx_passes()
         lines = torch.full((20, n + 8), float("nan"))
         amx = qmatmul(x, w, out=lines[:, :n])
+        assert native.module().amx_passes() > before
     assert torch.equal(amx, vnni) and lines[:, n:].isnan().all()
 
 
