@@ -87,13 +87,21 @@ struct Weight {
 // step j (inputs 4j..4j+3 of its 16 rows, as unsigned bytes) at b * kDecodedBlock + 64 j.
 // store_step(qs, j, dst) writes step j of the packed block qs to dst (the variant's own decoding).
 constexpr int kDecodedBlock = 512;
+// Tiles [t0, t0 + n) decoded into dst, tile i at dst + i * blocks * kDecodedBlock.
+template <typename StoreStep>
+inline void decode_tiles(const Weight& w, int64_t t0, int64_t n, uint8_t* dst, StoreStep store_step) {
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t b = 0; b < w.blocks(); ++b)
+            for (int j = 0; j < 8; ++j)
+                store_step(w.qs_at(t0 + i, b), j, dst + (i * w.blocks() + b) * kDecodedBlock + 64 * j);
+}
+
 template <typename StoreStep>
 inline const uint8_t* decoded_tile(const Weight& w, int64_t tile, StoreStep store_step) {
     thread_local std::vector<uint8_t> buffer;  // each worker thread its own
     const size_t bytes = size_t(w.blocks()) * kDecodedBlock;
     if (buffer.size() < bytes) buffer.resize(bytes);
-    for (int64_t b = 0; b < w.blocks(); ++b)
-        for (int j = 0; j < 8; ++j) store_step(w.qs_at(tile, b), j, buffer.data() + b * kDecodedBlock + 64 * j);
+    decode_tiles(w, tile, 1, buffer.data(), store_step);
     return buffer.data();
 }
 
