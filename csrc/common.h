@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -57,6 +58,21 @@ inline void parallel_for(int64_t n, int64_t grain, Fn&& fn) {
     fn(int64_t(0), n);
 #endif
 }
+
+// A growable scratch buffer whose data starts on a 64-byte line, so loads of 64-byte rows (tile rows,
+// zmm vectors) never straddle two lines. Growing does not keep the contents.
+template <typename T>
+class LineBuffer {
+public:
+    T* get(size_t n) {  // room for n values
+        if (bytes_.size() < n * sizeof(T) + 64) bytes_.resize(n * sizeof(T) + 64);
+        return data();
+    }
+    T* data() { return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(bytes_.data()) + 63) & ~uintptr_t(63)); }
+
+private:
+    std::vector<uint8_t> bytes_;
+};
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = uint32_t(h) << 16;

@@ -198,9 +198,10 @@ private:
 
     // One quantization of the input serves every part (model/quantized.py QuantizedParts.matmul).
     void project(const Projection& p, const float* in, int64_t T, float* out) {
-        entry::quantize_rows(in, T, p.K, p.K, acts_.data());
+        uint8_t* acts = acts_.data();  // reserve() sized it
+        entry::quantize_rows(in, T, p.K, p.K, acts);
         for (const QuantizedPart& part : p.parts)
-            entry::qmatmul(part.type, acts_.data(), T, p.K, part.qs, part.sc, part.sup, part.N, out + part.col, p.N);
+            entry::qmatmul(part.type, acts, T, p.K, part.qs, part.sc, part.sup, part.N, out + part.col, p.N);
     }
 
     void reserve(int64_t T) {
@@ -212,7 +213,7 @@ private:
         o_.assign(size_t(T * dim_), 0.f);
         gu_.assign(size_t(T * 2 * ffn_), 0.f);
         act_.assign(size_t(T * ffn_), 0.f);
-        acts_.assign(size_t(T * entry::act_row_bytes(widest)), 0);
+        acts_.get(size_t(T * entry::act_row_bytes(widest)));
         rows_ = T;
     }
 
@@ -227,7 +228,7 @@ private:
     std::vector<Layer> layers_;
     int64_t rows_ = 0;
     std::vector<float> h_, qkv_, att_, o_, gu_, act_;
-    std::vector<uint8_t> acts_;
+    LineBuffer<uint8_t> acts_;  // on a line: AMX loads 32-byte halves of its rows, which must not straddle two
     bool profiling_ = false;
     std::array<double, NUM_PHASES> seconds_{};
 };

@@ -147,18 +147,17 @@ void tile_amx(const Weight& w, int64_t tile, const Acts& a, const uint8_t* v, in
 // rows 4.1-4.6 -> 3.8 ms (alternated builds, two rounds each).
 template <int T>
 inline const uint8_t* amx_values(const Weight& w, int64_t t0, int64_t n) {
-    thread_local std::vector<uint8_t> buffer;  // not decoded_tile's: the VNNI tails of a pass use that one
-    const size_t bytes = size_t(n * w.blocks()) * kDecodedBlock;
+    thread_local LineBuffer<uint8_t> buffer;  // not decoded_tile's: the VNNI tails of a pass use that one
     asm volatile("" : : : "memory");  // and the last pass's tile loads are done with the buffer first
-    if (buffer.size() < bytes) buffer.resize(bytes);
-    decode_tiles(w, t0, n, buffer.data(), [](const uint8_t* qs, int j, uint8_t* dst) {
+    uint8_t* const values = buffer.get(size_t(n * w.blocks()) * kDecodedBlock);
+    decode_tiles(w, t0, n, values, [](const uint8_t* qs, int j, uint8_t* dst) {
         constexpr int c = int_offset(T);
         __m512i v = step_values<T>(qs, j);
         if constexpr (c != 0) v = _mm512_sub_epi8(v, _mm512_set1_epi8(char(c)));
         _mm512_storeu_si512(dst, v);
     });
     asm volatile("" : : : "memory");  // the decoded values are in memory before any tile load
-    return buffer.data();
+    return values;
 }
 
 }  // namespace tmk::qmm

@@ -98,11 +98,10 @@ inline void decode_tiles(const Weight& w, int64_t t0, int64_t n, uint8_t* dst, S
 
 template <typename StoreStep>
 inline const uint8_t* decoded_tile(const Weight& w, int64_t tile, StoreStep store_step) {
-    thread_local std::vector<uint8_t> buffer;  // each worker thread its own
-    const size_t bytes = size_t(w.blocks()) * kDecodedBlock;
-    if (buffer.size() < bytes) buffer.resize(bytes);
-    decode_tiles(w, tile, 1, buffer.data(), store_step);
-    return buffer.data();
+    thread_local LineBuffer<uint8_t> buffer;  // each worker thread its own
+    uint8_t* const values = buffer.get(size_t(w.blocks()) * kDecodedBlock);
+    decode_tiles(w, tile, 1, values, store_step);
+    return values;
 }
 
 inline uint32_t load_u32(const void* p) {
