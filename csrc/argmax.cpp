@@ -83,7 +83,7 @@ int64_t first_index(const float* x, int64_t n, float m, bool nan) {
 #endif
     for (; i < n; ++i)
         if (nan ? std::isnan(x[i]) : x[i] == m) return i;
-    return 0;  // only for an empty segment, which the caller never makes
+    return 0;  // not reached: m is one of the values, or a NaN was seen
 }
 
 Best scan(const float* x, int64_t n) {
@@ -101,21 +101,21 @@ void argmax_rows(uintptr_t logits, int64_t rows, int64_t cols, int64_t row_strid
     const int threads = num_threads();
     int64_t segments = rows >= threads ? 1 : (threads + rows - 1) / rows;
     segments = std::max<int64_t>(1, std::min<int64_t>(segments, cols / kMinSegment));
+    // Every segment is non-empty: with segments <= cols / kMinSegment, (segments - 1) * seg_len < cols.
     const int64_t seg_len = (cols + segments - 1) / segments;
     std::vector<Best> best(size_t(rows * segments));
     parallel_for(rows * segments, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
-            const int64_t r = t / segments, s0 = (t % segments) * seg_len, n = std::min(seg_len, cols - s0);
-            Best b = n > 0 ? scan(x + r * row_stride + s0, n) : Best{-std::numeric_limits<float>::infinity(), 0, false};
+            const int64_t r = t / segments, s0 = (t % segments) * seg_len;
+            Best b = scan(x + r * row_stride + s0, std::min(seg_len, cols - s0));
             b.index += s0;
-            best[size_t(t)] = n > 0 ? b : Best{b.value, -1, false};
+            best[size_t(t)] = b;
         }
     });
     for (int64_t r = 0; r < rows; ++r) {
         Best b = best[size_t(r * segments)];
-        for (int64_t s = 1; s < segments; ++s) {
+        for (int64_t s = 1; s < segments && !b.nan; ++s) {
             const Best& c = best[size_t(r * segments + s)];
-            if (b.nan || c.index < 0) continue;
             if (c.nan || c.value > b.value) b = c;  // equal values keep the earlier segment's index
         }
         index[r] = b.index;
