@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import pytest
 
@@ -62,6 +64,32 @@ def test_output_matches_and_ends_with_stop_when_the_grammar_completes(loaded, gr
     for text, reason in results.values():
         assert reason is FinishReason.STOP
         check(kind, text)
+
+
+def test_samples_fork_only_after_the_mask_worker_is_done_with_their_parent(loaded, grammars, monkeypatch):
+    # The worker reads a matcher while the model runs; forking copies it. Overlapping the two made
+    # llguidance raise "Already mutably borrowed" now and then, so a slow mask must hold the fork back.
+    from tokenmill.structured.constraint import Constraint
+    busy = threading.Event()
+    fill, fork = Constraint.fill_mask, Constraint.fork
+
+    def slow_fill(self, row):
+        busy.set()
+        time.sleep(0.05)
+        fill(self, row)
+        busy.clear()
+
+    def checked_fork(self):
+        assert not busy.is_set(), "forked while the mask worker held the parent's matcher"
+        return fork(self)
+
+    monkeypatch.setattr(Constraint, "fill_mask", slow_fill)
+    monkeypatch.setattr(Constraint, "fork", checked_fork)
+    engine = make_engine(loaded)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=2, constraint=grammars["schema"])
+    rids = [engine.add_request(random_ids(20, seed=i), params, n=3) for i in range(2)]
+    results = finishes(engine, rids)
+    assert len(results) == 6 and all(reason is not FinishReason.ERROR for _, reason in results.values())
 
 
 def test_unconstrained_rows_are_identical_with_constrained_neighbours(loaded, grammars):

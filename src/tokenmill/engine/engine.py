@@ -238,6 +238,8 @@ class LLMEngine:
                                       if c.seq.constraint is not None])
             self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
             logits = self.runner.run(batch)
+            if masks is not None:
+                masks.wait()  # forking copies a parent's matcher, which the worker may still be reading
             self.scheduler.fork_samples(batch, lambda: next(self._seq_ids))
             result = None if logits is None else self.sampler(self._logits(logits, batch),
                                                                 self._sampler_input(batch, masks), owned=True)

@@ -49,6 +49,10 @@ class PendingMasks:
         self._index = {seq_id: i for i, seq_id in enumerate(seq_ids)}
         self._future = future
 
+    def wait(self) -> None:
+        """Block until the worker is done with the matchers (it reads them while it computes)."""
+        self._future.result()
+
     def for_rows(self, row_seq_ids: list[int | None]) -> TokenMasks | None:
         """The masks for the sampler's rows, given which sequence's mask each row takes (None: no
         constraint). Waits for the worker."""
