@@ -16,6 +16,7 @@ void register_fused_ops(py::module_& m);
 void register_decoder_step(py::module_& m);
 void register_token_mask(py::module_& m);
 void register_argmax(py::module_& m);
+void register_categorical(py::module_& m);
 
 PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     m.doc() = "tokenmill's compiled CPU kernels (one ISA variant)";
@@ -27,4 +28,5 @@ PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     register_decoder_step(m);
     register_token_mask(m);
     register_argmax(m);
+    register_categorical(m);
 }

@@ -25,6 +25,7 @@ import torch
 
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.kernels.argmax import argmax_rows
+from tokenmill.kernels.categorical import sample_categorical
 from tokenmill.structured import TokenMasks, apply_token_masks
 
 _NEG_INF = float("-inf")
@@ -229,7 +230,7 @@ def truncate_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Generator | None) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for rows, vals, ids in _truncate(logits, params):
+    for rows, vals, ids in _truncate(logits, params, plain=False):
         # Inverse CDF over unnormalised weights: one uniform per row. The float64 running sum
         # only rises at tokens with weight > 0, so a removed (-inf) token can never be hit.
         w = (vals - vals.max(dim=-1, keepdim=True).values).exp_().double()
@@ -238,15 +239,34 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
         u = torch.rand((vals.shape[0], 1), generator=gen, device=vals.device).double() * cdf[:, -1:]
         choice = torch.searchsorted(cdf, u, right=True)
         out[rows] = (choice if ids is None else ids.gather(1, choice)).squeeze(1)
+    # Last, as _truncate yields them, so a generator's uniforms go to the rows in the same order.
+    plain = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) == "plain"]
+    if plain:
+        rows = _index(plain, logits.device)
+        x = logits if len(plain) == logits.shape[0] else logits[rows]
+        temps = [params[i].temperature if params[i].temperature > 0 else 1.0 for i in plain]
+        log_min_p = torch.log(torch.tensor([params[i].min_p for i in plain], dtype=torch.float32))
+        u = torch.rand((len(plain), 1), generator=gen, device=logits.device).squeeze(1)
+        out[rows] = sample_categorical(x, torch.tensor(temps, dtype=torch.float32), log_min_p, u)
     return out
 
 
-def _truncate(logits: torch.Tensor, params: list[SamplingParams]):
+def _group(p: SamplingParams, vocab: int) -> str:
+    """How much of the vocabulary a sampled row looks at (_truncate's groups)."""
+    if 0 < p.top_k < vocab:
+        return "top_k"  # typical_p and top_p then only see the k survivors
+    if p.typical_p < 1.0:
+        return "sort"  # needs the entropy of the whole distribution
+    return "nucleus" if p.top_p < 1.0 else "plain"
+
+
+def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, plain: bool = True):
     """Scale by temperature and apply top_k, typical_p, top_p, min_p.
 
     Rows are grouped by how much of the vocabulary they need to look at, and each group yields
     (rows, values, ids): the candidates' scaled logits (removed ones at -inf) for those rows and
-    the candidates' vocabulary ids, or ids=None when values are the whole vocabulary in order."""
+    the candidates' vocabulary ids, or ids=None when values are the whole vocabulary in order.
+    plain=False leaves out the rows with temperature and min_p only (_sample draws those itself)."""
     vocab = logits.shape[1]
     dev = logits.device
     n = logits.shape[0]
@@ -254,14 +274,7 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]):
 
     groups: dict[str, list[int]] = {"top_k": [], "sort": [], "nucleus": [], "plain": []}
     for i, p in enumerate(params):
-        if top_k[i]:
-            groups["top_k"].append(i)  # typical_p and top_p then only see the k survivors
-        elif p.typical_p < 1.0:
-            groups["sort"].append(i)  # needs the entropy of the whole distribution
-        elif p.top_p < 1.0:
-            groups["nucleus"].append(i)
-        else:
-            groups["plain"].append(i)
+        groups[_group(p, vocab)].append(i)
 
     def scaled(rows: list[int], x: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of logits / temperature (or of x, already gathered for those rows)."""
@@ -303,7 +316,7 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]):
     if rows := groups["sort"]:
         vals, ids = scaled(rows).sort(dim=-1, descending=True, stable=True)
         yield _index(rows, dev), _filter_sorted(vals, [params[i] for i in rows])[0], ids
-    if rows := groups["plain"]:
+    if plain and (rows := groups["plain"]):
         yield _index(rows, dev), _min_p(scaled(rows), [params[i] for i in rows]), None
 
 
