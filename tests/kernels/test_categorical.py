@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tokenmill.kernels import native
-from tokenmill.kernels.categorical import sample_categorical, sample_categorical_reference
+from tokenmill.kernels.categorical import (sample_categorical, sample_categorical_reference, sample_nucleus,
+                                           sample_nucleus_reference)
 
 VARIANTS = [*native.runnable_variants(), "torch"]
 INF = float("inf")
@@ -121,3 +122,94 @@ def test_strided_rows_read_their_own_values():
     logits = wide[:, 50:650]  # row stride 700
     args = (torch.full((4,), 0.7), torch.full((4,), -INF), torch.tensor([0.1, 0.4, 0.6, 0.9]))
     check(sample_categorical(logits, *args), logits, *args)
+
+
+# --- top_p (sample_nucleus) ---------------------------------------------------------------------
+
+def nucleus_draws_allowed(logits, temperature, top_p, log_min_p, uniforms, tol=1e-5) -> list[set[int]]:
+    """Per row, the tokens a correct draw may give: computed in float64, with every decision that lies
+    within `tol` of its boundary (the nucleus's end against top_p, u * total against a token's
+    interval) allowed both ways."""
+    allowed = []
+    for r in range(logits.shape[0]):
+        vals, ids = (logits[r].float() / temperature[r]).sort(descending=True, stable=True)
+        w = (vals.double() - vals[0].double()).exp()
+        cum = (w / w.sum()).cumsum(0)
+        p = float(top_p[r])
+        ends = {int((cum < p).sum())}  # index of the first token whose running mass reaches top_p
+        ends |= {j for j in range(max(0, min(ends) - 2), min(len(cum), max(ends) + 3)) if abs(cum[j] - p) < tol}
+        ok = set()
+        for end in ends:
+            keep = w[: end + 1].clone()
+            keep[vals[: end + 1] < vals[0] + log_min_p[r]] = 0.0
+            cdf = keep.cumsum(0)
+            target, slack = float(uniforms[r]) * cdf[-1].item(), tol * cdf[-1].item()
+            before = torch.cat([torch.zeros(1, dtype=torch.float64), cdf[:-1]])
+            hit = (keep > 0) & (cdf > target - slack) & (before <= target + slack)
+            ok |= {int(ids[j]) for j in hit.nonzero().flatten().tolist()}
+        allowed.append(ok)
+    return allowed
+
+
+def draw_nucleus(variant, *args, threads: int = 2):
+    native.set_num_threads(threads)
+    try:
+        with native.use_variant(variant):
+            return sample_nucleus(*args)
+    finally:
+        native.set_num_threads(torch.get_num_threads())
+
+
+def nucleus_case(rows: int, cols: int, seed: int, scale: float = 4.0):
+    gen = torch.Generator().manual_seed(seed)
+    logits, temperature, log_min_p, uniforms = random_case(rows, cols, seed)
+    logits = torch.randn(rows, cols, generator=gen) * scale
+    top_p = torch.rand(rows, generator=gen)
+    top_p[0] = 0.0  # only the top token
+    return logits, temperature, top_p, log_min_p, uniforms
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows,cols,scale", [(16, 49152, 6.0), (4, 49152, 1.0), (1, 262144, 8.0), (3, 1000, 3.0),
+                                             (2, 7, 1.0), (1, 1, 1.0), (5, 64 * 7 + 13, 2.0)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_nucleus_draws_are_in_the_nucleus(variant, rows, cols, scale, threads):
+    case = nucleus_case(rows, cols, seed=rows + cols + threads, scale=scale)
+    got = draw_nucleus(variant, *case, threads=threads)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    allowed = nucleus_draws_allowed(*case)
+    for r, k in enumerate(got.tolist()):
+        assert k in allowed[r], (r, k, sorted(allowed[r])[:10])
+    if rows > 1:
+        expected = sample_nucleus_reference(*case)
+        assert int((got != expected).sum()) <= max(1, rows // 4)  # the reference sums in float32
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_nucleus_at_the_extremes(variant):
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    top_p = torch.tensor([0.0, 0.5, 0.79, 0.999])  # nuclei of 1, 1 (0.5 reaches 0.5), 2 and 4 tokens
+    for u in (0.0, 0.45, 0.7, 0.99):
+        got = draw_nucleus(variant, logits, torch.ones(4), top_p, torch.full((4,), -INF), torch.full((4,), u))
+        assert got[0].item() == 0 and got[1].item() == 0
+        assert got[2].item() == (0 if u * 0.8 < 0.5 else 1)
+        assert got[3].item() == (0 if u < 0.5 else 1 if u < 0.8 else 2 if u < 0.95 else 3)
+    # min_p then drops the nucleus's tail: 0.15 and 0.05 are below 0.5 * 0.5
+    got = draw_nucleus(variant, logits, torch.ones(4), torch.full((4,), 0.999), torch.log(torch.full((4,), 0.5)),
+                       torch.full((4,), 0.99))
+    assert got.tolist() == [1] * 4
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_nucleus_rows_alone_and_in_a_batch_and_without_a_token(variant):
+    case = nucleus_case(12, 3000, seed=4)
+    batch = draw_nucleus(variant, *case)
+    assert [draw_nucleus(variant, *(a[r:r + 1] for a in case)).item() for r in (0, 11)] == [batch[0].item(),
+                                                                                              batch[11].item()]
+    assert torch.equal(draw_nucleus(variant, *case, threads=1), batch)
+    logits = case[0].clone()
+    logits[3, 5] = float("nan")
+    logits[4] = -INF
+    got = draw_nucleus(variant, logits, *case[1:])
+    assert got[3].item() == sample_nucleus_reference(logits[3:4], *(a[3:4] for a in case[1:])).item()
+    assert got[4].item() == sample_nucleus_reference(logits[4:5], *(a[4:5] for a in case[1:])).item()

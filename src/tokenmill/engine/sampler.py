@@ -25,7 +25,7 @@ import torch
 
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.kernels.argmax import argmax_rows
-from tokenmill.kernels.categorical import sample_categorical
+from tokenmill.kernels.categorical import sample_categorical, sample_nucleus
 from tokenmill.structured import TokenMasks, apply_token_masks
 
 _NEG_INF = float("-inf")
@@ -230,7 +230,7 @@ def truncate_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Generator | None) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for rows, vals, ids in _truncate(logits, params, plain=False):
+    for rows, vals, ids in _truncate(logits, params, compiled=False):
         # Inverse CDF over unnormalised weights: one uniform per row. The float64 running sum
         # only rises at tokens with weight > 0, so a removed (-inf) token can never be hit.
         w = (vals - vals.max(dim=-1, keepdim=True).values).exp_().double()
@@ -239,15 +239,23 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
         u = torch.rand((vals.shape[0], 1), generator=gen, device=vals.device).double() * cdf[:, -1:]
         choice = torch.searchsorted(cdf, u, right=True)
         out[rows] = (choice if ids is None else ids.gather(1, choice)).squeeze(1)
-    # Last, as _truncate yields them, so a generator's uniforms go to the rows in the same order.
-    plain = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) == "plain"]
-    if plain:
-        rows = _index(plain, logits.device)
-        x = logits if len(plain) == logits.shape[0] else logits[rows]
-        temps = [params[i].temperature if params[i].temperature > 0 else 1.0 for i in plain]
-        log_min_p = torch.log(torch.tensor([params[i].min_p for i in plain], dtype=torch.float32))
-        u = torch.rand((len(plain), 1), generator=gen, device=logits.device).squeeze(1)
-        out[rows] = sample_categorical(x, torch.tensor(temps, dtype=torch.float32), log_min_p, u)
+    # The rows the compiled draws take (kernels/categorical.py), nucleus then plain, as _truncate
+    # orders its groups, so a generator's uniforms go to the groups in the same order.
+    for group in ("nucleus", "plain"):
+        picked = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) == group]
+        if not picked:
+            continue
+        rows = _index(picked, logits.device)
+        x = logits if len(picked) == logits.shape[0] else logits[rows]
+        temps = torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
+                             dtype=torch.float32)
+        log_min_p = torch.log(torch.tensor([params[i].min_p for i in picked], dtype=torch.float32))
+        u = torch.rand((len(picked), 1), generator=gen, device=logits.device).squeeze(1)
+        if group == "plain":
+            out[rows] = sample_categorical(x, temps, log_min_p, u)
+        else:
+            top_p = torch.tensor([params[i].top_p for i in picked], dtype=torch.float32)
+            out[rows] = sample_nucleus(x, temps, top_p, log_min_p, u)
     return out
 
 
@@ -260,13 +268,13 @@ def _group(p: SamplingParams, vocab: int) -> str:
     return "nucleus" if p.top_p < 1.0 else "plain"
 
 
-def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, plain: bool = True):
+def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, compiled: bool = True):
     """Scale by temperature and apply top_k, typical_p, top_p, min_p.
 
     Rows are grouped by how much of the vocabulary they need to look at, and each group yields
     (rows, values, ids): the candidates' scaled logits (removed ones at -inf) for those rows and
     the candidates' vocabulary ids, or ids=None when values are the whole vocabulary in order.
-    plain=False leaves out the rows with temperature and min_p only (_sample draws those itself)."""
+    compiled=False leaves out the nucleus and plain groups: _sample draws those with compiled kernels."""
     vocab = logits.shape[1]
     dev = logits.device
     n = logits.shape[0]
@@ -293,7 +301,7 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, plain: bool
         pos = torch.arange(vals.shape[1], device=dev)
         vals = vals.masked_fill(pos[None, :] >= _column(ks, vals, torch.long), _NEG_INF)
         yield _index(rows, dev), _filter_sorted(vals, sub)[0], ids
-    if rows := groups["nucleus"]:
+    if compiled and (rows := groups["nucleus"]):
         full = scaled(rows)
         # top_p is relative to the whole distribution, so normalise by the full row.
         log_z = full.logsumexp(dim=-1, keepdim=True)
@@ -316,7 +324,7 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, plain: bool
     if rows := groups["sort"]:
         vals, ids = scaled(rows).sort(dim=-1, descending=True, stable=True)
         yield _index(rows, dev), _filter_sorted(vals, [params[i] for i in rows])[0], ids
-    if plain and (rows := groups["plain"]):
+    if compiled and (rows := groups["plain"]):
         yield _index(rows, dev), _min_p(scaled(rows), [params[i] for i in rows]), None
 
 

@@ -1,15 +1,18 @@
-"""Draws from softmax(logits / temperature) with min_p, for the sampler's rows that have no top_k,
-top_p or typical_p: OpenAI's default request (temperature 1, nothing else) is one.
+"""Draws from softmax(logits / temperature) for the sampler's rows without top_k or typical_p:
+`sample_categorical` for rows with min_p at most (OpenAI's default request, temperature 1, is one),
+`sample_nucleus` for rows with top_p (then min_p).
 
-The compiled kernel (csrc/categorical.cpp) reads each row twice; the reference below is the same
-inverse-CDF draw in torch, five passes over [rows, vocab] and a float64 copy, which took 25 ms of
-SmolLM2's 64-sequence decode step at temperature 1 (half the step).
+The compiled kernels (csrc/categorical.cpp, csrc/nucleus.cpp) read a row two or three times and sort
+only the nucleus's candidates; the references below are the same inverse-CDF draws in torch, which
+took 25 ms (temperature 1) and 18-21 ms (top_p 0.95) of SmolLM2's 64-sequence decode step.
 
-Approximation: the kernel's exp is within ~1 ulp of torch's, weights under float's smallest normal
-(exp(d) for d < -87) count as 0, and its float64 sums run in blocks of 64 rather than one by one.
-So a draw matches the reference except when u * total lies within rounding (~1e-6 of the total) of
-the boundary between two tokens; a token the reference gives weight 0 (below min_p, or -inf) is never
-drawn. tests/kernels/test_categorical.py holds it to that."""
+Approximation: the kernels' exp is within ~1 ulp of torch's, weights under float's smallest normal
+(exp(d) for d < -87) count as 0, and their float64 sums run in another order. So a draw matches the
+reference except when u * total lies within rounding (~1e-6 of the total) of the boundary between two
+tokens, or, for top_p, when the nucleus's running probability lies within rounding of top_p (the
+reference sums it in float32): the nucleus may then end one token apart. A token the reference gives
+weight 0 (below min_p, outside the nucleus by more than rounding, or -inf) is never drawn.
+tests/kernels/test_categorical.py holds the kernels to that."""
 from __future__ import annotations
 
 import torch
@@ -17,7 +20,7 @@ from torch import Tensor
 
 from tokenmill.kernels import native
 
-__all__ = ["sample_categorical", "sample_categorical_reference"]
+__all__ = ["sample_categorical", "sample_categorical_reference", "sample_nucleus", "sample_nucleus_reference"]
 
 
 def sample_categorical_reference(logits: Tensor, temperature: Tensor, log_min_p: Tensor, uniforms: Tensor) -> Tensor:
@@ -31,7 +34,7 @@ def sample_categorical_reference(logits: Tensor, temperature: Tensor, log_min_p:
     cdf = (v - m).exp_().double().cumsum(dim=-1)
     # float32 uniforms stay below 1 - 2^-24, so u * total < total survives the float64 rounding.
     target = uniforms.double()[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return _first_past(cdf, target)
 
 
 def sample_categorical(logits: Tensor, temperature: Tensor, log_min_p: Tensor, uniforms: Tensor) -> Tensor:
@@ -50,3 +53,44 @@ def sample_categorical(logits: Tensor, temperature: Tensor, log_min_p: Tensor, u
     if bad.numel():
         out[bad] = sample_categorical_reference(logits[bad], temperature[bad], log_min_p[bad], uniforms[bad])
     return out
+
+
+def sample_nucleus_reference(logits: Tensor, temperature: Tensor, top_p: Tensor, log_min_p: Tensor,
+                             uniforms: Tensor) -> Tensor:
+    """int64 [rows]; top_p is float32 [rows] in [0, 1), the rest as sample_categorical_reference's. The
+    row's values v = logits / temperature sorted descending (stable); the shortest prefix whose
+    probability reaches top_p; of it, the values >= max v + log_min_p; a draw among those."""
+    vals, ids = (logits.float() / temperature[:, None]).sort(dim=-1, descending=True, stable=True)
+    cum = (vals - vals.logsumexp(dim=-1, keepdim=True)).exp().cumsum(dim=-1)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+    # before == 0 exactly for the top token, so it is always kept, even at top_p = 0.
+    vals = vals.masked_fill((before >= top_p[:, None]) & (before > 0), float("-inf"))
+    m = vals[:, :1]
+    vals = vals.masked_fill(vals < m + log_min_p[:, None], float("-inf"))
+    cdf = (vals - m).exp_().double().cumsum(dim=-1)
+    target = uniforms.double()[:, None] * cdf[:, -1:]
+    return ids.gather(1, _first_past(cdf, target)[:, None]).squeeze(1)
+
+
+def sample_nucleus(logits: Tensor, temperature: Tensor, top_p: Tensor, log_min_p: Tensor, uniforms: Tensor) -> Tensor:
+    """As the reference; the compiled kernel for float32 [rows, vocab] with a unit inner stride and
+    fewer than 2^31 columns. Rows the kernel cannot draw from (a NaN, or all -inf) take the reference."""
+    m = native.module()
+    if (m is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
+            or not 0 < logits.shape[1] < 2**31 or logits.device.type != "cpu"):
+        return sample_nucleus_reference(logits, temperature, top_p, log_min_p, uniforms)
+    rows = logits.shape[0]
+    temperature, top_p, log_min_p, uniforms = (t.float().contiguous() for t in (temperature, top_p, log_min_p, uniforms))
+    out = torch.empty(rows, dtype=torch.int64)
+    m.nucleus_rows_f32(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), temperature.data_ptr(),
+                       top_p.data_ptr(), log_min_p.data_ptr(), uniforms.data_ptr(), out.data_ptr())
+    bad = (out < 0).nonzero().flatten()
+    if bad.numel():
+        out[bad] = sample_nucleus_reference(logits[bad], temperature[bad], top_p[bad], log_min_p[bad], uniforms[bad])
+    return out
+
+
+def _first_past(cdf: Tensor, target: Tensor) -> Tensor:
+    """Each row's first index whose running sum passes its target. A row with a NaN (a model gone
+    wrong) passes nowhere: its last index then, so a bad row cannot index past the vocabulary."""
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
