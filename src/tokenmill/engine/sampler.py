@@ -211,26 +211,19 @@ def _keep_a_way_out(logits: torch.Tensor, inp: SamplerInput) -> None:
             logits[row, _index(stops or [0], logits.device)] = 0.0
 
 
-# top_p without top_k: look for the nucleus among the best 1024, then 8192 tokens (a partial top-k
-# costs a fraction of sorting the vocabulary on CPU) and only sort rows whose nucleus is wider.
-NUCLEUS_PREFIXES = (1024, 8192)
-
-
 def truncate_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature and truncation in vocabulary order: the logits a draw is made from, with
-    removed tokens at -inf. Meant for tests and debugging; sampling works on candidate lists."""
+    """Temperature and truncation in vocabulary order: the logits a draw is made from, with removed
+    tokens at -inf, for every row through the torch path (the rows the sampler draws with compiled
+    kernels take a full sort here, with the same rules). For tests and debugging."""
     out = torch.full_like(logits, _NEG_INF)
-    for rows, vals, ids in _truncate(logits, params):
-        if ids is None:
-            out[rows] = vals
-        else:
-            out[rows] = out[rows].scatter_(1, ids, vals)
+    for rows, vals, ids in _truncate(logits, params, every_row=True):
+        out[rows] = out[rows].scatter_(1, ids, vals)
     return out
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Generator | None) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for rows, vals, ids in _truncate(logits, params, compiled=False):
+    for rows, vals, ids in _truncate(logits, params):
         # Inverse CDF over unnormalised weights: one uniform per row. The float64 running sum
         # only rises at tokens with weight > 0, so a removed (-inf) token can never be hit.
         w = (vals - vals.max(dim=-1, keepdim=True).values).exp_().double()
@@ -239,8 +232,8 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
         u = torch.rand((vals.shape[0], 1), generator=gen, device=vals.device).double() * cdf[:, -1:]
         choice = torch.searchsorted(cdf, u, right=True)
         out[rows] = (choice if ids is None else ids.gather(1, choice)).squeeze(1)
-    # The rows the compiled draws take (kernels/categorical.py), nucleus then plain, as _truncate
-    # orders its groups, so a generator's uniforms go to the groups in the same order.
+    # The other rows take compiled draws (kernels/categorical.py). A seeded row comes here alone, so
+    # the order of the groups never changes which uniform it gets.
     for group in ("nucleus", "plain"):
         picked = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) == group]
         if not picked:
@@ -268,13 +261,12 @@ def _group(p: SamplingParams, vocab: int) -> str:
     return "nucleus" if p.top_p < 1.0 else "plain"
 
 
-def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, compiled: bool = True):
-    """Scale by temperature and apply top_k, typical_p, top_p, min_p.
+def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, every_row: bool = False):
+    """Scale by temperature and apply top_k, typical_p, top_p, min_p, for the rows with top_k or
+    typical_p (the others take compiled draws, _sample), or with every_row for all of them.
 
-    Rows are grouped by how much of the vocabulary they need to look at, and each group yields
-    (rows, values, ids): the candidates' scaled logits (removed ones at -inf) for those rows and
-    the candidates' vocabulary ids, or ids=None when values are the whole vocabulary in order.
-    compiled=False leaves out the nucleus and plain groups: _sample draws those with compiled kernels."""
+    Each group of rows yields (rows, values, ids): the candidates' scaled logits, sorted descending
+    (removed ones at -inf), and their vocabulary ids."""
     vocab = logits.shape[1]
     dev = logits.device
     n = logits.shape[0]
@@ -282,7 +274,8 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, compiled: b
 
     groups: dict[str, list[int]] = {"top_k": [], "sort": [], "nucleus": [], "plain": []}
     for i, p in enumerate(params):
-        groups[_group(p, vocab)].append(i)
+        group = _group(p, vocab)
+        groups["sort" if every_row and group in ("nucleus", "plain") else group].append(i)
 
     def scaled(rows: list[int], x: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of logits / temperature (or of x, already gathered for those rows)."""
@@ -300,45 +293,19 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, compiled: b
         vals = scaled(rows, vals)
         pos = torch.arange(vals.shape[1], device=dev)
         vals = vals.masked_fill(pos[None, :] >= _column(ks, vals, torch.long), _NEG_INF)
-        yield _index(rows, dev), _filter_sorted(vals, sub)[0], ids
-    if compiled and (rows := groups["nucleus"]):
-        full = scaled(rows)
-        # top_p is relative to the whole distribution, so normalise by the full row.
-        log_z = full.logsumexp(dim=-1, keepdim=True)
-        local = torch.arange(len(rows), device=dev)  # positions in `full` still looking
-        for width in NUCLEUS_PREFIXES:
-            if width >= vocab or not rows:
-                break
-            sub = [params[i] for i in rows]
-            vals, ids = full[local].topk(width, dim=-1, sorted=True)
-            vals, reached = _filter_sorted(vals, sub, log_z=log_z[local])
-            reached = reached.tolist()
-            done = [j for j in range(len(rows)) if reached[j]]
-            if done:
-                sel = _index(done, dev)
-                yield _index([rows[j] for j in done], dev), vals[sel], ids[sel]
-            todo = [j for j in range(len(rows)) if not reached[j]]
-            rows = [rows[j] for j in todo]
-            local = local[_index(todo, dev)]
-        groups["sort"] += rows
+        yield _index(rows, dev), _filter_sorted(vals, sub), ids
     if rows := groups["sort"]:
         vals, ids = scaled(rows).sort(dim=-1, descending=True, stable=True)
-        yield _index(rows, dev), _filter_sorted(vals, [params[i] for i in rows])[0], ids
-    if compiled and (rows := groups["plain"]):
-        yield _index(rows, dev), _min_p(scaled(rows), [params[i] for i in rows]), None
+        yield _index(rows, dev), _filter_sorted(vals, [params[i] for i in rows]), ids
 
 
-def _filter_sorted(
-    x: torch.Tensor, params: list[SamplingParams], log_z: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """typical_p, top_p, min_p on candidates sorted by descending logit (top_k already applied).
-    Also returns, per row, whether the candidates hold the whole top_p nucleus."""
+def _filter_sorted(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """typical_p, top_p, min_p on candidates sorted by descending logit (top_k already applied)."""
     if any(p.typical_p < 1.0 for p in params):
         x = _typical(x, params)
-    reached = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
     if any(p.top_p < 1.0 for p in params):
-        x, reached = _top_p(x, params, log_z)
-    return _min_p(x, params), reached
+        x = _top_p(x, params)
+    return _min_p(x, params)
 
 
 def _typical(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -356,20 +323,16 @@ def _typical(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return x.masked_fill(drop & active, _NEG_INF)
 
 
-def _top_p(
-    x: torch.Tensor, params: list[SamplingParams], log_z: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep the shortest prefix (x is sorted descending) whose mass reaches top_p. `log_z` is the
-    log normaliser when x holds only part of the distribution."""
-    if log_z is None:
-        log_z = x.logsumexp(dim=-1, keepdim=True)
-    cum = torch.exp(x - log_z).cumsum(dim=-1)
+def _top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Keep the shortest prefix (x is sorted descending) whose mass reaches top_p. With top_k, the
+    mass is the k candidates' (renormalised), as in llama.cpp and Ollama."""
+    cum = torch.exp(x - x.logsumexp(dim=-1, keepdim=True)).cumsum(dim=-1)
     p = _column([q.top_p for q in params], x)
     excl = _shift_right(cum)
     # excl == 0 exactly for the most likely survivor (everything before it is a removed 0), so it
     # is always kept, even for top_p = 0.
     drop = (excl >= p) & (excl > 0) & _column([q.top_p < 1.0 for q in params], x, torch.bool)
-    return x.masked_fill(drop, _NEG_INF), (cum[:, -1:] >= p).squeeze(1) | (p.squeeze(1) >= 1.0)
+    return x.masked_fill(drop, _NEG_INF)
 
 
 def _min_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
