@@ -2,7 +2,7 @@
 """What sampling settings cost a decode step: --batch requests of --prompt-len tokens decode with each
 setting in turn (greedy first, the baseline), and the median step is printed with its difference from
 greedy. The settings are the common defaults: OpenAI's (temperature 1), Ollama's (0.8, top_k 40,
-top_p 0.9) and a plain nucleus (0.7, top_p 0.95). No seeds: seeded rows are drawn one at a time.
+top_p 0.9, repeat_penalty 1.1 over the last 64 tokens) and a plain nucleus (0.7, top_p 0.95). No seeds: seeded rows are drawn one at a time.
 
     .venv/bin/python bench/sampling.py [--batch 64] [--threads 2]
 """
@@ -19,7 +19,9 @@ from tokenmill.store import resolve_model
 SETTINGS = {
     "greedy": dict(temperature=0.0),
     "temperature 1 (OpenAI)": dict(temperature=1.0),
-    "0.8, top_k 40, top_p 0.9 (Ollama)": dict(temperature=0.8, top_k=40, top_p=0.9),
+    "0.8, top_k 40, top_p 0.9": dict(temperature=0.8, top_k=40, top_p=0.9),
+    "the same, repeat_penalty 1.1 (Ollama)": dict(temperature=0.8, top_k=40, top_p=0.9, repeat_penalty=1.1,
+                                                  repeat_last_n=64),
     "0.7, top_p 0.95": dict(temperature=0.7, top_p=0.95),
     "1.0, min_p 0.05": dict(temperature=1.0, min_p=0.05),
 }

@@ -18,6 +18,7 @@ void register_token_mask(py::module_& m);
 void register_argmax(py::module_& m);
 void register_categorical(py::module_& m);
 void register_nucleus(py::module_& m);
+void register_penalties(py::module_& m);
 
 PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     m.doc() = "tokenmill's compiled CPU kernels (one ISA variant)";
@@ -31,4 +32,5 @@ PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     register_argmax(m);
     register_categorical(m);
     register_nucleus(m);
+    register_penalties(m);
 }

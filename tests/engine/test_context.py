@@ -82,3 +82,17 @@ def test_shift_with_parallel_samples_frees_everything(loaded):
                              num_ctx=24, num_keep=2, shift=True, n=2)
     out = step_until_done(engine)
     assert out[rid, 0] == out[rid, 1] and len(out[rid, 0]) == 16
+
+
+def test_the_penalty_window_is_the_contexts_tail_before_and_after_shifts(loaded):
+    engine = make_engine(loaded, max_total_tokens=1024)
+    rid = engine.add_request(ids(10, seed=3), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                             num_ctx=24, num_keep=4, shift=True)
+    [seq] = engine.scheduler.find(rid)
+    while engine.has_unfinished():
+        engine.step()
+        context = seq.all_token_ids
+        for n in (0, 1, 5, 12, 23, 64):
+            assert seq.last_token_ids(n) == (context[-n:] if n else [])
+        assert seq.last_token_ids(-1) == context
+    assert seq.num_shifted_tokens > 0

@@ -268,12 +268,8 @@ class LLMEngine:
         chunks = batch.sampling_chunks
         seqs = [c.seq for c in chunks]
         params = [s.params for s in seqs]
-        recent = []
-        if any(p.uses_penalties for p in params):
-            for s in seqs:
-                n = s.params.repeat_last_n
-                ids = s.all_token_ids
-                recent.append(ids if n < 0 else ids[-n:] if n else [])
+        uses_penalties = any(p.uses_penalties for p in params)
+        recent = [s.last_token_ids(s.params.repeat_last_n) for s in seqs] if uses_penalties else []
         return SamplerInput(
             params=params,
             generators=[s.generator for s in seqs],

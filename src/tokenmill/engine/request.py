@@ -123,6 +123,19 @@ class Sequence:
             return self.shifted_ids + self.output_ids[self.shifted_output_start:]
         return self.prompt_ids + self.output_ids
 
+    def last_token_ids(self, n: int) -> list[int]:
+        """The context's last n ids (all of them for n < 0), without joining the whole context: the
+        penalty window of every sampled row, every step."""
+        if n < 0:
+            return self.all_token_ids
+        if n == 0:
+            return []
+        head, tail = (self.shifted_ids, self.output_ids[self.shifted_output_start:]) if self.shifted_ids is not None \
+            else (self.prompt_ids, self.output_ids)
+        if len(tail) >= n:
+            return tail[-n:]
+        return head[max(0, len(head) - (n - len(tail))):] + tail
+
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens

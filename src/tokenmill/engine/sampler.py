@@ -18,7 +18,6 @@ distribution, before penalties and masks).
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.kernels.categorical import sample_categorical, sample_nucleus
+from tokenmill.kernels.penalties import apply_penalties_rows
 from tokenmill.structured import TokenMasks, apply_token_masks
 
 _NEG_INF = float("-inf")
@@ -87,7 +87,7 @@ class Sampler:
         # Penalties, temperature and cumulative sums want float32, and so does the greedy max: on
         # bf16 argmax ran 2.3x slower than a widening copy (0.26 ms at 64 rows) plus a float32 one.
         logits = logits.float()
-        penalised = apply_penalties(logits, params, inp.recent_token_ids)
+        penalised = apply_penalties(logits, params, inp.recent_token_ids, in_place=owned)
         if inp.token_masks is not None:
             penalised = apply_token_masks(penalised, inp.token_masks, in_place=owned or penalised is not logits)
         logits = _suppress_stop_tokens(penalised, inp, in_place=owned or penalised is not logits)
@@ -129,50 +129,27 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return argmax_rows(logits)
 
 
-def apply_penalties(
-    logits: torch.Tensor, params: list[SamplingParams], recent_token_ids: list[list[int]]
-) -> torch.Tensor:
-    """llama.cpp's penalties sampler over each row's window. Touches only the tokens in the
-    windows (not the whole vocabulary); returns a new tensor if anything changed, else the input."""
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], recent_token_ids: list[list[int]],
+                    *, in_place: bool = False) -> torch.Tensor:
+    """llama.cpp's penalties sampler over each row's window (kernels/penalties.py). Touches only the
+    tokens in the windows; returns the input when no row has any, else the penalised logits (the
+    input itself when in_place)."""
     if not recent_token_ids:
         return logits
-    vocab = logits.shape[1]
-    rows: list[int] = []
-    toks: list[int] = []
-    counts: list[int] = []
-    rep: list[float] = []
-    freq: list[float] = []
-    pres: list[float] = []
+    windows: list[int] = []
+    offsets = [0]
     for i, p in enumerate(params):
-        if not p.uses_penalties:
-            continue
-        window = recent_token_ids[i]
-        if p.repeat_last_n > 0:
-            window = window[-p.repeat_last_n :]
-        for t, c in Counter(window).items():
-            if 0 <= t < vocab:
-                rows.append(i)
-                toks.append(t)
-                counts.append(c)
-                rep.append(p.repeat_penalty)
-                freq.append(p.frequency_penalty)
-                pres.append(p.presence_penalty)
-    if not rows:
+        if p.uses_penalties:
+            window = recent_token_ids[i]
+            windows += window[-p.repeat_last_n :] if p.repeat_last_n > 0 else window
+        offsets.append(len(windows))
+    if not windows:
         return logits
-
-    dev, dt = logits.device, logits.dtype
-    where = (_index(rows, dev), _index(toks, dev))
-    v = logits[where]
-    # A penalty below the dtype's smallest normal (5e-324 is a valid float64) would round to 0 and
-    # turn logits into inf and NaN: the sampler would then draw garbage ids. Keep every value finite.
-    finfo = torch.finfo(dt)
-    r = torch.tensor(rep, dtype=dt, device=dev).clamp_(min=finfo.tiny)
-    # Dividing a negative logit would make the token *more* likely, so negatives are multiplied.
-    v = torch.where(v > 0, v / r, v * r).clamp_(max=finfo.max)
-    v = v - torch.tensor(counts, dtype=dt, device=dev) * torch.tensor(freq, dtype=dt, device=dev)
-    v = v - torch.tensor(pres, dtype=dt, device=dev)
-    out = logits.clone()
-    out[where] = v
+    out = logits if in_place else logits.clone()
+    apply_penalties_rows(out, torch.tensor(windows, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64),
+                         torch.tensor([p.repeat_penalty for p in params], dtype=torch.float32),
+                         torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+                         torch.tensor([p.presence_penalty for p in params], dtype=torch.float32))
     return out
 
 
