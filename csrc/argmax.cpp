@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common.h"
+#include "sampling_math.h"
 
 namespace py = pybind11;
 
@@ -28,40 +29,7 @@ struct Best {
     bool nan;
 };
 
-// Largest value of x[0, n) and whether any NaN occurs.
-float segment_max(const float* x, int64_t n, bool* has_nan) {
-    float m = -std::numeric_limits<float>::infinity();
-    int64_t i = 0;
-    bool nan = false;
-#if defined(TM_AVX512)
-    __m512 vm = _mm512_set1_ps(m);
-    __mmask16 vnan = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
-        vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        vm = _mm512_max_ps(vm, v);
-    }
-    nan = vnan != 0;
-    m = _mm512_reduce_max_ps(vm);
-#elif defined(TM_AVX2)
-    __m256 vm = _mm256_set1_ps(m), vnan = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        vm = _mm256_max_ps(vm, v);
-    }
-    nan = _mm256_movemask_ps(vnan) != 0;
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, vm);
-    for (float l : lanes) m = l > m ? l : m;
-#endif
-    for (; i < n; ++i) {
-        nan |= std::isnan(x[i]);
-        m = x[i] > m ? x[i] : m;
-    }
-    *has_nan = nan;
-    return m;
-}
+using sampling::segment_max;
 
 // First index in x[0, n) whose value equals m (present by construction), or whose value is a NaN.
 int64_t first_index(const float* x, int64_t n, float m, bool nan) {

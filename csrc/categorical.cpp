@@ -20,16 +20,16 @@
 #include <vector>
 
 #include "common.h"
-#include "draw_math.h"
+#include "sampling_math.h"
 
 namespace py = pybind11;
 
 namespace tmk {
 namespace {
 
-using draw::block_weights;
-using draw::kBlock;
-using draw::row_max;
+using sampling::block_weights;
+using sampling::kBlock;
+using sampling::row_max;
 
 // One row's draw, or -1 when the row has no token to draw from (a NaN, or every logit -inf): the
 // Python side then takes the reference for it.

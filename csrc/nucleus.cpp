@@ -4,7 +4,7 @@
 // drop what min_p drops, draw by inverse CDF. In torch (a partial top-k of 1024, then 8192, then a
 // sort) that cost 18-21 ms of SmolLM2's 64-sequence decode step at top_p 0.95.
 //
-// Here no row is sorted whole. The weights w = exp(v - max) are written once (draw_math.h), then a
+// Here no row is sorted whole. The weights w = exp(v - max) are written once (sampling_math.h), then a
 // bisection on a weight threshold finds one whose tokens hold at least top_p of the mass; only those
 // candidates are sorted (value descending, index ascending: the reference's stable order), and the
 // nucleus, min_p and the draw are taken over them exactly as the reference does, with float64 sums.
@@ -20,17 +20,17 @@
 #include <vector>
 
 #include "common.h"
-#include "draw_math.h"
+#include "sampling_math.h"
 
 namespace py = pybind11;
 
 namespace tmk {
 namespace {
 
-using draw::block_weights;
-using draw::kBlock;
-using draw::kExpFloor;
-using draw::row_max;
+using sampling::block_weights;
+using sampling::kBlock;
+using sampling::kExpFloor;
+using sampling::row_max;
 
 constexpr int kBisections = 10;  // the threshold to 87 / 1024 of a nat: few candidates past the nucleus
 // A float sum of up to a few hundred thousand weights is off by far less than this (relative), so a
