@@ -110,11 +110,19 @@ class Sampler:
                 idx = _index(shared_rows, logits.device)
                 sub = logits if len(shared_rows) == n else logits[idx]
                 tokens[idx] = _sample(sub, [params[i] for i in shared_rows], None)
-            # A seeded row is sampled as a batch of one: every shape and reduction then depends
-            # only on its own logits and params, so the same seed gives the same tokens whatever
-            # else is in the batch.
+            # A seeded row's draw must depend only on its own logits, params and generator, so the
+            # same seed gives the same tokens whatever else is in the batch. The compiled draws are
+            # per row by construction: those rows share one call, each with a uniform from its own
+            # generator. The torch path samples a seeded row as a batch of one.
+            vocab = logits.shape[1]
+            batched = [i for i in seeded_rows if _group(params[i], vocab) in _COMPILED_GROUPS]
+            if batched:
+                idx = _index(batched, logits.device)
+                tokens[idx] = _draw_compiled(logits[idx], [params[i] for i in batched],
+                                             [torch.rand((1,), generator=gens[i]) for i in batched])
             for i in seeded_rows:
-                tokens[i] = _sample(logits[i : i + 1], [params[i]], gens[i])[0]
+                if _group(params[i], vocab) not in _COMPILED_GROUPS:
+                    tokens[i] = _sample(logits[i : i + 1], [params[i]], gens[i])[0]
 
         token_list = tokens.tolist()
         result = SampleResult(token_ids=token_list)
@@ -209,9 +217,23 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
         u = torch.rand((vals.shape[0], 1), generator=gen, device=vals.device).double() * cdf[:, -1:]
         choice = torch.searchsorted(cdf, u, right=True)
         out[rows] = (choice if ids is None else ids.gather(1, choice)).squeeze(1)
-    # The other rows take compiled draws (kernels/categorical.py). A seeded row comes here alone, so
-    # the order of the groups never changes which uniform it gets.
-    for group in ("nucleus", "plain"):
+    rows = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) in _COMPILED_GROUPS]
+    if rows:
+        idx = _index(rows, logits.device)
+        sub = logits if len(rows) == logits.shape[0] else logits[idx]
+        uniforms = list(torch.rand((len(rows), 1), generator=gen, device=logits.device))
+        out[idx] = _draw_compiled(sub, [params[i] for i in rows], uniforms)
+    return out
+
+
+# The groups of rows drawn by compiled kernels (kernels/categorical.py); the others take the torch path.
+_COMPILED_GROUPS = ("nucleus", "plain")
+
+
+def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of the compiled groups, each with its uniform (a float32 tensor of one value)."""
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    for group in _COMPILED_GROUPS:
         picked = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) == group]
         if not picked:
             continue
@@ -220,7 +242,7 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
         temps = torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
                              dtype=torch.float32)
         log_min_p = torch.log(torch.tensor([params[i].min_p for i in picked], dtype=torch.float32))
-        u = torch.rand((len(picked), 1), generator=gen, device=logits.device).squeeze(1)
+        u = torch.cat([uniforms[i].reshape(1) for i in picked])
         if group == "plain":
             out[rows] = sample_categorical(x, temps, log_min_p, u)
         else:
