@@ -19,6 +19,7 @@ void register_argmax(py::module_& m);
 void register_categorical(py::module_& m);
 void register_nucleus(py::module_& m);
 void register_penalties(py::module_& m);
+void register_topk(py::module_& m);
 
 PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     m.doc() = "tokenmill's compiled CPU kernels (one ISA variant)";
@@ -33,4 +34,5 @@ PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     register_categorical(m);
     register_nucleus(m);
     register_penalties(m);
+    register_topk(m);
 }
