@@ -26,6 +26,7 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.kernels.categorical import sample_categorical, sample_nucleus
 from tokenmill.kernels.penalties import apply_penalties_rows
+from tokenmill.kernels.topk import topk_rows
 from tokenmill.structured import TokenMasks, apply_token_masks
 
 _NEG_INF = float("-inf")
@@ -288,7 +289,7 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, every_row: 
         ks = [top_k[i] for i in rows]
         # Top-k commutes with a positive temperature: select first, then scale only k values.
         raw = logits if len(rows) == n else logits[_index(rows, dev)]
-        vals, ids = raw.topk(max(ks), dim=-1, sorted=True)
+        vals, ids = topk_rows(raw, max(ks))
         vals = scaled(rows, vals)
         pos = torch.arange(vals.shape[1], device=dev)
         vals = vals.masked_fill(pos[None, :] >= _column(ks, vals, torch.long), _NEG_INF)
