@@ -82,8 +82,10 @@ void categorical_rows(uintptr_t logits, int64_t rows, int64_t cols, int64_t row_
     const float* u = ptr<const float>(uniforms);
     int64_t* index = ptr<int64_t>(out);
     parallel_for(rows, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> w;
-        std::vector<double> sums;
+        // Kept by the thread between calls: a vocabulary's weights are 196 KB (SmolLM2) to 1 MB (Gemma 3),
+        // which malloc would map and fault in afresh every step.
+        thread_local std::vector<float> w;
+        thread_local std::vector<double> sums;
         for (int64_t r = begin; r < end; ++r)
             index[r] = draw_row(x + r * row_stride, cols, t[r], lm[r], double(u[r]), w, sums);
     });

@@ -154,7 +154,7 @@ void nucleus_rows(uintptr_t logits, int64_t rows, int64_t cols, int64_t row_stri
     const float* u = ptr<const float>(uniforms);
     int64_t* index = ptr<int64_t>(out);
     parallel_for(rows, 1, [&](int64_t begin, int64_t end) {
-        Scratch s;
+        thread_local Scratch s;  // kept between calls, as categorical.cpp's weights
         for (int64_t r = begin; r < end; ++r)
             index[r] = nucleus_row(x + r * row_stride, cols, t[r], p[r], lm[r], double(u[r]), s);
     });
