@@ -41,19 +41,7 @@ def sample_categorical_reference(logits: Tensor, temperature: Tensor, log_min_p:
 def sample_categorical(logits: Tensor, temperature: Tensor, log_min_p: Tensor, uniforms: Tensor) -> Tensor:
     """As the reference; the compiled kernel for float32 [rows, vocab] with a unit inner stride. Rows
     the kernel cannot draw from (a NaN, or all -inf) take the reference."""
-    m = native.module()
-    if (m is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
-            or logits.shape[1] == 0 or logits.device.type != "cpu"):
-        return sample_categorical_reference(logits, temperature, log_min_p, uniforms)
-    rows = logits.shape[0]
-    temperature, log_min_p, uniforms = (t.float().contiguous() for t in (temperature, log_min_p, uniforms))
-    out = torch.empty(rows, dtype=torch.int64)
-    m.categorical_rows_f32(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), temperature.data_ptr(),
-                           log_min_p.data_ptr(), uniforms.data_ptr(), out.data_ptr())
-    bad = (out < 0).nonzero().flatten()
-    if bad.numel():
-        out[bad] = sample_categorical_reference(logits[bad], temperature[bad], log_min_p[bad], uniforms[bad])
-    return out
+    return _draw("categorical_rows_f32", sample_categorical_reference, logits, temperature, log_min_p, uniforms)
 
 
 def sample_nucleus_reference(logits: Tensor, temperature: Tensor, top_p: Tensor, log_min_p: Tensor,
@@ -74,20 +62,25 @@ def sample_nucleus_reference(logits: Tensor, temperature: Tensor, top_p: Tensor,
 
 
 def sample_nucleus(logits: Tensor, temperature: Tensor, top_p: Tensor, log_min_p: Tensor, uniforms: Tensor) -> Tensor:
-    """As the reference; the compiled kernel for float32 [rows, vocab] with a unit inner stride and
-    fewer than 2^31 columns. Rows the kernel cannot draw from (a NaN, or all -inf) take the reference."""
+    """As the reference; the compiled kernel for float32 [rows, vocab] with a unit inner stride. Rows
+    the kernel cannot draw from (a NaN, or all -inf) take the reference."""
+    return _draw("nucleus_rows_f32", sample_nucleus_reference, logits, temperature, top_p, log_min_p, uniforms)
+
+
+def _draw(kernel: str, reference, logits: Tensor, *per_row: Tensor) -> Tensor:
+    """One of the draw kernels over logits, with its per-row float32 arguments in the kernel's order;
+    the reference where the kernel does not apply, and for the rows it leaves (index -1)."""
     m = native.module()
     if (m is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
             or not 0 < logits.shape[1] < 2**31 or logits.device.type != "cpu"):
-        return sample_nucleus_reference(logits, temperature, top_p, log_min_p, uniforms)
-    rows = logits.shape[0]
-    temperature, top_p, log_min_p, uniforms = (t.float().contiguous() for t in (temperature, top_p, log_min_p, uniforms))
-    out = torch.empty(rows, dtype=torch.int64)
-    m.nucleus_rows_f32(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), temperature.data_ptr(),
-                       top_p.data_ptr(), log_min_p.data_ptr(), uniforms.data_ptr(), out.data_ptr())
+        return reference(logits, *per_row)
+    per_row = tuple(t.float().contiguous() for t in per_row)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    getattr(m, kernel)(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+                       *(t.data_ptr() for t in per_row), out.data_ptr())
     bad = (out < 0).nonzero().flatten()
     if bad.numel():
-        out[bad] = sample_nucleus_reference(logits[bad], temperature[bad], top_p[bad], log_min_p[bad], uniforms[bad])
+        out[bad] = reference(logits[bad], *(t[bad] for t in per_row))
     return out
 
 
