@@ -104,13 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("-f", "--file", default="Modelfile", help="the Modelfile (default ./Modelfile)")
 
-    p = sub.add_parser("bench", help="benchmarks")
+    # No -h of its own: `tokenmill bench --help` reaches cmd_bench, which lists the benchmarks.
+    p = sub.add_parser("bench", help="benchmarks", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "bench":  # argparse leaves a leading option (`bench --help`) out of REMAINDER
+        args.rest = unknown + list(args.rest or [])
     command = "serve-ray" if args.command == "serve" and getattr(args, "ray", False) else args.command
     module_name, func_name = COMMANDS[command].split(":")
     handler = getattr(importlib.import_module(module_name), func_name)

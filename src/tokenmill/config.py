@@ -384,7 +384,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if not o.flags:
             continue
         env = ", ".join(o.env_names)
-        help_ = f"{o.help} (env {env}; default {_toml_value(o.default)})"
+        # argparse formats help strings with %: a literal one ("75% of") must be doubled.
+        help_ = f"{o.help} (env {env}; default {_toml_value(o.default)})".replace("%", "%%")
         if o.kind is bool:
             parser.add_argument(*o.flags, dest=o.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_)

@@ -1,0 +1,46 @@
+"""Every command's --help prints its usage and exits 0: argparse formats help strings with %, so one
+stray "75%" in a setting's description used to crash `tokenmill serve --help`."""
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.bench import BENCHMARKS
+from tokenmill.cli import COMMANDS, main
+
+
+@pytest.mark.parametrize("command", sorted(c for c in COMMANDS if c not in ("bench", "serve-ray")))
+def test_every_command_prints_its_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: tokenmill {command}")
+
+
+def test_serve_help_shows_a_literal_percent(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "75% of" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_bench_help_lists_the_benchmarks(flag, capsys):
+    assert main(["bench", flag]) == 0
+    out = capsys.readouterr().out
+    for name in BENCHMARKS:
+        assert f"  {name} " in out
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_every_benchmark_prints_its_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", name, "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: tokenmill bench {name}")
+
+
+def test_unknown_flags_are_still_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["list", "--bogus"])
+    assert exit_.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
