@@ -3,6 +3,8 @@ server's request counter proves the answer came from it) and runs in-process whe
 `stop`, `cp`, `rm`, `create` and `show` act through the server, or on the store without one."""
 from __future__ import annotations
 
+import hashlib
+import math
 import re
 
 import httpx
@@ -84,3 +86,23 @@ def test_run_in_process_and_store_commands_without_a_server(store, nobody_listen
     assert main(["rm", "french", "mine"]) == 0
     assert main(["rm", "tiny-a"]) == 0 and not (store / "tiny-a.gguf").exists()
     assert "tiny-b" in listed
+
+
+def test_show_without_a_server_takes_a_catalog_alias_and_counts_parameters(store, nobody_listens, monkeypatch,
+                                                                           capsys):
+    from tokenmill.gguf import open_gguf
+    from tokenmill.store import KNOWN_MODELS, ModelSpec
+
+    # tiny-a.gguf as a catalog model "tiny:1m", alias "tiny": `tokenmill list` shows the canonical name.
+    data = (store / "tiny-a.gguf").read_bytes()
+    spec = ModelSpec("tiny:1m", ("tiny",), "tiny-a.gguf", (), hashlib.sha256(data).hexdigest(), len(data))
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    assert main(["list"]) == 0
+    assert "tiny:1m" in capsys.readouterr().out
+    assert main(["show", "tiny"]) == 0
+    out = capsys.readouterr().out
+    count = sum(math.prod(t.shape) for t in open_gguf(store / "tiny-a.gguf").tensors.values())
+    assert count > 1000
+    expected = f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count / 1e3:.1f}K"
+    assert re.search(rf"parameters\s+{re.escape(expected.replace('.0', ''))}\n", out), out
+    assert main(["show", "nope"]) == 1 and 'model "nope" not found' in capsys.readouterr().err

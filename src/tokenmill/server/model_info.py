@@ -13,7 +13,7 @@ import numpy as np
 from tokenmill.server.model_host import ModelHost, ServedModel, normalize_name
 from tokenmill.store import list_models
 from tokenmill.store.derived import DerivedModel, list_derived
-from tokenmill.store.catalog import spec_for_filename
+from tokenmill.store.catalog import find_spec, spec_for_filename
 from tokenmill.tokenizer.tokenizer import chat_template_source
 
 # Metadata arrays as long as a vocabulary are left out of /api/show unless verbose is asked for.
@@ -45,7 +45,13 @@ def _digest(path: Path) -> str:
 
 
 def parameter_size(served: ServedModel) -> str:
-    n = sum(int(np.prod(t.shape)) for t in served.engine.loaded.gguf.tensors.values())
+    return format_parameters(sum(int(np.prod(t.shape)) for t in served.engine.loaded.gguf.tensors.values()))
+
+
+def format_parameters(n: int | None) -> str:
+    """134515008 -> "134.5M", as Ollama's parameter_size."""
+    if n is None:
+        return ""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f}{unit}".replace(".0", "")
@@ -71,7 +77,7 @@ def installed_entries(host: ModelHost | None) -> list[ModelEntry]:
     bases = {}
     for m in list_models():
         entry = ModelEntry(m.name, m.path, m.size_bytes, m.path.stat().st_mtime, _digest(m.path),
-                           m.architecture, m.quantization, m.context_length)
+                           m.architecture, m.quantization, m.context_length, format_parameters(m.parameters))
         bases[normalize_name(m.name)] = bases[m.path.stem.lower()] = entry
         if m.path.resolve() not in loaded:
             entries.append(entry)
@@ -93,8 +99,13 @@ def find_entry(host: ModelHost | None, name: str) -> ModelEntry | None:
     served = host.find_loaded(name) if host is not None else None
     if served is not None:
         return served_entry(served)
-    return next((e for e in installed_entries(host) if normalize_name(e.name) == wanted
-                 or e.path.stem.lower() == wanted), None)
+    entries = installed_entries(host)
+    found = next((e for e in entries if normalize_name(e.name) == wanted or e.path.stem.lower() == wanted), None)
+    if found is None:  # a catalog alias ("smollm2" for smollm2:135m), as `tokenmill run` and serve take it
+        spec = find_spec(name)
+        found = next((e for e in entries if spec is not None and normalize_name(e.name) == normalize_name(spec.name)
+                      and e.derived is None), None)
+    return found
 
 
 def ollama_details(e: ModelEntry) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -142,6 +143,7 @@ class InstalledModel:
     quantization: str
     context_length: int | None
     error: str | None = None  # set when the file is not a readable GGUF
+    parameters: int | None = None  # weights' element count (Ollama's parameter_size)
 
 
 def _quantization(gguf_file) -> str:
@@ -166,6 +168,7 @@ def _read_info(path: Path) -> dict:
         "architecture": arch,
         "quantization": _quantization(gguf_file),
         "context_length": int(context) if context is not None else None,
+        "parameters": sum(math.prod(t.shape) for t in gguf_file.tensors.values()),
     }
 
 
@@ -176,14 +179,15 @@ def _describe(path: Path) -> InstalledModel:
     name = spec.name if spec else path.stem
     size = path.stat().st_size
     info = read_manifest(path).get("info")
-    if not isinstance(info, dict):
+    if not isinstance(info, dict) or "parameters" not in info:  # (manifests written before it was kept)
         # Parsing a GGUF with a large vocabulary takes seconds; remember the answer beside the file.
         try:
             info = _read_info(path)
         except GGUFError as exc:
             return InstalledModel(name, path, size, "?", "?", None, error=str(exc))
         update_manifest(path, info=info)
-    return InstalledModel(name, path, size, info["architecture"], info["quantization"], info["context_length"])
+    return InstalledModel(name, path, size, info["architecture"], info["quantization"], info["context_length"],
+                          parameters=info["parameters"])
 
 
 def list_models() -> list[InstalledModel]:
