@@ -2,7 +2,8 @@
 """What sampling settings cost a decode step: --batch requests of --prompt-len tokens decode with each
 setting in turn (greedy first, the baseline), and the median step is printed with its difference from
 greedy. The settings are the common defaults: OpenAI's (temperature 1), Ollama's (0.8, top_k 40,
-top_p 0.9, repeat_penalty 1.1 over the last 64 tokens) and a plain nucleus (0.7, top_p 0.95). No seeds: seeded rows are drawn one at a time.
+top_p 0.9, repeat_penalty 1.1 over the last 64 tokens), a plain nucleus (0.7, top_p 0.95), and
+OpenAI's with logprobs and the top 5 alternatives. No seeds.
 
     .venv/bin/python bench/sampling.py [--batch 64] [--threads 2]
 """
@@ -24,6 +25,7 @@ SETTINGS = {
                                                   repeat_last_n=64),
     "0.7, top_p 0.95": dict(temperature=0.7, top_p=0.95),
     "1.0, min_p 0.05": dict(temperature=1.0, min_p=0.05),
+    "temperature 1, logprobs, top_logprobs 5": dict(temperature=1.0, logprobs=True, top_logprobs=5),
 }
 
 
@@ -34,12 +36,15 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--only", help="comma-separated settings to run besides greedy (substrings of their names)")
     args = p.parse_args()
     set_threads(args.threads)
     engine = LLMEngine.from_path(resolve_model(args.model), EngineConfig(parallel=max(64, args.batch)))
     print(f"cpu flags: {cpu_flags()}; loadavg {loadavg()}")
     base = None
     for name, kw in SETTINGS.items():
+        if args.only and name != "greedy" and not any(w in name for w in args.only.split(",")):
+            continue
         params = SamplingParams(max_tokens=args.steps, ignore_eos=True, **kw)
         for ids in corpus_prompts(engine.tokenizer.encode, args.batch, args.prompt_len):
             engine.add_request(ids, params)

@@ -20,6 +20,7 @@ void register_categorical(py::module_& m);
 void register_nucleus(py::module_& m);
 void register_penalties(py::module_& m);
 void register_topk(py::module_& m);
+void register_logsumexp(py::module_& m);
 
 PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     m.doc() = "tokenmill's compiled CPU kernels (one ISA variant)";
@@ -35,4 +36,5 @@ PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     register_nucleus(m);
     register_penalties(m);
     register_topk(m);
+    register_logsumexp(m);
 }

@@ -25,6 +25,7 @@ import torch
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.kernels.categorical import sample_categorical, sample_nucleus
+from tokenmill.kernels.logprobs import row_logprobs
 from tokenmill.kernels.penalties import apply_penalties_rows
 from tokenmill.kernels.topk import topk_rows
 from tokenmill.structured import TokenMasks, apply_token_masks
@@ -356,15 +357,13 @@ def _add_logprobs(
     if not rows:
         return
     idx = _index(rows, logits.device)
-    logp = torch.log_softmax(logits if len(rows) == len(params) else logits[idx], dim=-1)
-    chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
-    result.logprobs = [None] * len(params)
-    for i, v in zip(rows, chosen):
-        result.logprobs[i] = v
     kmax = max(params[i].top_logprobs for i in rows)
+    chosen, vals, ids = row_logprobs(logits if len(rows) == len(params) else logits[idx], tokens[idx], kmax)
+    result.logprobs = [None] * len(params)
+    for i, v in zip(rows, chosen.tolist()):
+        result.logprobs[i] = v
     if kmax == 0:
         return
-    vals, ids = logp.topk(min(kmax, logp.shape[1]), dim=-1)
     vals, ids = vals.tolist(), ids.tolist()
     result.top_logprobs = [[] for _ in params]
     for j, i in enumerate(rows):
