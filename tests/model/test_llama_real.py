@@ -90,3 +90,39 @@ def test_default_engine_greedy_follows_transformers(pair, smollm2_path, capsys):
     with capsys.disabled():
         print("\ndefault (gguf) engine vs transformers fp32 greedy:\n  " + "\n  ".join(report))
     assert all(first is None or first >= 24 for first in firsts), report
+
+
+def test_default_engine_prompt_logprobs_follow_transformers_and_ignore_batching(pair, smollm2_path):
+    """Prompt logprobs (OpenAI's echo with logprobs, as lm-eval's loglikelihood tasks ask for them) on
+    the default path against transformers' fp32 log_softmax over the same prompt; and bitwise the
+    same in one step, in 16-token chunks, and beside other requests (the quantized kernels' rows do
+    not depend on their batch)."""
+    _, ref, tok = pair
+    loaded = load_model(smollm2_path)
+    assert loaded.weights == "gguf"
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5)
+
+    def scores(engine, requests):
+        rids = [engine.add_request(ids, p) for ids, p in requests]
+        got = {}
+        while engine.has_unfinished():
+            for ev in engine.step():
+                if ev.prompt_logprobs is not None:
+                    got[ev.request_id] = ev.prompt_logprobs
+        return [got.get(r) for r in rids]
+
+    alone = [scores(make_engine(loaded, max_total_tokens=2048), [(ids, params)])[0] for ids in prompts]
+    chunked = scores(make_engine(loaded, max_total_tokens=2048, n_batch=16), [(ids, params) for ids in prompts])
+    assert chunked == alone
+    diffs, top_agree = [], []
+    for ids, got in zip(prompts, alone):
+        with torch.inference_mode():
+            logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), dim=-1)
+        assert len(got) == len(ids) - 1
+        for j, (lp, top) in enumerate(got):
+            diffs.append(abs(lp - logp[j, ids[j + 1]].item()))
+            top_agree.append(top[0][0] == int(logp[j].argmax()))
+    # Measured: max 0.0054, mean 0.0010 over 84 positions, top-1 the same at all of them.
+    assert max(diffs) < 0.03 and sum(diffs) / len(diffs) < 0.003, (max(diffs), sum(diffs) / len(diffs))
+    assert sum(top_agree) / len(top_agree) > 0.95

@@ -14,6 +14,7 @@ import torch
 from tokenmill.engine.config import ConfigError, EngineConfig
 from tokenmill.engine.context import generation_reserve, truncate_prompt
 from tokenmill.engine.health import StepFaults, StepShape
+from tokenmill.engine.prompt_scores import score_prompt_rows
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler, SamplerInput
@@ -61,6 +62,8 @@ class TokenEvent:
     num_cached_tokens: int
     num_output_tokens: int
     index: int = 0  # which sample of the request (parallel sampling, n > 1)
+    # SamplingParams.prompt_logprobs: the prompt's scores (Sequence.prompt_scores), on a sample's first event.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -237,7 +240,10 @@ class LLMEngine:
             masks = self.masks.start([(c.seq.seq_id, c.seq.constraint) for c in batch.sampling_chunks
                                       if c.seq.constraint is not None])
             self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
-            logits = self.runner.run(batch)
+            out = self.runner.run(batch)
+            logits = out.logits
+            if out.prompt_rows:
+                score_prompt_rows(self.runner.model, out.prompt_rows)
             if masks is not None:
                 masks.wait()  # forking copies a parent's matcher, which the worker may still be reading
             self.scheduler.fork_samples(batch, lambda: next(self._seq_ids))
@@ -324,9 +330,11 @@ class LLMEngine:
         new = seq.output_ids[seq.num_emitted:]
         logprobs = seq.output_logprobs[seq.num_emitted:] if seq.params.logprobs or seq.params.top_logprobs else None
         top = seq.output_top_logprobs[seq.num_emitted:] if seq.params.top_logprobs else None
+        first = seq.params.prompt_logprobs is not None and seq.num_emitted == 0
         seq.num_emitted = len(seq.output_ids)
         return TokenEvent(seq.request_id, new, logprobs, top, seq.finish_reason, seq.error,
-                          len(seq.prompt_ids), seq.num_cached_prompt_tokens, len(seq.output_ids), seq.sample_index)
+                          len(seq.prompt_ids), seq.num_cached_prompt_tokens, len(seq.output_ids), seq.sample_index,
+                          list(seq.prompt_scores) if first else None)
 
     # --- embeddings ----------------------------------------------------------------------------
     def embed(self, prompt_ids: list[int]) -> list[float]:

@@ -21,6 +21,9 @@ class CompletionOutput:
     finish_reason: str
     num_cached_tokens: int
     index: int = 0  # which of the prompt's n samples
+    # SamplingParams.prompt_logprobs: entry i is prompt token i's (logprob, top alternatives) given the
+    # tokens before it; entry 0 is None, as in vLLM's RequestOutput.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 class LLM:
@@ -56,6 +59,8 @@ class LLM:
                 if out.top_logprobs is not None and delta.top_logprobs:
                     out.top_logprobs += delta.top_logprobs
                 out.num_cached_tokens = delta.num_cached_tokens
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = [None, *delta.prompt_logprobs]
                 if delta.hit_stop_string:  # only this sample stops; its siblings go on
                     self.engine.abort(ev.request_id, ev.index)
                 if delta.finished:

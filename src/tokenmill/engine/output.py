@@ -23,6 +23,7 @@ class TextDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # on the first delta only
 
     @property
     def finished(self) -> bool:
@@ -91,4 +92,5 @@ class OutputAssembler:
             num_prompt_tokens=ev.num_prompt_tokens,
             num_cached_tokens=ev.num_cached_tokens,
             num_output_tokens=ev.num_output_tokens,
+            prompt_logprobs=ev.prompt_logprobs,
         )

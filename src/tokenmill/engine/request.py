@@ -101,6 +101,9 @@ class Sequence:
     shifted_ids: list[int] | None = None
     shifted_output_start: int = 0
     deadline: float | None = None  # time.monotonic() after which the engine finishes it (timeout)
+    # params.prompt_logprobs: entry j scores prompt token j + 1 (logprob, top alternatives), from the
+    # row of position j. Filled as the prompt's chunks are computed; forked samples share it.
+    prompt_scores: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -159,6 +162,10 @@ class Sequence:
         self.finish_reason = reason
         self.error = error
         self.times.finished = time.monotonic()
+
+    @property
+    def wants_prompt_scores(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_scores) < len(self.prompt_ids) - 1
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the cache content is gone, the tokens are not."""

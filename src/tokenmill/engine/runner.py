@@ -1,9 +1,13 @@
 """Turns a scheduled batch into flat tensors and runs the model on it, in micro-batches of at most
-`n_ubatch` tokens. Only rows that sample get logits."""
+`n_ubatch` tokens. Only rows that sample get logits; the prompt rows of a request that asks for its
+prompt's logprobs come back as hidden states, for engine/prompt_scores.py."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.engine.request import Sequence
 from tokenmill.engine.scheduler import ScheduledBatch, ScheduledChunk
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
@@ -30,6 +34,29 @@ def split_ubatches(chunks: list[ScheduledChunk], n_ubatch: int) -> list[list[tup
     return [u for u in ubatches if u]
 
 
+@dataclass
+class PromptRows:
+    """The last layer's hidden states (before the final norm) at prompt positions [first, first + rows)
+    of seq: their logits score prompt tokens first + 1 onwards."""
+    seq: Sequence
+    first: int
+    hidden: torch.Tensor
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor | None  # [sampling chunks, vocab] in batch order; None if nobody samples
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+
+
+def scored_positions(seq: Sequence, start: int, num_new: int) -> range:
+    """The positions of a chunk piece whose rows score the prompt's next token: not yet scored (a
+    recompute after preemption goes over them again) and followed by a prompt token."""
+    if not seq.wants_prompt_scores:
+        return range(0)
+    return range(max(start, len(seq.prompt_scores)), min(start + num_new, len(seq.prompt_ids) - 1))
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVStorage, blocks: BlockManager, n_ubatch: int,
                  decode_graph: DecodeGraph | None = None, step_graph: StepGraph | None = None, *,
@@ -45,22 +72,27 @@ class ModelRunner:
         self.step_graph_steps = 0  # ... and through the compiled prefill/mixed graph
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Logits [num sampling chunks, vocab] (the model's dtype) in batch order, or None if nobody samples."""
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Logits of the sampling rows (the model's dtype), and the hidden states of prompt rows to score."""
         logits: list[torch.Tensor] = []
+        prompt_rows: list[PromptRows] = []
         for ubatch in split_ubatches(batch.chunks, self.n_ubatch):
             ids: list[int] = []
             positions: list[int] = []
             specs: list[ChunkSpec] = []
             sample_rows: list[int] = []
+            scored: list[tuple[Sequence, range, int]] = []  # (seq, positions, row of the first)
             for chunk, start, num_new in ubatch:
                 all_ids = chunk.seq.all_token_ids
+                scored_here = scored_positions(chunk.seq, start, num_new)
+                if scored_here:
+                    scored.append((chunk.seq, scored_here, len(ids) + scored_here.start - start))
                 ids.extend(all_ids[start:start + num_new])
                 positions.extend(range(start, start + num_new))
                 specs.append(ChunkSpec(self.blocks.block_table(chunk.seq.seq_id), start, num_new))
                 if chunk.samples and start + num_new == chunk.start + chunk.num_new:
                     sample_rows.append(len(ids) - 1)
-            graph_logits = self._run_graph(ids, positions, specs, sample_rows)
+            graph_logits = None if scored else self._run_graph(ids, positions, specs, sample_rows)
             if graph_logits is not None:
                 logits.append(graph_logits)
                 continue
@@ -72,9 +104,11 @@ class ModelRunner:
                 hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv)
             if sample_rows:
                 logits.append(self.model.logits(hidden, torch.tensor(sample_rows)))
+            for seq, where, row in scored:
+                prompt_rows.append(PromptRows(seq, where.start, hidden[row:row + len(where)].clone()))
         if not logits:
-            return None
-        return logits[0] if len(logits) == 1 else torch.cat(logits)
+            return StepOutput(None, prompt_rows)
+        return StepOutput(logits[0] if len(logits) == 1 else torch.cat(logits), prompt_rows)
 
     def attention_meta(self, specs: list[ChunkSpec]) -> AttentionMetadata | PagedBatch:
         if self.native_attention:

@@ -50,6 +50,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20 alternatives per position
+    # The prompt's own logprobs (OpenAI's echo with logprobs, vLLM's prompt_logprobs): each prompt token
+    # after the first, given the ones before it, with this many alternatives; None = not computed.
+    # Such a request computes its whole prompt: the prefix cache holds no logits.
+    prompt_logprobs: int | None = None
     # The output must match this grammar (compiled off the engine thread, see structured/): tokens it
     # does not allow are masked out, and the sequence ends with `stop` once the grammar is complete.
     constraint: "Grammar | None" = None
@@ -94,6 +98,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _int("stop_token_ids", t, lo=0)
         _int("top_logprobs", self.top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
 
 
 def _is_int(v) -> bool:

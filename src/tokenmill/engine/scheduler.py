@@ -152,7 +152,9 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> PrefixMatch | None:
         # Also for a preempted or shifted sequence coming back: its own old blocks may still be cached.
-        return self.blocks.match_prefix(seq.all_token_ids) if self.cfg.enable_prefix_caching else None
+        if not self.cfg.enable_prefix_caching or seq.wants_prompt_scores:  # cached blocks come without logits
+            return None
+        return self.blocks.match_prefix(seq.all_token_ids)
 
     def _has_slot(self, seq: Sequence) -> bool:
         # A request with n samples will run n sequences once its prompt is done; an oversized n is
