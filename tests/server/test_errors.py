@@ -174,7 +174,9 @@ def test_unsupported_features_are_400(client, tiny):
                                                                         "images": ["aGk="]}), 400)
     assert "suffix" in ollama_error(client.post("/api/generate", json={"model": name, "prompt": "x",
                                                                         "suffix": "y"}), 400)
-    assert openai_error(client.post("/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1}), 400)
+    assert openai_error(client.post("/v1/completions", json={"prompt": "x", "suffix": "y"}), 400)["param"] == "suffix"
+    assert openai_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400)["param"] == \
+        "max_tokens"  # without echo there is nothing to return
     assert openai_error(client.post("/v1/chat/completions", json={"messages": []}), 400)["param"] == "messages"
 
 

@@ -105,3 +105,42 @@ def test_errors_become_client_exceptions(oai, tiny):
     assert exc.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+
+
+def test_completion_echo_with_logprobs_scores_the_prompt(oai, tiny):
+    """OpenAI's echo with logprobs (what lm-eval's loglikelihood tasks send): the prompt's tokens come
+    back with their logprobs, the first with none, then the completion's; max_tokens 0 scores the
+    prompt alone. A generated token's logprob is the one the prompt scoring gives it once it is part
+    of the prompt."""
+    name = model_name(tiny[1])
+    r = oai.completions.create(model=name, prompt="the cat sat", max_tokens=3, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    prompt_tokens = r.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == prompt_tokens + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    # Keyed by token text, as OpenAI's legacy shape is: two ids with one text share an entry.
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert r.choices[0].text.startswith("the cat sat") and "".join(lp.tokens).endswith(r.choices[0].text[11:])
+    assert lp.text_offset == sorted(lp.text_offset)
+
+    scored = oai.completions.create(model=name, prompt=r.choices[0].text, max_tokens=0, echo=True, logprobs=0)
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].text == r.choices[0].text
+    again = scored.choices[0].logprobs
+    assert again.top_logprobs is None and len(again.token_logprobs) == scored.usage.prompt_tokens
+    assert again.tokens == lp.tokens  # the text re-encodes to the same tokens (byte-level BPE)
+    assert again.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
+def test_completion_echo_with_logprobs_streams_the_prompt_first(oai, tiny):
+    kwargs = dict(model=model_name(tiny[1]), prompt=["one two", "three"], max_tokens=2, temperature=0, echo=True,
+                  logprobs=1, n=2)
+    full = oai.completions.create(**kwargs)
+    chunks = list(oai.completions.create(**kwargs, stream=True))
+    for i, choice in enumerate(full.choices):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].text == ("one two" if i < 2 else "three") and mine[0].logprobs.token_logprobs[0] is None
+        assert "".join(c.text for c in mine) == choice.text
+        streamed = [v for c in mine if c.logprobs for v in c.logprobs.token_logprobs]
+        assert streamed == choice.logprobs.token_logprobs
+    # Both samples of a prompt carry the one scoring of it.
+    assert full.choices[0].logprobs.token_logprobs[:2] == full.choices[1].logprobs.token_logprobs[:2]

@@ -65,6 +65,7 @@ class Result:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     def add(self, d: TextDelta) -> None:
         self.text += d.text
@@ -74,6 +75,8 @@ class Result:
         self.finish_reason = d.finish_reason or self.finish_reason
         self.num_prompt_tokens = d.num_prompt_tokens
         self.num_cached_tokens = d.num_cached_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
 
 
 def translate_request_error(exc: Exception, field_names: Mapping[str, str], prompt_field: str) -> APIError:

@@ -44,3 +44,27 @@ def completion_logprobs(tok: Tokenizer, ids: list[int], logprobs: list[float] | 
         tops = [{token_text(tok, t): lp for t, lp in alts} for alts in top]
     return {"tokens": tokens, "token_logprobs": list(logprobs or [0.0] * len(ids)), "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(tok: Tokenizer, prompt_ids: list[int],
+                  scores: list[tuple[float, list[tuple[int, float]]]] | None, with_top: bool) -> dict:
+    """The echoed prompt's part of a /v1/completions `logprobs`: its tokens from offset 0, the first
+    with no logprob (nothing comes before it), then each scored given the ones before it (None past
+    the scores there are, should the request have ended before its prompt was computed)."""
+    n = len(prompt_ids)
+    scores = scores or []
+    part = completion_logprobs(tok, prompt_ids, None, None, 0)
+    part["token_logprobs"] = ([None] + [lp for lp, _ in scores] + [None] * n)[:n]
+    if with_top:
+        tops = [{token_text(tok, t): v for t, v in top} for _, top in scores]
+        part["top_logprobs"] = ([None] + tops + [None] * n)[:n]
+    return part
+
+
+def joined_logprobs(first: dict, second: dict | None) -> dict:
+    """Two `logprobs` parts one after the other (an echoed prompt, then the completion)."""
+    if second is None:
+        return first
+    top = None if first["top_logprobs"] is None and second["top_logprobs"] is None else \
+        (first["top_logprobs"] or [None] * len(first["tokens"])) + (second["top_logprobs"] or [])
+    return {key: first[key] + second[key] for key in ("tokens", "token_logprobs", "text_offset")} | {"top_logprobs": top}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -15,7 +16,7 @@ from tokenmill.server import model_info, profiles
 from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, normalize_messages, off_loop, render_chat
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation, Result, all_deltas, collect_all
-from tokenmill.server.logprobs import chat_entries, completion_logprobs
+from tokenmill.server.logprobs import chat_entries, completion_logprobs, echo_logprobs, joined_logprobs
 from tokenmill.server.model_host import ModelHost, ServedModel, model_for
 from tokenmill.server.openai_embeddings import embeddings
 from tokenmill.server.openai_params import OpenAIOptions, parse_options, truncate_prompt
@@ -198,14 +199,17 @@ async def completions(request: Request) -> Response:
     body = await read_json(request)
     served = await model_for(request, get_str(body, "model"))
     body = profiles.openai_body(body, served.profile)
-    opts = parse_options(body, chat=False)
+    echo = bool(get_bool(body, "echo", False))
+    # echo with max_tokens 0 scores the prompt and generates nothing (OpenAI's legacy way to ask for a
+    # text's logprobs): the engine samples one token, which the response leaves out.
+    score_only = echo and body.get("max_tokens") == 0
+    opts = parse_options({**body, "max_tokens": 1} if score_only else body, chat=False)
     if get_str(body, "suffix"):
         raise bad_request("suffix: this model does not support fill-in-the-middle", "suffix")
     if body.get("best_of") is not None and body["best_of"] != opts.n:
         raise bad_request("best_of is not supported (use n)", "best_of")
-    echo = bool(get_bool(body, "echo", False))
     if echo and opts.params.logprobs:
-        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        opts.params.prompt_logprobs = opts.params.top_logprobs
     if body.get("prompt") is None:
         raise bad_request("prompt is required", "prompt")
     constraint = openai_spec(body)
@@ -214,19 +218,35 @@ async def completions(request: Request) -> Response:
     await add_constraint(opts.params, tok, constraint)
     env = Envelope("text_completion", served.name, opts.include_usage)
 
+    scores_prompt = opts.params.prompt_logprobs is not None
+
     def prefix(g: Generation) -> str:
         return tok.decode(g.prompt_ids, skip_special_tokens=True) if echo else ""
 
     def logprobs_of(ids_, lps, top, offset):
-        return completion_logprobs(tok, ids_, lps, top, offset) if opts.params.logprobs and ids_ else None
+        if score_only or not opts.params.logprobs or not ids_:
+            return None
+        return completion_logprobs(tok, ids_, lps, top, offset)
+
+    def prompt_logprobs_of(g: Generation, scores) -> dict:
+        return echo_logprobs(tok, g.prompt_ids, scores, opts.params.top_logprobs > 0)
 
     async def stream_body(gens: list[Generation]):
         offsets = [len(prefix(g)) for g in _by_choice(gens)]
         counts = [0] * len(offsets)
-        if echo:
+        unechoed = set(range(len(offsets))) if echo else set()
+        if echo and not scores_prompt:  # the prompt's chunk goes first; with its logprobs, once they exist
             for i, g in enumerate(_by_choice(gens)):
+                unechoed.discard(i)
                 yield env.wrap([{"index": i, "text": prefix(g), "logprobs": None, "finish_reason": None}])
         async for i, d in all_deltas(gens):
+            if i in unechoed and (d.prompt_logprobs is not None or d.finished):
+                unechoed.discard(i)
+                g = _by_choice(gens)[i]
+                yield env.wrap([{"index": i, "text": prefix(g), "finish_reason": None,
+                                 "logprobs": prompt_logprobs_of(g, d.prompt_logprobs)}])
+            if score_only:
+                d = replace(d, text="", token_ids=[])
             counts[i] += len(d.token_ids)
             lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs, offsets[i])
             offsets[i] += len(d.text)
@@ -239,9 +259,12 @@ async def completions(request: Request) -> Response:
         choices = []
         for i, (g, r) in enumerate(zip(_by_choice(gens), results)):
             head = prefix(g)
-            choices.append({"index": i, "text": head + r.text, "finish_reason": r.finish_reason,
-                            "logprobs": logprobs_of(r.token_ids, r.logprobs, r.top_logprobs, len(head))})
-        u = _total_usage(gens, [len(r.token_ids) for r in results])
+            text, ids_ = ("", []) if score_only else (r.text, r.token_ids)
+            lp = logprobs_of(ids_, r.logprobs, r.top_logprobs, len(head))
+            if scores_prompt:
+                lp = joined_logprobs(prompt_logprobs_of(g, r.prompt_logprobs), lp)
+            choices.append({"index": i, "text": head + text, "finish_reason": r.finish_reason, "logprobs": lp})
+        u = _total_usage(gens, [0 if score_only else len(r.token_ids) for r in results])
         return env.wrap(choices, usage=u)
 
     return await _run(request, lambda: _generations(served, prompts, opts, "prompt"), opts,

@@ -59,7 +59,8 @@ FIELDS: dict[str, dict] = {
     "think": {"oneOf": [BOOLEAN, STRING]},
     "priority": PRIORITY,
     "user": STRING,
-    "echo": BOOLEAN,
+    "echo": described(BOOLEAN, "the prompt before the completion; with logprobs, the prompt's own logprobs "
+                                "too (the first token's null); max_tokens 0 then scores the prompt alone"),
     "encoding_format": {"type": "string", "enum": ["float", "base64"]},
     # inputs
     "prompt": STRING,
@@ -86,7 +87,7 @@ FIELDS: dict[str, dict] = {
     "truncate_prompt_tokens": described(INTEGER, "keep the last k prompt tokens; -1: as many as fit"),
     "verbose": BOOLEAN,
     # sampling and limits
-    "max_tokens": {"type": "integer", "minimum": 1},
+    "max_tokens": described({"type": "integer", "minimum": 0}, "at least 1; 0 only with /v1/completions' echo"),
     "max_completion_tokens": {"type": "integer", "minimum": 1},
     "n_predict": described(INTEGER, "-1: until the model stops (within the server's --max-tokens)"),
     "min_tokens": {"type": "integer", "minimum": 0},
