@@ -19,9 +19,8 @@ def argmax_rows_reference(logits: Tensor) -> Tensor:
 
 def argmax_rows(logits: Tensor) -> Tensor:
     """As the reference; the compiled kernel for float32 [rows, vocab] with a unit inner stride."""
-    m = native.module()
-    if (m is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
-            or logits.shape[1] == 0 or logits.device.type != "cpu"):
+    m = native.for_rows(logits)
+    if m is None:
         return argmax_rows_reference(logits)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     m.argmax_rows_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())

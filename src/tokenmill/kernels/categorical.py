@@ -70,9 +70,8 @@ def sample_nucleus(logits: Tensor, temperature: Tensor, top_p: Tensor, log_min_p
 def _draw(kernel: str, reference, logits: Tensor, *per_row: Tensor) -> Tensor:
     """One of the draw kernels over logits, with its per-row float32 arguments in the kernel's order;
     the reference where the kernel does not apply, and for the rows it leaves (index -1)."""
-    m = native.module()
-    if (m is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
-            or not 0 < logits.shape[1] < 2**31 or logits.device.type != "cpu"):
+    m = native.for_rows(logits, max_cols=2**31)
+    if m is None:
         return reference(logits, *per_row)
     per_row = tuple(t.float().contiguous() for t in per_row)
     out = torch.empty(logits.shape[0], dtype=torch.int64)

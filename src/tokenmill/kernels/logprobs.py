@@ -28,9 +28,8 @@ def logsumexp_rows_reference(logits: Tensor) -> Tensor:
 
 def logsumexp_rows(logits: Tensor) -> Tensor:
     """As the reference; the compiled kernel for float32 [rows, vocab] with a unit inner stride."""
-    m = native.module()
-    if (m is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
-            or logits.shape[1] == 0 or logits.device.type != "cpu"):
+    m = native.for_rows(logits)
+    if m is None:
         return logsumexp_rows_reference(logits)
     out = torch.empty(logits.shape[0], dtype=torch.float32)
     m.logsumexp_rows_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
@@ -42,7 +41,9 @@ def row_logprobs_reference(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tens
     and its k largest entries (k = 0: empty)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, tokens.view(-1, 1)).view(-1)
-    values, ids = logp.topk(min(k, logp.shape[1]), dim=-1) if k else (logp[:, :0], torch.empty(logp.shape[0], 0, dtype=torch.int64))
+    if not k:
+        return chosen, logp[:, :0], torch.empty(logp.shape[0], 0, dtype=torch.int64)
+    values, ids = logp.topk(min(k, logp.shape[1]), dim=-1)
     return chosen, values, ids
 
 

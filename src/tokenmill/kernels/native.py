@@ -85,6 +85,16 @@ def module() -> ModuleType | None:
     return _module
 
 
+def for_rows(x: "torch.Tensor", max_cols: int = 1 << 62) -> ModuleType | None:
+    """The active module when x is what the row kernels (sampling, logprobs) read: float32 [rows, cols]
+    on the CPU with a unit inner stride and 1 <= cols < max_cols; else None, and the caller takes its
+    torch reference."""
+    if (_module is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1
+            or not 0 < x.shape[1] < max_cols or x.device.type != "cpu"):
+        return None
+    return _module
+
+
 def variant() -> str:
     """'avx512', 'avx2', 'scalar', or 'torch' when the compiled core is off."""
     return _module.variant if _module is not None else "torch"

@@ -39,9 +39,8 @@ def apply_penalties_reference(logits: Tensor, ids: Tensor, offsets: Tensor, repe
 def apply_penalties_rows(logits: Tensor, ids: Tensor, offsets: Tensor, repeat: Tensor, frequency: Tensor,
                          presence: Tensor) -> None:
     """As the reference; the compiled kernel for float32 rows with a unit inner stride."""
-    m = native.module()
-    if (m is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
-            or logits.device.type != "cpu"):
+    m = native.for_rows(logits)
+    if m is None:
         apply_penalties_reference(logits, ids, offsets, repeat, frequency, presence)
         return
     ids, offsets = ids.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous()

@@ -30,9 +30,8 @@ def topk_rows_reference(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def topk_rows(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """As the reference (ties by ascending index); the compiled kernel for float32 [rows, vocab] with a
     unit inner stride and 1 <= k <= min(MAX_K, vocab)."""
-    m = native.module()
-    if (m is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu"
-            or logits.stride(1) != 1 or not 1 <= k <= min(MAX_K, logits.shape[1]) or logits.shape[1] >= 1 << 32):
+    m = native.for_rows(logits, max_cols=1 << 32)
+    if m is None or not 1 <= k <= min(MAX_K, logits.shape[1]):
         return topk_rows_reference(logits, k)
     rows = logits.shape[0]
     values = torch.empty(rows, k, dtype=torch.float32)

@@ -67,4 +67,5 @@ def joined_logprobs(first: dict, second: dict | None) -> dict:
         return first
     top = None if first["top_logprobs"] is None and second["top_logprobs"] is None else \
         (first["top_logprobs"] or [None] * len(first["tokens"])) + (second["top_logprobs"] or [])
-    return {key: first[key] + second[key] for key in ("tokens", "token_logprobs", "text_offset")} | {"top_logprobs": top}
+    joined = {key: first[key] + second[key] for key in ("tokens", "token_logprobs", "text_offset")}
+    return joined | {"top_logprobs": top}
