@@ -5,6 +5,15 @@
 // 4j..4j+3 of the 16 columns, 64 bytes). The products are exact int32 sums, the same integers the VNNI
 // kernel forms, and the float work per block and row is add_row_avx512's, so the outputs are
 // bit-identical to qmatmul_avx512.h's at any row count: AMX and VNNI rows may share a call.
+//
+// Where the time goes (SmolLM2's gate_up, 512 rows, 1 thread, Sapphire Rapids; 5.0 ms a call): the
+// tile products and loads alone take 1.6 ms, and the per-block scaling of the sums (join, convert,
+// scale, offset: ~6 vector ops a row) most of the rest, because tile products and vector ops do not
+// overlap here: 64 independent FMAs a block added to a loop of bare products cost their full time.
+// Tried and slower, with the same bits: TDPBF16PS on the same small integers (exact in bf16, their
+// block sums exact in fp32), which saves the join and the conversion but takes twice the tile time
+// (6.3 ms). Putting both planes in one 64-byte product ((16 u) . q1 + u . q2) needs a 4-bit fine
+// plane, which cost greedy agreement with fp32 (88.7% against 100% over bench quality's prompts).
 #pragma once
 
 #include "qmatmul_avx512.h"
