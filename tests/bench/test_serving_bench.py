@@ -12,9 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))  # the server tests' helpers
 from server_helpers import start_server, wait_idle  # noqa: E402
-from tokenmill.bench.loadgen import (BenchError, check_loopback, parse_length, parse_metrics,  # noqa: E402
-                                     server_latencies)
+from tokenmill.bench.loadgen import BenchError, check_loopback, parse_length  # noqa: E402
+from tokenmill.bench.server_metrics import parse_metrics, server_latencies, server_peak_rss_mib  # noqa: E402
 from tokenmill.cli import main  # noqa: E402
+from tokenmill.process_stats import peak_rss_bytes  # noqa: E402
 
 PCT_KEYS = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
 
@@ -41,6 +42,7 @@ def test_serve_bench_fixed_concurrency(server, tiny_gguf, tmp_path, capsys, api)
     assert rc == 0
     printed = capsys.readouterr().out
     assert "out tok/s" in printed and "the server's (/metrics)" in printed
+    assert "server's peak RSS so far (/metrics)" in printed
     wait_idle(host)
     r = json.loads(out.read_text())
     assert r["benchmark"] == "serve" and r["model"] and r["prompt_lengths_exact"] is True
@@ -66,6 +68,8 @@ def test_serve_bench_fixed_concurrency(server, tiny_gguf, tmp_path, capsys, api)
     sv = run["server"]
     assert 0 < sv["ttft_mean_ms"] <= run["ttft_ms"]["max"]
     assert 0 <= sv["queue_mean_ms"] <= sv["ttft_mean_ms"]
+    # The server runs in this process here: its peak RSS is this process's, read a moment earlier.
+    assert 100 < run["server_peak_rss_mib"] <= peak_rss_bytes() / 2**20
 
 
 def test_serve_bench_rate_and_chat(server, tmp_path):
@@ -188,6 +192,8 @@ def test_helpers():
     assert server_latencies(None, after) is None  # a server without /metrics (llama.cpp's)
     assert server_latencies(after, after) is None  # nothing finished between the scrapes
     assert server_latencies({}, {"other": 1.0}) is None
+    assert server_peak_rss_mib({"tokenmill:peak_resident_memory_bytes": 3 * 2**20}) == 3
+    assert server_peak_rss_mib({}) is None and server_peak_rss_mib(None) is None  # llama.cpp's server
 
 
 def test_run_load_stops_at_duration(server):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import re
 
 from server_helpers import model_name
@@ -61,3 +62,19 @@ def test_metrics_use_vllm_names_with_the_model_label(client, tiny):
         assert re.search(rf'^{re.escape(name)}_bucket{{{re.escape(label)},le="\+Inf"}} [1-9]', text, re.M), name
         assert re.search(rf"^{re.escape(name)}_count{{{re.escape(label)}}} [1-9]", text, re.M), name
     assert int(re.search(r"^vllm:generation_tokens_total\S* (\d+)", text, re.M).group(1)) >= 2
+
+
+def test_metrics_carry_the_process_collector(client):
+    """Prometheus' standard process_* metrics and the peak RSS, without the model label. The server
+    runs in this process here, so its figures are this process's."""
+    text = client.get("/metrics").text
+    values = {m.group(1): float(m.group(2)) for m in re.finditer(r"^((?:process_|tokenmill:peak_)\w+) (\S+)$", text, re.M)}
+    assert set(values) == {"process_cpu_seconds_total", "tokenmill:peak_resident_memory_bytes",
+                           "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_open_fds",
+                           "process_max_fds", "process_start_time_seconds"}
+    assert values["process_cpu_seconds_total"] > 0
+    assert 0 < values["process_resident_memory_bytes"] <= values["tokenmill:peak_resident_memory_bytes"]
+    assert values["process_resident_memory_bytes"] < values["process_virtual_memory_bytes"]
+    assert 3 <= values["process_open_fds"] <= values["process_max_fds"]  # stdio and the listening socket at least
+    assert "# TYPE process_cpu_seconds_total counter" in text
+    assert 0 < time.time() - values["process_start_time_seconds"] < 24 * 3600

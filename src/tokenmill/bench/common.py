@@ -6,7 +6,6 @@ import json
 import os
 import platform
 import random
-import resource
 import statistics
 import sys
 import time
@@ -82,19 +81,6 @@ def loadavg() -> str:
         return Path("/proc/loadavg").read_text().strip()
     except OSError:
         return "n/a"
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size. On Linux VmHWM, because ru_maxrss survives exec: a
-    spawned child would report its parent's peak. Elsewhere ru_maxrss (KiB on Linux, bytes on macOS)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def percentiles(values: list[float], qs=(50, 95, 99)) -> dict[str, float]:

@@ -17,8 +17,8 @@ from multiprocessing import get_context
 from typing import Any
 
 from tokenmill.bench.common import (corpus_prompts, environment, fmt, hf_generate, hf_pad_id, load_hf, loadavg,
-                                    peak_rss_bytes, percentiles, progress, random_prompt, ratio, set_threads,
-                                    write_json)
+                                    percentiles, progress, random_prompt, ratio, set_threads, write_json)
+from tokenmill.process_stats import peak_rss_bytes
 
 
 def build_parser(prog: str = "tokenmill bench offline") -> argparse.ArgumentParser:

@@ -29,8 +29,9 @@ from typing import Any
 
 from tokenmill.bench.common import environment, fmt, loadavg, progress, write_json
 from tokenmill.bench.loadgen import (APIS, ApiOptions, BenchError, LoadConfig, TextMaker, check_loopback,
-                                     detect_model, load_tokenizer, make_requests, new_client, parse_length, run_load,
-                                     scrape_metrics, send_one, server_latencies, summarize)
+                                     load_tokenizer, make_requests, new_client, parse_length, run_load, send_one,
+                                     summarize)
+from tokenmill.bench.server_metrics import detect_model, scrape_metrics, server_latencies, server_peak_rss_mib
 
 
 def build_parser(prog: str = "tokenmill bench serve") -> argparse.ArgumentParser:
@@ -128,6 +129,7 @@ async def _run(args: argparse.Namespace, base: str) -> dict[str, Any]:
         summary = summarize(results, wall, skipped=skipped)
         runs.append({"concurrency": level, "rate": args.rate, **summary,
                      "server": server_latencies(metrics_before, metrics_after),
+                     "server_peak_rss_mib": server_peak_rss_mib(metrics_after),
                      "loadavg_before": la_before, "loadavg_after": loadavg()})
     return {"model": model, "prompt_lengths_exact": maker.exact, "runs": runs}
 
@@ -159,6 +161,8 @@ def print_report(result: dict[str, Any]) -> None:
             sv = r["server"]
             print(f"      TTFT mean {fmt(r['ttft_ms']['mean'], 0)} ms at the client; the server's (/metrics) "
                   f"{fmt(sv['ttft_mean_ms'], 0)} ms from intake, {fmt(sv['queue_mean_ms'], 0)} of them queued")
+        if r.get("server_peak_rss_mib") is not None:
+            print(f"      server's peak RSS so far (/metrics): {fmt(r['server_peak_rss_mib'], 0)} MiB")
     print(f"  tokens counted by: output {result['runs'][-1]['output_tokens_counted_by']}, "
           f"prompt {result['runs'][-1]['prompt_tokens_counted_by']}; loadavg {result['loadavg_end']}")
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from tokenmill.bench.common import CORPUS, environment, fmt, loadavg, percentiles, progress, write_json
 from tokenmill.bench.loadgen import (APIS, ApiOptions, BenchError, RequestResult, RequestSpec, TextMaker,
-                                     check_loopback, detect_model, load_tokenizer, new_client, result_dict,
-                                     scrape_metrics, send_one)
+                                     check_loopback, load_tokenizer, new_client, result_dict, send_one)
+from tokenmill.bench.server_metrics import detect_model, scrape_metrics
 
 TARGET_RATIO = 0.15
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"

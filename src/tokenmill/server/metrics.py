@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from tokenmill import process_stats
 from tokenmill.engine.stats import HistogramSnapshot, StatsSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -76,6 +77,26 @@ class EngineCounters:
     snapshot_age: float  # seconds since the engine last published (grows while a step hangs)
 
 
+def render_process(p: process_stats.ProcessStats) -> str:
+    """The process collector's metrics of Prometheus' client libraries (what vLLM's /metrics carries),
+    plus the peak RSS: a memory bound is judged by its peak, which a scrape of the current RSS misses.
+    No model label: they are the process's, whichever models it holds."""
+    w = Writer({})
+    w.metric("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.",
+             p.cpu_seconds)
+    w.metric("tokenmill:peak_resident_memory_bytes", "gauge", "The most resident memory the process has held, "
+             "in bytes.", p.peak_resident_bytes)
+    optional = [("process_resident_memory_bytes", "Resident memory size in bytes.", p.resident_bytes),
+                ("process_virtual_memory_bytes", "Virtual memory size in bytes.", p.virtual_bytes),
+                ("process_open_fds", "Number of open file descriptors.", p.open_fds),
+                ("process_max_fds", "Maximum number of open file descriptors.", p.max_fds),
+                ("process_start_time_seconds", "Start time of the process since unix epoch in seconds.", p.start_time)]
+    for name, help_, value in optional:
+        if value is not None:
+            w.metric(name, "gauge", help_, value)
+    return w.text()
+
+
 def render(snap: StatsSnapshot | None, model: str | None, in_flight: int, rejected: int, status: str,
            engine: EngineCounters | None = None) -> str:
     w = Writer({"model_name": model} if model else {})
@@ -125,7 +146,7 @@ async def metrics(request: Request) -> Response:
         counters = EngineCounters(aengine.health().ok, served.engine.faults.num_failed,
                                   aengine.watchdog.num_slow_steps, time.monotonic() - snap.taken_at)
     text = render(snap, served.name if served else None, host.admission.in_flight, host.admission.num_rejected,
-                  host.status, counters)
+                  host.status, counters) + render_process(process_stats.read())
     return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
 

@@ -1,0 +1,36 @@
+"""process_stats: this process's resource use, as /metrics and the benchmarks report it."""
+from __future__ import annotations
+
+import os
+import time
+
+from tokenmill import process_stats
+
+
+def test_reads_this_process():
+    s = process_stats.read()
+    assert s.cpu_seconds > 0
+    assert 0 < s.resident_bytes <= s.peak_resident_bytes <= process_stats.peak_rss_bytes()
+    assert s.resident_bytes < s.virtual_bytes
+    assert s.open_fds == len(os.listdir("/proc/self/fd"))  # each count takes in the fd it reads the list through
+    assert s.max_fds is None or s.open_fds <= s.max_fds
+    assert 0 < time.time() - s.start_time < 24 * 3600
+
+
+def test_resident_and_peak_follow_memory_touched():
+    before = process_stats.read()
+    block = bytearray(64 << 20)
+    block[::4096] = b"\x01" * len(range(0, len(block), 4096))  # fault every page in
+    during = process_stats.read()
+    assert during.resident_bytes - before.resident_bytes >= 48 << 20
+    assert during.peak_resident_bytes >= during.resident_bytes
+    del block
+    assert process_stats.read().peak_resident_bytes >= during.peak_resident_bytes  # a peak never falls
+
+
+def test_cpu_seconds_count_work_done():
+    before = process_stats.read().cpu_seconds
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    assert process_stats.read().cpu_seconds >= before + 0.04
