@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from tokenmill.bench.common import corpus_prompts, loadavg, set_threads
 from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
+from tokenmill.engine.config import KV_DTYPES
 from tokenmill.store import resolve_model
 
 
@@ -26,6 +27,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--dtype", choices=["auto", "gguf", "bf16", "fp32"], default="auto")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV cache dtype (the server's --kv-dtype)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warm-steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=25)
@@ -42,7 +44,8 @@ def main() -> int:
     if args.kernel_profile:
         torch._inductor.config.cpp.enable_kernel_profile = True
 
-    engine = LLMEngine.from_path(resolve_model(args.model), EngineConfig(dtype=args.dtype, parallel=max(64, args.batch),
+    engine = LLMEngine.from_path(resolve_model(args.model), EngineConfig(dtype=args.dtype, kv_dtype=args.kv_dtype,
+                                                                                parallel=max(64, args.batch),
                                                                                 compile=args.compile,
                                                                                 block_size=args.block_size))
     params = SamplingParams(max_tokens=args.warm_steps + args.steps + 50, temperature=0, ignore_eos=True)
