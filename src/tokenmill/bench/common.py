@@ -95,10 +95,12 @@ def percentiles(values: list[float], qs=(50, 95, 99)) -> dict[str, float]:
 
 
 def set_threads(n: int | None) -> None:
+    """--threads of a benchmark: the process-wide count (the compiled core's pool and torch's share,
+    tokenmill/cpu_threads.py), which the engines built after it keep; None or 0 leaves the default."""
     if n:
-        import torch
+        from tokenmill.cpu_threads import configure_threads
 
-        torch.set_num_threads(n)
+        configure_threads(n)
 
 
 SIMD_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "amx_int8", "avx2", "fma",
@@ -132,10 +134,13 @@ def _kernels() -> str:
 def environment() -> dict[str, Any]:
     import torch
 
+    from tokenmill.cpu_threads import describe as describe_threads
+
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "threads": describe_threads(),  # the compiled core's count and why (cpu_threads.py)
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "cpu": cpu_model(),
@@ -220,6 +225,8 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_
     Returns wall seconds, seconds to the first generated token, and the number of new tokens."""
     import torch
 
+    from tokenmill.cpu_threads import torch_does_the_work
+
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -228,7 +235,8 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_
         mask[row, width - len(p):] = 1
     streamer = TimingStreamer()
     start = time.perf_counter()
-    with torch.inference_mode():
+    # transformers runs in torch: the full thread count, even beside an engine that gives torch one
+    with torch.inference_mode(), torch_does_the_work():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,
                              streamer=streamer)

@@ -37,7 +37,7 @@ class EngineConfig:
     # Hold a step back while fewer than `parallel` requests wait and the oldest has waited less than
     # this, so a burst of arrivals starts as one batch. 0 = never hold back. Only idle engines wait.
     max_wait_ms: float = 0.0
-    threads: int = 0                   # torch compute threads (process-wide); 0 = leave torch's default
+    threads: int = 0                   # compute threads, process-wide (cpu_threads.py); 0 = physical cores
     # Model steps through torch.compile'd graphs (model/decode_graph.py, model/step_graph.py),
     # compiled when the engine is built. Off by default here so library users and tests do not pay
     # the compile; the CLI's default (config.py) is on.
@@ -50,7 +50,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         if self.threads < 0:
-            raise ConfigError(f"threads must be 0 (torch's default) or more, got {self.threads}")
+            raise ConfigError(f"threads must be 0 (automatic) or more, got {self.threads}")
         for name in ("block_size", "max_total_tokens", "n_batch", "n_ubatch", "parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.cpu_threads import configure_threads
 from tokenmill.engine.config import ConfigError, EngineConfig
 from tokenmill.engine.context import generation_reserve, truncate_prompt
 from tokenmill.engine.health import StepFaults, StepShape
@@ -70,6 +71,15 @@ class TokenEvent:
         return self.finish_reason is not None
 
 
+def step_runs_natively(loaded: LoadedModel) -> bool:
+    """Whether the model's steps run in the compiled core (every weight in GGUF blocks on the native
+    kernels), so that torch only runs the glue between its calls; else torch does the work (dense
+    bf16/fp32 weights, a GGUF type the kernels lack, or TOKENMILL_NATIVE=0)."""
+    model = loaded.model
+    return (native.module() is not None and loaded.weights == "gguf"
+            and callable(getattr(model, "all_weights_in_blocks", None)) and model.all_weights_in_blocks())
+
+
 def uses_native_attention(loaded: LoadedModel) -> bool:
     return native.module() is not None and loaded.dtype == torch.float32
 
@@ -93,9 +103,8 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, cfg: EngineConfig | None = None):
         cfg = cfg or EngineConfig()
         cfg.validate()
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        native.set_num_threads(torch.get_num_threads())
+        # Process-wide, shared with every other engine (cpu_threads.configure_threads says how).
+        self.threads = configure_threads(cfg.threads, torch_computes=not step_runs_natively(loaded))
         self.cfg = cfg
         self.loaded = loaded
         self.tokenizer = tokenizer

@@ -44,6 +44,12 @@ class DecoderLM(nn.Module):
         if self.head_quantized is None:
             self.lm_head_packed = pack_bf16(self.lm_head.data, self)
 
+    def all_weights_in_blocks(self) -> bool:
+        """Every projection and the output head kept their GGUF blocks (the gguf weight mode, with no
+        type the quantized kernels lack): a step's heavy math is then all in the quantized kernels."""
+        parts = [m.quantized for m in self.modules() if isinstance(m, Linear)]
+        return self.head_quantized is not None and all(q is not None and q.is_blocks for q in parts)
+
     def layer_caches(self, kv: KVStorage | None, k_caches: list[torch.Tensor] | None,
                      v_caches: list[torch.Tensor] | None) -> list[LayerKV]:
         if kv is not None:

@@ -72,6 +72,11 @@ class QuantizedParts:
         self.out_features = start
 
     @property
+    def is_blocks(self) -> bool:
+        """Every part stayed in its GGUF blocks (none was dequantized to run through F.linear)."""
+        return all(isinstance(w, qk.QuantizedWeight) for w, _, _ in self.parts)
+
+    @property
     def nbytes(self) -> int:
         return sum(w.nbytes if isinstance(w, qk.QuantizedWeight) else w.numel() * 4 for w, _, _ in self.parts)
 

@@ -70,10 +70,14 @@ def check_model_name(model: str) -> None:
 
 
 def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:
+    from tokenmill.cpu_threads import configure_threads
     from tokenmill.server.app import create_app
     from tokenmill.server.connections import protocol_with_timeout
     from tokenmill.server.model_host import HostPolicy, LoadSpec, ModelHost
 
+    # Before any model loads, for the whole process: every model loaded on demand runs on this count
+    # (configure_threads logs it).
+    configure_threads(settings.threads)
     host = ModelHost(max_queue=settings.max_queue, retire_timeout=settings.drain_timeout,
                      policy=HostPolicy.from_settings(settings))
     host.start_load(LoadSpec(settings.model, settings.engine_config()))

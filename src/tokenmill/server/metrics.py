@@ -11,7 +11,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from tokenmill import process_stats
+from tokenmill import cpu_threads, process_stats
+from tokenmill.cpu_threads import ThreadChoice
 from tokenmill.engine.stats import HistogramSnapshot, StatsSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -97,6 +98,20 @@ def render_process(p: process_stats.ProcessStats) -> str:
     return w.text()
 
 
+def render_threads(choice: ThreadChoice | None, torch_threads: int) -> str:
+    """The compute threads the process runs (cpu_threads.py) and why; no model label, they are the
+    process's. The reason is an info-style metric: a label on a constant 1."""
+    w = Writer({})
+    if choice is not None:
+        w.metric("tokenmill:threads", "gauge", "Threads the compiled core runs, for every model of the process.",
+                 choice.count)
+        w.metric("tokenmill:threads_info", "gauge", "Why the thread count is what it is (labels; always 1).", 1,
+                 {"reason": choice.reason, "source": "requested" if choice.explicit else "default"})
+    w.metric("tokenmill:torch_threads", "gauge", "torch's intra-op threads (1 while the compiled core runs every "
+             "model step).", torch_threads)
+    return w.text()
+
+
 def render(snap: StatsSnapshot | None, model: str | None, in_flight: int, rejected: int, status: str,
            engine: EngineCounters | None = None) -> str:
     w = Writer({"model_name": model} if model else {})
@@ -146,7 +161,8 @@ async def metrics(request: Request) -> Response:
         counters = EngineCounters(aengine.health().ok, served.engine.faults.num_failed,
                                   aengine.watchdog.num_slow_steps, time.monotonic() - snap.taken_at)
     text = render(snap, served.name if served else None, host.admission.in_flight, host.admission.num_rejected,
-                  host.status, counters) + render_process(process_stats.read())
+                  host.status, counters) + render_process(process_stats.read()) \
+        + render_threads(cpu_threads.current_threads(), cpu_threads.torch_threads())
     return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
 
