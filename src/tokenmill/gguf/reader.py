@@ -276,6 +276,8 @@ def _parse(path: Path, mm: np.ndarray, mapping: mmap.mmap | None = None) -> GGUF
             block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
         except (ValueError, KeyError):
             raise p.corrupt(f"tensor {name!r} has unknown ggml type {raw_type}") from None
+        if offset % alignment:  # the native kernels read tensors at the alignment the file promises
+            raise p.corrupt(f"tensor {name!r} has data offset {offset}, not a multiple of the alignment {alignment}")
         n_elems = math.prod(dims)
         n_bytes = n_elems * type_size // block_size
         start = data_offset + offset

@@ -1,0 +1,130 @@
+"""gguf/validate.py: real files pass, and every crafted file (counts, lengths, tensor types, offsets
+and sizes a loader must not trust) is refused with a message that names neither the file's path nor
+its bytes, reading only the header however large the file claims or is."""
+from __future__ import annotations
+
+import tracemalloc
+
+import gguf
+import numpy as np
+import pytest
+
+from crafted_gguf import crafted_variants
+from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
+from tiny_spm import tiny_spm_metadata
+from tokenmill.gguf import GGUFError, open_gguf
+from tokenmill.gguf.validate import InvalidGGUF, validate_gguf
+
+ARCHS = ("llama", "gemma3")
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("wtype", [Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_tiny_llama_files_pass_and_agree_with_the_reader(tmp_path, wtype):
+    path = write_tiny_llama(tmp_path / "m.gguf", TinyLlamaSpec(weight_type=wtype))
+    summary = validate_gguf(path, ARCHS)
+    g = open_gguf(path)
+    assert summary.architecture == "llama" and summary.version == 3
+    assert summary.tensor_count == len(g.tensors) and summary.metadata_count >= len(g.metadata)
+    assert summary.data_offset == g.data_offset and summary.file_size == path.stat().st_size
+
+
+def test_tiny_gemma3_and_big_endian_files_pass(tmp_path):
+    path = write_tiny_gemma3(tmp_path / "g.gguf", tiny_spm_metadata(), TinyGemma3Spec(weight_type=Q.Q8_0))
+    assert validate_gguf(path, ARCHS).architecture == "gemma3"
+    be = tmp_path / "be.gguf"
+    w = gguf.GGUFWriter(str(be), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_array("test.tokens", ["a", "bc"])
+    w.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert validate_gguf(be, ARCHS).tensor_count == 1
+
+
+def test_the_architecture_must_be_one_the_loader_has(tmp_path):
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    with pytest.raises(InvalidGGUF, match="unsupported architecture 'llama'.*gemma3"):
+        validate_gguf(path, ("gemma3",))
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    valid = write_tiny_llama(tmp_path_factory.mktemp("valid") / "valid.gguf", TinyLlamaSpec())
+    return crafted_variants(valid)
+
+
+EXPECTED = {
+    "not_gguf": "not a GGUF file", "empty": "not a GGUF file", "truncated": "past the end",
+    "bad_version": "version 99", "tensor_offset_past_end": "past the end", "tensor_size_past_end": "past the end",
+    "tensor_offset_huge": "past the end", "misaligned_tensor": "alignment", "overlapping_tensors": "overlaps",
+    "unknown_tensor_type": "unknown ggml type 9999", "too_many_dims": "1000 dimensions",
+    "huge_tensor_count": "limit", "huge_metadata_count": "limit", "huge_key_length": "limit",
+    "huge_array_count": "limit", "huge_string_length": "limit", "unknown_architecture": "unsupported architecture",
+    "tensor_elements_huge": "claims", "zero_dimension": "zero dimension",
+    "offset_from_first": "past the end",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_crafted_files_are_refused_without_path_or_bytes(tmp_path, variants, name):
+    path = tmp_path / "secret-dir" / "crafted.gguf"
+    path.parent.mkdir()
+    path.write_bytes(variants[name])
+    with pytest.raises(InvalidGGUF) as info:
+        validate_gguf(path, ARCHS)
+    message = str(info.value)
+    assert EXPECTED[name] in message, message
+    assert "secret-dir" not in message and "crafted" not in message and "root:" not in message
+    assert isinstance(info.value, GGUFError)
+
+
+def test_every_crafted_variant_is_covered(variants):
+    assert set(variants) == set(EXPECTED)
+
+
+def test_the_loader_refuses_what_would_read_past_the_end(tmp_path, variants):
+    # The reader is the last line: even a file that skipped validation cannot make it read out of bounds.
+    for name in ("truncated", "tensor_offset_past_end", "tensor_size_past_end", "tensor_offset_huge",
+                 "tensor_elements_huge", "offset_from_first", "huge_array_count", "huge_string_length",
+                 "misaligned_tensor"):
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(variants[name])
+        with pytest.raises(GGUFError):
+            open_gguf(path)
+
+
+def test_a_huge_file_is_checked_by_its_header_only(tmp_path):
+    # A valid model followed by 8 GiB of (sparse) padding: the check reads the header, not the file,
+    # and allocates nothing in proportion to the file's size.
+    path = write_tiny_llama(tmp_path / "big.gguf")
+    with path.open("r+b") as f:
+        f.truncate(8 << 30)
+    tracemalloc.start()
+    try:
+        summary = validate_gguf(path, ARCHS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert summary.file_size == 8 << 30
+    assert peak < 8 << 20, peak
+
+
+def test_a_metadata_array_of_many_strings_is_walked_not_kept(tmp_path):
+    # 100,000 eight-byte strings: held as Python strings they would take ~6 MB; the check keeps none.
+    path = tmp_path / "wide.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("test.many", [f"{i:08d}" for i in range(100_000)])
+    w.add_tensor("w", np.zeros((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tracemalloc.start()
+    try:
+        validate_gguf(path, ARCHS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
