@@ -114,9 +114,9 @@ OPTIONS: tuple[Option, ...] = (
            ("--aging-ms",), lo=0.001),
     Option("max_wait_ms", float, 0.0, "an idle engine waits up to this long for a burst of requests to "
            "start as one batch; 0 = never", ("--max-wait-ms",), lo=0),
-    Option("threads", int, 0, "torch compute threads; 0 = torch's default (one per core). On a shared machine "
-           "1 is steadier: busy-waiting threads that lose their core slow every op", ("--threads",), lo=1,
-           zero_ok=True),
+    Option("threads", int, 0, "compute threads, for the whole process (every model it loads); 0 = physical "
+           "cores within affinity and cgroup quota. On a shared machine fewer is steadier: busy-waiting threads "
+           "that lose their core slow every step", ("--threads",), lo=1, zero_ok=True),
     Option("max_tokens", int, 0, "most tokens one request may generate, whatever it asks (Ollama's num_predict "
            "-1 and -2 stop here too); 0 = the model's context length", ("--max-tokens",), lo=1, zero_ok=True),
     Option("request_timeout", float, 0.0, "seconds after which a request is finished (with `length`), waiting or "

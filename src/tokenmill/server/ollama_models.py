@@ -13,7 +13,7 @@ from starlette.routing import Route
 from tokenmill.server import model_info
 from tokenmill.server.errors import APIError
 from tokenmill.server.pulling import pull_events
-from tokenmill import kernels
+from tokenmill import cpu_threads, kernels
 from tokenmill.server.streaming import ndjson_response
 from tokenmill.server.validation import get_bool, get_str, read_json, warn_unknown
 from tokenmill.store import StoreError
@@ -41,8 +41,11 @@ async def root(request: Request) -> Response:
 
 
 async def version(request: Request) -> Response:
+    threads = cpu_threads.current_threads() or cpu_threads.default_threads()
     return JSONResponse({"version": OLLAMA_API_VERSION, "tokenmill": tokenmill_version(),
-                         "kernels": kernels.describe()})
+                         "kernels": kernels.describe(),
+                         "threads": {"count": threads.count, "reason": threads.reason,
+                                     "torch_intra_op": cpu_threads.torch_threads()}})
 
 
 async def tags(request: Request) -> Response:
