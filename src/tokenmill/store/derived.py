@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenmill.store.blobs import blob_lock, digest_ref, is_digest, model_blob, parse_digest
 from tokenmill.store.catalog import StoreError, find_spec
-from tokenmill.store.local import models_dir, resolve_model
+from tokenmill.store.local import looks_like_path, models_dir, resolve_model
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._\-/]*(:[a-z0-9][a-z0-9._\-]*)?$")
 
@@ -47,7 +48,7 @@ class Profile:
 @dataclass(frozen=True)
 class DerivedModel:
     name: str
-    base: str          # the GGUF-backed model's name (or a path to a .gguf)
+    base: str          # the GGUF-backed model's name, a blob's `sha256:<hex>` (or, in older records, a path)
     profile: Profile
     created_at: float
 
@@ -99,19 +100,29 @@ def list_derived() -> list[DerivedModel]:
 
 
 def save_derived(name: str, base: str, profile: Profile) -> DerivedModel:
-    """Create or replace `name`. `base` may itself be derived: its fields are inherited."""
+    """Create or replace `name`. `base` is an installed model's name, a blob digest, or a derived
+    model (whose fields are inherited); never a path: a file becomes a blob first (blobs.import_file)."""
     name = check_name(name)
     if find_spec(name) is not None or (models_dir() / f"{name}.gguf").is_file():
         raise StoreError(f"{name!r} is the name of an installed model file; choose another name")
-    parent = find_derived(base)
-    if parent is not None:
-        base, profile = parent.base, parent.profile.merged(profile)
-    else:
-        resolve_model(base)  # raises for a base that is not installed
-    if normalize_name(base) == name:
-        raise StoreError(f"model {name!r} cannot be derived from itself")
-    record = DerivedModel(name, base, profile, time.time())
-    path = _record_path(name)
+    with blob_lock():  # the blob checked here stays until the record that uses it is written
+        parent = find_derived(base)
+        if parent is not None:
+            base, profile = parent.base, parent.profile.merged(profile)
+        elif is_digest(base):
+            base = digest_ref(parse_digest(base))
+            model_blob(parse_digest(base))  # raises for a blob not held or not a valid GGUF
+        elif looks_like_path(base):
+            raise StoreError("a model is made from a model name or a blob digest, not a file path")
+        else:
+            resolve_model(base)  # raises for a base that is not installed
+        if normalize_name(base) == name:
+            raise StoreError(f"model {name!r} cannot be derived from itself")
+        return _write_record(DerivedModel(name, base, profile, time.time()))
+
+
+def _write_record(record: DerivedModel) -> DerivedModel:
+    path = _record_path(record.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record.to_json(), indent=2))

@@ -1,11 +1,30 @@
 """Names a user or client gives a model, resolved to the GGUF to load and the profile to apply; and
-the store operations on names (`rm`, `cp`), which treat base and derived models alike."""
+the store operations on names (`rm`, `cp`), which treat base and derived models alike.
+
+A name in a request (resolve_requested) is held to more than one on the command line: it never
+stands for a path, and a derived model an older tokenmill made from a file outside the model store
+resolves only if the server was started with that file. The server opens, or even looks at, no file
+outside the store because a request named it."""
 from __future__ import annotations
 
+import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenmill.store.catalog import StoreError, spec_for_filename
+from tokenmill.store.blobs import (
+    BlobError,
+    blob_lock,
+    blob_path,
+    digest_ref,
+    import_file,
+    is_digest,
+    model_blob,
+    parse_digest,
+    remove_blob,
+    remove_stale_uploads,
+)
+from tokenmill.store.catalog import StoreError, UnknownModelError, spec_for_filename
 from tokenmill.store.derived import (
     ModelInUseError,
     Profile,
@@ -14,9 +33,10 @@ from tokenmill.store.derived import (
     dependents,
     find_derived,
     normalize_name,
+    list_derived,
     save_derived,
 )
-from tokenmill.store.local import manifest_path, models_dir, resolve_model
+from tokenmill.store.local import looks_like_path, manifest_path, models_dir, resolve_model
 
 
 @dataclass(frozen=True)
@@ -36,9 +56,42 @@ def resolve_named(name: str) -> ResolvedModel:
     """Raises UnknownModelError (no such name) or ModelNotInstalledError (known, not pulled)."""
     derived = find_derived(name)
     if derived is not None:
-        return ResolvedModel(derived.name, resolve_model(derived.base), derived.profile, derived=True)
+        return ResolvedModel(derived.name, _base_path(derived), derived.profile, derived=True)
     path = resolve_model(name)
     return ResolvedModel(base_name(path), path)
+
+
+def _base_path(derived) -> Path:
+    if not is_digest(derived.base):
+        return resolve_model(derived.base)
+    try:
+        return model_blob(parse_digest(derived.base))
+    except BlobError as exc:
+        raise UnknownModelError(f"model {derived.name!r} is made from a blob that cannot be used: {exc}") from None
+
+
+def _absolute(path: str | Path) -> str:
+    """`path` made absolute and normal from the string alone: nothing on disk is looked at."""
+    return os.path.normpath(os.path.abspath(os.path.expanduser(str(path))))
+
+
+def _in_store(path: str | Path) -> bool:
+    return _absolute(path).startswith(_absolute(models_dir()) + os.sep)
+
+
+def resolve_requested(name: str, served_files: Collection[str | Path] = ()) -> ResolvedModel:
+    """resolve_named for a name a request gave: a path, a digest or anything with `..` is no model
+    (UnknownModelError, whether or not such a file exists), and a derived model whose base is a file
+    outside the store resolves only if that file is in `served_files` (what the server was started
+    with). The same error for every case: the answer says nothing about the server's files."""
+    if looks_like_path(name) or is_digest(name) or ".." in name or "\\" in name or "\0" in name:
+        raise UnknownModelError(f"model {name!r} not found")
+    derived = find_derived(name)
+    if derived is not None and looks_like_path(derived.base) and not _in_store(derived.base):
+        if _absolute(derived.base) not in {_absolute(p) for p in served_files}:
+            raise UnknownModelError(f"model {derived.name!r} is made from a file outside the model store, which "
+                                    "the server does not open; recreate it from a blob or an installed model")
+    return resolve_named(name)
 
 
 def base_names(path: Path) -> set[str]:
@@ -51,11 +104,15 @@ def base_names(path: Path) -> set[str]:
 
 
 def delete_model(name: str) -> ResolvedModel:
-    """Remove a derived model's record, or a base model's file (refused while others derive from it)."""
+    """Remove a derived model's record (and its blob, if no other model uses it), or a base model's
+    file (refused while others derive from it)."""
+    derived = find_derived(name)
+    if derived is not None:  # not resolved first: a model whose blob is gone can still be removed
+        delete_derived(derived.name)
+        path = blob_path(parse_digest(derived.base)) if is_digest(derived.base) else Path(derived.base)
+        remove_unused_blob(derived.base)
+        return ResolvedModel(derived.name, path, derived.profile, derived=True)
     resolved = resolve_named(name)
-    if resolved.derived:
-        delete_derived(resolved.name)
-        return resolved
     if resolved.path.parent.resolve() != models_dir().resolve():
         raise StoreError(f"{resolved.path} is not in the models directory; delete the file yourself")
     users = dependents(base_names(resolved.path))
@@ -66,11 +123,25 @@ def delete_model(name: str) -> ResolvedModel:
     return resolved
 
 
+def remove_unused_blob(base: str) -> bool:
+    """Remove the blob `base` names if no model is made from it any more (as Ollama prunes layers)."""
+    if not is_digest(base):
+        return False
+    digest = parse_digest(base)
+    with blob_lock():
+        if any(is_digest(d.base) and parse_digest(d.base) == digest for d in list_derived()):
+            return False
+        removed = remove_blob(digest)
+        remove_stale_uploads()
+    return removed
+
+
 def copy_model(source: str, destination: str) -> ResolvedModel:
     """A new name for the same weights and profile (Ollama's `cp`)."""
     resolved = resolve_named(source)
     dest = check_name(destination)
     in_store = resolved.derived or resolved.path.parent.resolve() == models_dir().resolve()
-    base = resolved.name if in_store else str(resolved.path)
+    # A file elsewhere (`tokenmill cp ./x.gguf y`) becomes a blob, as `create` makes one of it.
+    base = resolved.name if in_store else digest_ref(import_file(resolved.path))
     save_derived(dest, base, Profile())
     return resolve_named(dest)
