@@ -11,7 +11,8 @@ or from a Serve config file (`import_path: tokenmill.ray.app:build_app`, `args: 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ray import serve
@@ -41,7 +42,7 @@ class RayOptions:
     stats_period_s: float = 2.0      # how often replicas publish their prefix summary
     health_period_s: float = 10.0
     health_timeout_s: float = 30.0
-    cpus_per_replica: float = 0.0    # 0 = the `threads` setting, or 1
+    cpus_per_replica: float = 0.0    # CPUs Ray reserves per replica; 0 = the `threads` setting, or 1
     ingress_replicas: int = 1
 
     def __post_init__(self) -> None:
@@ -54,6 +55,20 @@ class RayOptions:
                               f"{self.replicas}, {self.max_replicas}")
 
 
+def replica_cpus(settings: Config, opts: RayOptions) -> float:
+    """The CPUs Ray reserves for each replica."""
+    return opts.cpus_per_replica or settings.threads or 1
+
+
+def replica_settings(settings: Config, opts: RayOptions) -> Config:
+    """A replica's settings: without an explicit `threads`, its engine runs as many threads as Ray
+    reserves CPUs for it (rounded down, at least 1), not the default of every core of the node,
+    which each of several replicas on one node would take for itself."""
+    if settings.threads:
+        return settings
+    return replace(settings, threads=max(1, math.floor(replica_cpus(settings, opts))))
+
+
 def _replica_options(settings: Config, opts: RayOptions) -> dict[str, Any]:
     router = RequestRouterConfig(
         request_router_class=ROUTERS[opts.router],
@@ -62,7 +77,7 @@ def _replica_options(settings: Config, opts: RayOptions) -> dict[str, Any]:
         request_routing_stats_timeout_s=max(opts.stats_period_s * 5, 10.0))
     options: dict[str, Any] = dict(
         name="tokenmill-replica",
-        ray_actor_options={"num_cpus": opts.cpus_per_replica or settings.threads or 1},
+        ray_actor_options={"num_cpus": replica_cpus(settings, opts)},
         max_ongoing_requests=settings.max_queue,
         health_check_period_s=opts.health_period_s,
         health_check_timeout_s=opts.health_timeout_s,
@@ -88,7 +103,7 @@ def build(settings: Config, opts: RayOptions | None = None):
     ingress = serve.deployment(TokenmillIngress).options(
         name="tokenmill-ingress", num_replicas=opts.ingress_replicas, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max(settings.max_queue * opts.replicas, 1000))
-    return ingress.bind(replicas.bind(settings), settings)
+    return ingress.bind(replicas.bind(replica_settings(settings, opts)), settings)
 
 
 def build_app(args: dict[str, Any]):
