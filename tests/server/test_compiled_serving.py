@@ -47,13 +47,13 @@ def test_concurrent_completions_through_the_graphs_match_eager(tiny_gguf):
     assert answers[True] == answers[False]
 
 
-def test_switching_models_compiles_the_new_one_while_the_old_keeps_streaming(tiny_gguf, tmp_path):
+def test_switching_models_compiles_the_new_one_while_the_old_keeps_streaming(tiny_gguf, store):
     import json
     import time
 
     from tiny_model import TinyLlamaSpec, write_tiny_llama
 
-    other = write_tiny_llama(tmp_path / "other-tiny.gguf", TinyLlamaSpec(seed=7))
+    write_tiny_llama(store / "other-tiny.gguf", TinyLlamaSpec(seed=7))
     server, host = start_server(str(tiny_gguf), compile=True)
     try:
         assert host.wait_ready(300), host.error
@@ -63,7 +63,7 @@ def test_switching_models_compiles_the_new_one_while_the_old_keeps_streaming(tin
                                                          "options": {"temperature": 0, "num_predict": 150}}) as r:
                 lines = r.iter_lines()
                 assert json.loads(next(lines))["done"] is False
-                assert c.post("/load", json={"model": str(other)}).status_code == 202
+                assert c.post("/load", json={"model": "other-tiny"}).status_code == 202
                 final = [json.loads(line) for line in lines][-1]
             assert final["done"] is True and final["eval_count"] == 150
             deadline = time.monotonic() + 300

@@ -1,9 +1,19 @@
 """One exception type for every client-facing failure, rendered in the shape each API's clients
-parse: OpenAI's envelope under /v1, Ollama's `{"error": "..."}` everywhere else."""
+parse: OpenAI's envelope under /v1, Ollama's `{"error": "..."}` everywhere else.
+
+Whatever a message says, a client never reads where the server keeps its files in it: a path under
+the models directory, TOKENMILL_HOME, the home, working or temporary directory is cut to its last
+part (`.../models/tiny.gguf` -> `tiny.gguf`) when the body is rendered, whichever exception it came
+from. And no message breaks its response: characters UTF-8 cannot carry (lone surrogates a client
+sent) are escaped."""
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import tempfile
+from pathlib import Path
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -39,12 +49,49 @@ class APIError(Exception):
             return {"Connection": "close"}
         return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
 
+    @property
+    def public_message(self) -> str:
+        return client_safe(self.message)
+
     def openai_body(self) -> dict:
         kind = _OPENAI_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        param = client_safe(self.param) if self.param is not None else None
+        return {"error": {"message": self.public_message, "type": kind, "param": param, "code": self.code}}
 
     def ollama_body(self) -> dict:
-        return {"error": self.message}
+        return {"error": self.public_message}
+
+
+def _server_roots() -> list[str]:
+    """Directories whose paths are the server's business, longest first (so the most specific wins)."""
+    from tokenmill.store.local import models_dir
+
+    roots = {str(models_dir()), os.environ.get("TOKENMILL_HOME", ""), str(Path.home()), tempfile.gettempdir()}
+    try:
+        roots |= {str(models_dir().resolve()), os.getcwd()}
+    except OSError:
+        pass
+    return sorted((r.rstrip("/") for r in roots if r and r.rstrip("/")), key=len, reverse=True)
+
+
+def redact_paths(text: str) -> str:
+    """`text` with every path under a server directory cut to its last part."""
+    roots = _server_roots()
+    if not any(root in text for root in roots):
+        return text
+    # A root counts only as a whole path component: `/tmp` in `/var/tmp2/x` is left alone.
+    pattern = r"(?<![\w./~-])(?:" + "|".join(map(re.escape, roots)) + r")(?![\w.~-])(?:/[^\s'\"`,;)]*)?"
+
+    def last_part(match: re.Match) -> str:
+        path = match.group(0).rstrip("/.")
+        return path.rsplit("/", 1)[-1] or "."
+
+    return re.sub(pattern, last_part, text)
+
+
+def client_safe(text: str) -> str:
+    """A message as a client may read it: no server paths, nothing that cannot be sent as UTF-8."""
+    return redact_paths(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokenmill.server.errors import bad_request
 from tokenmill.server.profiles import jinja_template
-from tokenmill.server.validation import get_dict, get_str
+from tokenmill.server.validation import check_name_field, get_dict, get_model_name, get_str
 from tokenmill.store.derived import Profile
 from tokenmill.store.modelfile import PARAMETER_TYPES, ModelfileError, parse_modelfile
 from tokenmill.tokenizer import ChatTemplateError
@@ -27,9 +27,10 @@ def create_request(body: dict) -> tuple[str, Profile]:
             parsed = parse_modelfile(text)
         except ModelfileError as exc:
             raise bad_request(f"modelfile: {exc}", "modelfile") from None
-        base, profile = parsed.base, parsed.profile
+        # Over HTTP, FROM names a model (or a blob), never a file on the server's disk.
+        base, profile = check_name_field(parsed.base, "modelfile", reference=True, what="FROM"), parsed.profile
     else:
-        base = get_str(body, "from", required=True)
+        base = get_model_name(body, "from", required=True, reference=True)
         profile = Profile(get_str(body, "system"), get_str(body, "template"), _parameters(body),
                           _messages(body.get("messages")))
     if profile.template:

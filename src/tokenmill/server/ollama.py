@@ -43,6 +43,7 @@ from tokenmill.server.validation import (
     get_int,
     get_priority,
     get_str,
+    model_field,
     read_json,
     warn_once,
     warn_unknown,
@@ -65,8 +66,7 @@ def _host(request: Request) -> ModelHost:
 
 
 def _model_field(body: dict) -> str:
-    # `name` is what pre-0.2 clients sent.
-    return get_str(body, "model") or get_str(body, "name", required=True, label="model")
+    return model_field(body)  # `model`, or `name` as pre-0.2 clients sent it
 
 
 class Shape:

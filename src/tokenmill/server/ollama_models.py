@@ -15,7 +15,7 @@ from tokenmill.server.errors import APIError
 from tokenmill.server.pulling import pull_events
 from tokenmill import cpu_threads, kernels
 from tokenmill.server.streaming import ndjson_response
-from tokenmill.server.validation import get_bool, get_str, read_json, warn_unknown
+from tokenmill.server.validation import get_bool, get_model_name, model_field, read_json, warn_unknown
 from tokenmill.store import StoreError
 from tokenmill.store.catalog import UnknownModelError, lookup
 from tokenmill.store.derived import ModelInUseError, save_derived
@@ -56,7 +56,7 @@ async def tags(request: Request) -> Response:
 async def show(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, SHOW_FIELDS, "/api/show")
-    name = get_str(body, "model") or get_str(body, "name", required=True, label="model")
+    name = model_field(body)
     host = request.app.state.host
     entry = await run_in_threadpool(model_info.find_entry, host, name)
     if entry is None:
@@ -83,7 +83,7 @@ async def ps(request: Request) -> Response:
 async def delete(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, {"model", "name"}, "/api/delete")
-    name = get_str(body, "model") or get_str(body, "name", required=True, label="model")
+    name = model_field(body)
     host = request.app.state.host
     try:
         resolved = await run_in_threadpool(resolve_named, name)
@@ -109,8 +109,8 @@ async def _unloaded(host, name: str, timeout: float = 10.0) -> None:
 async def copy(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, {"source", "destination"}, "/api/copy")
-    source = get_str(body, "source", required=True)
-    destination = get_str(body, "destination", required=True)
+    source = get_model_name(body, "source", required=True)
+    destination = get_model_name(body, "destination", required=True)
     try:
         await run_in_threadpool(copy_model, source, destination)
     except UnknownModelError:
@@ -123,7 +123,7 @@ async def copy(request: Request) -> Response:
 async def create(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, CREATE_FIELDS, "/api/create")
-    name = get_str(body, "model") or get_str(body, "name", required=True, label="model")
+    name = model_field(body)
     try:
         base, profile = create_request(body)
         await run_in_threadpool(save_derived, name, base, profile)
@@ -143,7 +143,7 @@ async def create(request: Request) -> Response:
 async def pull(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, PULL_FIELDS, "/api/pull")
-    name = get_str(body, "model") or get_str(body, "name", required=True, label="model")
+    name = model_field(body)
     try:
         spec = lookup(name)
     except StoreError as exc:

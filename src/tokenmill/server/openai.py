@@ -24,7 +24,7 @@ from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, openai_spec
 from tokenmill.server.tool_stream import Piece
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
-from tokenmill.server.validation import get_bool, get_str, read_json
+from tokenmill.server.validation import check_name_field, get_bool, get_model_name, get_str, read_json
 
 SYSTEM_FINGERPRINT = "tokenmill"
 
@@ -94,7 +94,7 @@ def _by_choice(gens: list[Generation]) -> list[Generation]:
 # --- /v1/chat/completions -------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
-    served = await model_for(request, get_str(body, "model"))
+    served = await model_for(request, get_model_name(body))
     body = profiles.openai_body(body, served.profile)
     opts = parse_options(body, chat=True)
     tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
@@ -197,7 +197,7 @@ def _prompts(value, served: ServedModel) -> list[list[int]]:
 
 async def completions(request: Request) -> Response:
     body = await read_json(request)
-    served = await model_for(request, get_str(body, "model"))
+    served = await model_for(request, get_model_name(body))
     body = profiles.openai_body(body, served.profile)
     echo = bool(get_bool(body, "echo", False))
     # echo with max_tokens 0 scores the prompt and generates nothing (OpenAI's legacy way to ask for a
@@ -288,7 +288,7 @@ async def list_models(request: Request) -> Response:
 
 async def get_model(request: Request) -> Response:
     host = _host(request)
-    name = request.path_params["model"]
+    name = check_name_field(request.path_params["model"], "model")
     entry = await run_in_threadpool(model_info.find_entry, host, name)
     if entry is None:
         raise APIError(404, f"model {name!r} not found", param="model", code="model_not_found")

@@ -14,7 +14,7 @@ from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.model_host import model_for
 from tokenmill.server.errors import bad_request
 from tokenmill.server.openai_params import truncate_prompt
-from tokenmill.server.validation import get_int, get_str, read_json, warn_unknown
+from tokenmill.server.validation import get_int, get_model_name, get_str, read_json, warn_unknown
 
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens"}
 
@@ -49,7 +49,7 @@ async def embeddings(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, FIELDS, "/v1/embeddings")
     host = request.app.state.host
-    served = await model_for(request, get_str(body, "model"))
+    served = await model_for(request, get_model_name(body))
     fmt = get_str(body, "encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise bad_request(f"encoding_format must be float or base64, got {fmt!r}", "encoding_format")

@@ -13,7 +13,7 @@ from tokenmill.config import Config
 from tokenmill.engine import ConfigError, SamplingParams
 from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, normalize_messages, off_loop, render_chat
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
-from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.errors import APIError, bad_request, client_safe
 from tokenmill.server.generation import Generation
 from tokenmill.server.logprobs import token_text
 from tokenmill.server.model_host import LoadSpec, ModelHost, model_for
@@ -23,6 +23,7 @@ from tokenmill.server.validation import (
     get_bool,
     get_float,
     get_int,
+    get_model_name,
     get_priority,
     get_stop,
     get_str,
@@ -56,7 +57,7 @@ async def load(request: Request) -> Response:
     host = _host(request)
     settings: Config = request.app.state.settings
     current = host.current
-    model = get_str(body, "model") or (current.spec.model if current else None)
+    model = get_model_name(body) or (current.spec.model if current else None)
     if not model:
         raise bad_request("model is required", "model")
     dtype = get_str(body, "dtype", settings.dtype)
@@ -102,7 +103,7 @@ async def health(request: Request) -> Response:
     if status == "loading":
         return JSONResponse({"status": "loading", "progress": round(host.progress, 3)}, status_code=503)
     if status == "error":
-        return JSONResponse({"status": "error", "error": host.problem}, status_code=503)
+        return JSONResponse({"status": "error", "error": client_safe(host.problem)}, status_code=503)
     return JSONResponse({"status": "error", "error": "no model loaded"}, status_code=503)
 
 
@@ -165,7 +166,7 @@ async def completion(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, COMPLETION_FIELDS, "/completion")
     host = _host(request)
-    served = await model_for(request, get_str(body, "model"))
+    served = await model_for(request, get_model_name(body))
     tok = served.engine.tokenizer
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -226,7 +227,7 @@ async def embedding(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, EMBEDDING_FIELDS, "/embedding")
     host = _host(request)
-    served = await model_for(request, get_str(body, "model"))
+    served = await model_for(request, get_model_name(body))
     text = get_str(body, "content") if body.get("content") is not None else get_str(body, "input", label="content")
     if not text:
         raise bad_request("content is required", "content")
@@ -244,7 +245,7 @@ async def embedding(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, TOKENIZE_FIELDS, "/tokenize")
-    served = await model_for(request, get_str(body, "model"))
+    served = await model_for(request, get_model_name(body))
     tok = served.engine.tokenizer
     if body.get("messages") is not None:
         messages = normalize_messages(body["messages"])
@@ -263,7 +264,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     body = await read_json(request)
     warn_unknown(body, DETOKENIZE_FIELDS, "/detokenize")
-    served = await model_for(request, get_str(body, "model"))
+    served = await model_for(request, get_model_name(body))
     tok = served.engine.tokenizer
     ids = check_token_ids(body.get("tokens"), tok.vocab_size, "tokens")
     text = tok.decode(ids)

@@ -12,6 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from tokenmill.server.errors import bad_request
+from tokenmill.store.model_name import InvalidModelName, check_model_name, check_model_reference
 
 log = logging.getLogger("tokenmill.server")
 
@@ -59,6 +60,38 @@ def get_str(body: dict, name: str, default: Any = None, *, required: bool = Fals
     if not isinstance(v, str):
         raise bad_request(f"{label} must be a string, got {_type_name(v)}", label)
     return v
+
+
+def get_model_name(body: dict, name: str = "model", *, required: bool = False, label: str | None = None,
+                   reference: bool = False) -> str | None:
+    """A model name field, checked against the one grammar (store.model_name) before anything looks
+    it up; absent or "" (the served model, where a route allows that) is returned as is. With
+    `reference`, a blob digest is accepted too (what a model is made FROM)."""
+    label = label or name
+    value = get_str(body, name, required=required, label=label)
+    if value:
+        check_name_field(value, label, reference=reference)
+    elif required:
+        raise bad_request(f"{label} is required", label)
+    return value
+
+
+def check_name_field(value: str, label: str, *, reference: bool = False, what: str | None = None) -> str:
+    """`value` if it is a well-formed model name, else a 400 naming `label` (and `what` in it)."""
+    try:
+        return (check_model_reference if reference else check_model_name)(value)
+    except InvalidModelName as exc:
+        where = f"{label}: {what}" if what else label
+        raise bad_request(f"{where}: {exc}", label) from None
+
+
+def model_field(body: dict) -> str:
+    """The model a request names, as `model` or, from pre-0.2 Ollama clients, `name`: required."""
+    for field in ("model", "name"):
+        value = get_str(body, field)
+        if value:
+            return check_name_field(value, field)
+    raise bad_request("model is required", "model")
 
 
 def get_bool(body: dict, name: str, default: Any = None, *, label: str | None = None) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
@@ -16,8 +15,7 @@ from typing import Any
 from tokenmill.store.blobs import blob_lock, digest_ref, is_digest, model_blob, parse_digest
 from tokenmill.store.catalog import StoreError, find_spec
 from tokenmill.store.local import looks_like_path, models_dir, resolve_model
-
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._\-/]*(:[a-z0-9][a-z0-9._\-]*)?$")
+from tokenmill.store.model_name import check_model_name
 
 
 class ModelInUseError(StoreError):
@@ -73,10 +71,9 @@ def _record_path(name: str) -> Path:
 
 
 def check_name(name: str) -> str:
-    n = normalize_name(name)
-    if not _NAME.match(n) or ".." in n or len(n) > 200:
-        raise StoreError(f"invalid model name {name!r}: use letters, digits, '.', '_', '-', '/' and one ':tag'")
-    return n
+    """The name a new model is stored under: the one grammar (model_name), folded to lower case."""
+    check_model_name(name.strip())
+    return normalize_name(name)
 
 
 def find_derived(name: str) -> DerivedModel | None:

@@ -110,8 +110,11 @@ def installed_path(spec: ModelSpec) -> Path | None:
 
 
 def looks_like_path(name: str) -> bool:
-    # A bare word is always a model name, so a stray file called "smollm2" in the cwd cannot shadow it.
-    return name.endswith(".gguf") or os.sep in name or "/" in name or name.startswith(("~", "."))
+    # A bare word is always a model name, so a stray file called "smollm2" in the cwd cannot shadow it;
+    # so is a namespaced one (`user/model`, `host/ns/model:tag`): a path ends in .gguf or starts at
+    # `/`, `~` or `.`. No name in the model-name grammar (model_name) looks like a path.
+    return (name.endswith(".gguf") or name.startswith(("/", "~", "."))
+            or (os.sep != "/" and os.sep in name))
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -129,8 +132,11 @@ def resolve_model(name_or_path: str) -> Path:
         state = "failed verification" if model_path(spec).exists() else "is not installed"
         raise ModelNotInstalledError(f"model {spec.name} {state}; run `tokenmill pull {name_or_path}`")
     local = models_dir() / f"{name_or_path}.gguf"
-    if local.is_file():
-        return local
+    try:
+        if local.is_file():
+            return local
+    except OSError:  # a name too long for a file name names no file (and the message names no path)
+        pass
     raise UnknownModelError(f"unknown model {name_or_path!r}; known models: {known_names()}")
 
 
