@@ -27,6 +27,7 @@ from tokenmill.server.model_loads import (
     PendingLoad,
     file_size,
     path_key,
+    public_load_error,
     resolved_key,
     spec_names,
 )
@@ -227,13 +228,12 @@ class ModelHost:
 
     def _resolve(self, name: str):
         from tokenmill.store import ModelNotInstalledError, UnknownModelError
-        from tokenmill.store.local import looks_like_path
-        from tokenmill.store.names import resolve_named
+        from tokenmill.store.names import resolve_requested
 
         try:
-            if looks_like_path(name):  # clients name models; files on the server's disk are not theirs to load
-                raise UnknownModelError(name)
-            return resolve_named(name)
+            # Clients name models; files on the server's disk are not theirs to load (but a model
+            # made from the file `serve` was started with is served).
+            return resolve_requested(name, self.served_files())
         except UnknownModelError:
             raise APIError(404, f"model \"{name}\" not found, try pulling it first", param="model",
                            code="model_not_found") from None
@@ -248,6 +248,14 @@ class ModelHost:
             log.info("%s; pulling it on demand", exc)
             spec = lookup(name)
             return ResolvedModel(spec.name, model_path(spec))
+
+    def served_files(self) -> list[str]:
+        """The GGUF paths the server was started with (or /load switched to): the only files outside
+        the model store that a derived model a request names may be made from."""
+        from tokenmill.store.local import looks_like_path
+
+        spec = self._default_spec
+        return [spec.model] if spec is not None and looks_like_path(spec.model) else []
 
     def _default_reload(self) -> PendingLoad:
         with self._lock:
@@ -276,10 +284,11 @@ class ModelHost:
         # Not there yet: pulled on demand, by its catalog name.
         model = str(resolved.path) if resolved.path.exists() else resolved.name
         spec = LoadSpec(model, self.policy.engine, fetcher=self._fetcher)
-        return self._find_or_start_spec(spec, {normalize_name(resolved.name)}, key, self.policy.keep_alive)
+        return self._find_or_start_spec(spec, {normalize_name(resolved.name)}, key, self.policy.keep_alive,
+                                        label=resolved.name)
 
     def _find_or_start_spec(self, spec: LoadSpec, names: set[str], key: str | None,
-                            keep_alive: float | None) -> PendingLoad:
+                            keep_alive: float | None, label: str = "") -> PendingLoad:
         with self._lock:
             if self._closed:
                 raise APIError(503, "server is shutting down", code="shutting_down")
@@ -288,10 +297,10 @@ class ModelHost:
                     return load
             served = self._models.get(key) if key else None
             if served is not None:  # loaded between the caller's look and now
-                load = PendingLoad(spec, names, key, False, keep_alive, 1.0, served=served)
+                load = PendingLoad(spec, names, key, False, keep_alive, label, 1.0, served=served)
                 load.done.set()
                 return load
-            load = PendingLoad(spec, names, key, False, keep_alive)
+            load = PendingLoad(spec, names, key, False, keep_alive, label)
             self._pending.append(load)
         self._start(load)
         return load
@@ -304,12 +313,12 @@ class ModelHost:
         try:
             while not load.done.is_set():
                 if time.monotonic() > deadline and load.waiting_for_room:
-                    raise APIError(503, f"no room to load {load.spec.model}: the loaded models are busy "
+                    raise APIError(503, f"no room to load {load.label}: the loaded models are busy "
                                         f"(max_loaded_models {self.policy.max_loaded_models}, memory budget "
                                         f"{self.policy.memory_budget / 1e9:.2f} GB)", code="no_room",
                                    retry_after=RETRY_AFTER_SECONDS)
                 if time.monotonic() > deadline:
-                    raise APIError(503, f"model {load.spec.model!r} is still loading", code="model_loading",
+                    raise APIError(503, f"model {load.label!r} is still loading", code="model_loading",
                                    retry_after=RETRY_AFTER_SECONDS)
                 await asyncio.sleep(0.02)
         finally:
@@ -321,7 +330,7 @@ class ModelHost:
             if load.default:
                 raise APIError(503, f"no model is loaded: the last load failed: {load.error}",
                                code="model_load_failed")
-            raise APIError(500, f"loading {load.spec.model} failed: {load.error}", code="model_load_failed")
+            raise APIError(500, load.error or f"model {load.label!r} could not be loaded", code="model_load_failed")
         return load.served
 
     # --- loading ---------------------------------------------------------------------------------
@@ -342,8 +351,8 @@ class ModelHost:
                 loaded = self._loader(replace(load.spec, max_kv_bytes=max_kv), lambda p: self._report(load, p))
                 served = self._serve(load, loaded)
         except BaseException as exc:  # noqa: BLE001 - any failure fails this load, never the server
-            message = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
-            log.error("loading %s failed: %s", load.spec.model, message)
+            log.error("loading %s failed: %s", load.spec.model, f"{type(exc).__name__}: {exc}" if not str(exc) else exc)
+            message = public_load_error(exc, load.label)  # what clients read: no path, no file bytes
             with self._lock:
                 load.error, load.no_room = message, isinstance(exc, NoRoomError)
                 if load.default:
@@ -403,11 +412,11 @@ class ModelHost:
                 self._shutdown(victim)
                 continue
             if not others:
-                raise NoRoomError(f"model {load.spec.model} needs {need / 1e9:.2f} GB, more than the memory "
+                raise NoRoomError(f"model {load.label} needs {need / 1e9:.2f} GB, more than the memory "
                                   f"budget of {self.policy.memory_budget / 1e9:.2f} GB")
             load.waiting_for_room = True
             if time.monotonic() > deadline or self._closed:
-                raise NoRoomError(f"no room to load {load.spec.model}: {len(others)} model(s) loaded and busy "
+                raise NoRoomError(f"no room to load {load.label}: {len(others)} model(s) loaded and busy "
                                   f"(max_loaded_models {self.policy.max_loaded_models}, memory budget "
                                   f"{self.policy.memory_budget / 1e9:.2f} GB)")
             time.sleep(0.05)

@@ -1,9 +1,10 @@
 """The bookkeeping of model loads for the host: the policy that bounds them (keep_alive, how many
-models, how much memory), one load in progress, and what a model name or path stands for before
-its load has finished."""
+models, how much memory), one load in progress, what a model name or path stands for before its
+load has finished, and what a client is told about a load (never a server path or a file's bytes)."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class PendingLoad:
     key: str | None                       # the resolved file, when known before loading
     default: bool
     keep_alive: float | None
+    label: str = ""                       # what clients are told the model is called (public_name)
     progress: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
@@ -56,6 +58,35 @@ class PendingLoad:
     waiting_for_room: bool = False        # every loaded model is busy: the load waits for one to idle
     started: float = field(default_factory=time.monotonic)
     served: ServedModel | None = None
+
+    def __post_init__(self) -> None:
+        self.label = self.label or public_name(self.spec.model)
+
+
+def public_name(model: str) -> str:
+    """A model as clients may read it named: the name as given, a file by its stem (no server path)."""
+    from tokenmill.store.local import looks_like_path
+
+    return Path(model).stem if looks_like_path(model) else model
+
+
+# Anything shaped like a path of two or more parts (`/a/b`, `~/x/y`, `C:\\a\\b`).
+_PATH_LIKE = re.compile(r"(?<![\w.])(?:~|[A-Za-z]:)?(?:[/\\][^\s'\"/\\:,;()]+){2,}[/\\]?")
+
+
+def public_load_error(exc: BaseException, label: str) -> str:
+    """What a client is told about a failed load: the reason without the file's path or bytes. The
+    reader names the file and quotes its first bytes (`/etc/passwd: not a GGUF file (magic b'root'...)`),
+    which helps on the command line and in the server's log, not in an answer to a request."""
+    if isinstance(exc, NoRoomError):  # built by the host from public names and numbers
+        return str(exc)
+    text = str(exc) or type(exc).__name__
+    if "not a GGUF file" in text or "magic" in text:
+        reason = "not a valid GGUF file"
+    else:
+        reason = _PATH_LIKE.sub("\0", text)
+        reason = reason.removeprefix("\0: ").replace("\0", "the model file")
+    return f"model {label!r} could not be loaded: {reason}"
 
 
 def path_key(path: Path) -> str:
