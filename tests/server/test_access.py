@@ -11,6 +11,8 @@ from tokenmill.config import Config
 from tokenmill.server import ModelHost, create_app
 
 KEY = "s3cret-key"
+# The app serves on loopback (Config().host): in-process clients send a loopback Host, not "testserver".
+LOCAL = "http://localhost"
 
 
 def app_with(**settings):
@@ -27,7 +29,7 @@ def every_route(app) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def keyed():
-    with TestClient(app_with(api_key=KEY)) as c:
+    with TestClient(base_url=LOCAL, app=app_with(api_key=KEY)) as c:
         yield c
 
 
@@ -58,7 +60,7 @@ def test_the_right_key_passes_and_health_needs_none(keyed):
 
 
 def test_no_key_configured_means_open():
-    with TestClient(app_with()) as c:
+    with TestClient(base_url=LOCAL, app=app_with()) as c:
         assert c.get("/api/version").status_code == 200
 
 
@@ -68,7 +70,7 @@ def preflight(client, origin: str):
 
 
 def test_cors_allows_local_origins_only_by_default():
-    with TestClient(app_with(api_key=KEY)) as c:
+    with TestClient(base_url=LOCAL, app=app_with(api_key=KEY)) as c:
         for origin in ("http://localhost", "http://localhost:3000", "https://127.0.0.1:8443", "app://obsidian.md"):
             r = preflight(c, origin)  # a preflight carries no key and must not need one
             assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, origin
@@ -84,17 +86,17 @@ def test_cors_allows_local_origins_only_by_default():
 
 
 def test_cors_extra_origins_with_wildcards():
-    with TestClient(app_with(origins="https://app.example.com, https://*.corp.example")) as c:
+    with TestClient(base_url=LOCAL, app=app_with(origins="https://app.example.com, https://*.corp.example")) as c:
         for origin in ("https://app.example.com", "https://chat.corp.example", "http://localhost:1"):
             assert preflight(c, origin).status_code == 200, origin
         assert preflight(c, "https://app.example.com.evil.io").status_code == 400
-    with TestClient(app_with(origins="*")) as c:
+    with TestClient(base_url=LOCAL, app=app_with(origins="*")) as c:
         assert preflight(c, "https://anywhere.example").status_code == 200
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/api/generate", "/completion"])
 def test_body_over_the_limit_is_413_json(path):
-    with TestClient(app_with(max_body_bytes=64)) as c:
+    with TestClient(base_url=LOCAL, app=app_with(max_body_bytes=64)) as c:
         body = b'{"prompt": "' + b"x" * 100 + b'"}'
         r = c.post(path, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 413 and "limit" in r.text and r.json()["error"]
@@ -152,7 +154,7 @@ def test_a_body_dribbled_too_slowly_gets_408_json_and_the_connection_closes():
     try:
         for path in ("/api/generate", "/v1/chat/completions"):
             with socket.create_connection(("127.0.0.1", server.port), timeout=5) as slow:
-                slow.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                slow.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                              "Content-Length: 1000\r\n\r\n".encode())
                 start = time.monotonic()
                 reply = b""

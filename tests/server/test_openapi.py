@@ -9,6 +9,8 @@ from starlette.testclient import TestClient
 from tokenmill.config import Config
 from tokenmill.server import ModelHost, create_app
 from tokenmill.server.openapi import OPERATIONS, missing_schemas, openapi_path
+# The app serves on loopback (Config().host): in-process clients send a loopback Host, not "testserver".
+LOCAL = "http://localhost"
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +20,7 @@ def app():
 
 @pytest.fixture(scope="module")
 def doc(app):
-    with TestClient(app) as c:
+    with TestClient(base_url=LOCAL, app=app) as c:
         r = c.get("/openapi.json")
     assert r.status_code == 200
     return r.json()
@@ -57,7 +59,7 @@ def test_document_is_valid_openapi(doc):
 
 
 def test_api_key_shows_as_security_and_the_document_needs_it():
-    with TestClient(create_app(ModelHost(), Config(api_key="k"), shutdown_host=False)) as c:
+    with TestClient(base_url=LOCAL, app=create_app(ModelHost(), Config(api_key="k"), shutdown_host=False)) as c:
         assert c.get("/openapi.json").status_code == 401
         doc = c.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"

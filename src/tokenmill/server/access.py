@@ -1,7 +1,8 @@
-"""Who may call the server and how much they may send: an API key (Bearer, as vLLM and llama-server
-take it) on every route but /health, CORS origins as Ollama's OLLAMA_ORIGINS (localhost origins by
-default, so a web page elsewhere cannot drive a local server), a request body size limit, and a
-time limit on receiving the body (a client that sends headers then dribbles the body gets 408).
+"""Who may call the server and how much they may send: on a server that listens on loopback, only
+requests addressed to a loopback name (the DNS rebinding guard), an API key (Bearer, as vLLM and
+llama-server take it) on every route but /health, CORS origins as Ollama's OLLAMA_ORIGINS (localhost
+origins by default, so a web page elsewhere cannot drive a local server), a request body size limit,
+and a time limit on receiving the body (a client that sends headers then dribbles the body gets 408).
 
 Plain ASGI middleware, outside the routes: a rejected request never reaches a handler, and a
 handler never has to remember to check."""
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import re
+import socket
 
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -43,6 +46,90 @@ async def _reject(scope: Scope, receive: Receive, send: Send, err: APIError, hea
     response = error_response(Request(scope), err)
     response.headers.update(headers or {})
     await response(scope, receive, send)
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port, brackets or trailing dot, lower case."""
+    host = header.strip().lower()
+    if host.startswith("["):  # [::1]:11434
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:  # name:port (more than one colon: a bare IPv6 address)
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+def _loopback_address(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def is_loopback_host(host: str) -> bool:
+    """localhost, *.localhost (RFC 6761: always loopback), 127.0.0.0/8 or ::1. A DNS rebinding attack
+    needs a name the attacker's DNS answers for; none of these is one."""
+    return host == "localhost" or host.endswith(".localhost") or _loopback_address(host)
+
+
+def listens_on_loopback(bind_host: str) -> bool:
+    """Whether a server bound to `bind_host` (an address or a name) is reachable from this machine only."""
+    host = host_name(bind_host) if bind_host.startswith("[") else bind_host.strip().lower()
+    if not host:
+        return False
+    if is_loopback_host(host):
+        return True
+    try:
+        ipaddress.ip_address(host)
+        return False  # 0.0.0.0, ::, or an interface's address
+    except ValueError:
+        pass
+    try:  # a name: loopback when everything it resolves to is
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    return bool(infos) and all(_loopback_address(info[4][0]) for info in infos)
+
+
+class HostGuardMiddleware:
+    """Ollama's DNS rebinding guard (CVE-2024-28224): a web page on evil.example whose name the
+    attacker then points at 127.0.0.1 would otherwise drive a local server from the victim's
+    browser, same-origin, with no CORS check to stop it. Its requests still carry `Host:
+    evil.example`; a server that listens on loopback answers only Host headers that are loopback
+    names or addresses, or that the operator allowed (`--allowed-hosts`, `*` patterns, `*` alone: any),
+    and refuses the rest with 403. A request without a Host header (HTTP/1.0) passes: browsers always
+    send one, so it cannot come from a rebound page. Install it only on a loopback server: one that
+    listens on 0.0.0.0 or an interface is reachable by any name, as Ollama's is."""
+
+    def __init__(self, app: ASGIApp, allowed: list[str]):
+        self.app = app
+        names = [host_name(a) if a.strip() != "*" else "*" for a in allowed if a.strip()]
+        self.allowed = re.compile(origin_regex(names)) if names else None
+
+    def allows(self, header: bytes | None) -> bool:
+        if not header:
+            return True
+        host = host_name(header.decode("latin-1"))
+        return is_loopback_host(host) or (self.allowed is not None and self.allowed.fullmatch(host) is not None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"host")
+        if not self.allows(header):
+            shown = header.decode("latin-1")[:100]
+            err = APIError(403, f"Host {shown!r} is not allowed: this server listens on loopback and answers "
+                                "loopback names only (DNS rebinding guard); start it with --allowed-hosts to "
+                                "allow another name", code="host_not_allowed")
+            await _reject(scope, receive, send, err)
+            return
+        await self.app(scope, receive, send)
+
+
+def parse_allowed_hosts(value: str) -> list[str]:
+    return [h.strip() for h in value.split(",") if h.strip()]
 
 
 class APIKeyMiddleware:
@@ -128,11 +215,17 @@ class BodyTimeoutMiddleware:
         await self.app(scope, timed, send)
 
 
-def middleware(api_key: str, origins: str, max_body_bytes: int, body_timeout: float = 30.0) -> list[Middleware]:
-    """Outermost first: CORS answers preflights (which carry no key) and adds its headers to every
-    response, 401s included; then the key; then the body deadline and size limit."""
-    stack = [Middleware(CORSMiddleware, allow_origin_regex=origin_regex(parse_origins(origins)),
-                        allow_methods=["*"], allow_headers=["*"])]
+def middleware(api_key: str, origins: str, max_body_bytes: int, body_timeout: float = 30.0, *,
+               listen_host: str | None = None, allowed_hosts: str = "") -> list[Middleware]:
+    """Outermost first: the Host guard when the server listens on loopback (`listen_host`; None: not
+    known to listen anywhere, an app driven in process); CORS answers preflights (which carry no
+    key) and adds its headers to every response, 401s included; then the key; then the body deadline
+    and size limit."""
+    stack = []
+    if listen_host is not None and listens_on_loopback(listen_host):
+        stack.append(Middleware(HostGuardMiddleware, allowed=parse_allowed_hosts(allowed_hosts)))
+    stack.append(Middleware(CORSMiddleware, allow_origin_regex=origin_regex(parse_origins(origins)),
+                            allow_methods=["*"], allow_headers=["*"]))
     if api_key:
         stack.append(Middleware(APIKeyMiddleware, api_key=api_key))
     stack.append(Middleware(BodyTimeoutMiddleware, seconds=body_timeout))

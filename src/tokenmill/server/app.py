@@ -59,8 +59,12 @@ def create_app(host: ModelHost, settings: Config | None = None, *, fetcher: Fetc
             ClientGone: _client_gone,
             Exception: handle_unexpected,
         },
+        # The Host guard follows the address the server is configured to listen on (settings.host), so a
+        # Ray replica behind a loopback proxy is guarded as `tokenmill serve` is. An app driven in
+        # process (starlette's TestClient says `Host: testserver`) must send a loopback Host too.
         middleware=[*access.middleware(settings.api_key, settings.origins, settings.max_body_bytes,
-                                       settings.body_timeout),
+                                       settings.body_timeout, listen_host=settings.host,
+                                       allowed_hosts=settings.allowed_hosts),
                     Middleware(ReleaseLeases)],
         lifespan=lifespan,
     )
