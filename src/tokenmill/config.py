@@ -89,6 +89,11 @@ OPTIONS: tuple[Option, ...] = (
            "slower ones get 408 (slowloris)", ("--body-timeout",), lo=0.1, group="server"),
     Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body accepted; larger ones get 413",
            ("--max-body-bytes",), lo=1024, group="server"),
+    Option("max_blob_gb", float, 16.0, "largest blob (a GGUF file pushed to /api/blobs) accepted, in GB; larger "
+           "uploads get 413", ("--max-blob-gb",), lo=0.000001, group="server"),
+    Option("allowed_hosts", str, "", "extra Host header names the server answers to when it listens on loopback, "
+           "comma-separated (DNS rebinding guard; loopback names and addresses are always allowed; `*` = any)",
+           ("--allowed-hosts",), env=("TOKENMILL_ALLOWED_HOSTS",), group="server"),
     # --- engine ---------------------------------------------------------------------------------
     Option("dtype", str, "auto", "weights and activations: gguf (weights stay in their GGUF blocks, native "
            "kernels, float32 activations), bf16, fp32, or auto (gguf where the compiled core runs, else bf16 on "
@@ -149,6 +154,8 @@ class Config:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
+    max_blob_gb: float = 16.0
+    allowed_hosts: str = ""
     dtype: str = "auto"
     kv_dtype: str = "auto"
     num_ctx: int = 0
