@@ -105,22 +105,70 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 @user_errors
 def cmd_create(args: argparse.Namespace) -> int:
-    text = Path(args.file).read_text()
-    base = server_url()
-    if answers(base):
-        call(base, "POST", "/api/create", {"model": args.model, "modelfile": text, "stream": False})
+    """As `ollama create`: the Modelfile is read here, and a FROM naming a file (relative to the
+    Modelfile's folder) is pushed to the server as a blob (HEAD first: a held one is not sent again),
+    then /api/create gets the blob's digest in `files`. Without a server the file becomes a blob of
+    the local store, and the model is made in-process from the same request, checked the same way
+    (before anything is pushed or copied)."""
+    from tokenmill.store.blobs import digest_ref, file_digest
+    from tokenmill.store.local import looks_like_path
+    from tokenmill.store.modelfile import parse_modelfile
+
+    modelfile = Path(args.file)
+    parsed = parse_modelfile(modelfile.read_text())
+    profile = parsed.profile
+    body = {"model": args.model, "stream": False,
+            **{k: v for k, v in (("system", profile.system), ("template", profile.template)) if v is not None},
+            **({"parameters": profile.parameters} if profile.parameters else {}),
+            **({"messages": list(profile.messages)} if profile.messages else {})}
+    local = _local_file(parsed.base, modelfile.parent) if looks_like_path(parsed.base) else None
+    if local is not None:
+        body["files"] = {local.name: digest_ref(file_digest(local))}
     else:
-        from tokenmill.server.errors import APIError
-        from tokenmill.server.model_create import create_request
+        body["from"] = parsed.base
+    base_model, profile = _checked(body)
+    server = server_url()
+    if answers(server):
+        if local is not None:
+            _push(server, body["files"][local.name], local)
+        call(server, "POST", "/api/create", body)
+    else:
+        from tokenmill.store.blobs import import_file
         from tokenmill.store.derived import save_derived
 
-        try:
-            base_model, profile = create_request({"modelfile": text})
-        except APIError as exc:
-            raise ServerError(exc.message) from None
+        if local is not None:
+            import_file(local, base_model.removeprefix("sha256:"))
         save_derived(args.model, base_model, profile)
     print("success")
     return 0
+
+
+def _local_file(base: str, folder: Path) -> Path:
+    path = Path(base).expanduser()
+    path = path if path.is_absolute() else folder / path
+    if not path.is_file():
+        raise ServerError(f"FROM {base}: no such file")
+    return path
+
+
+def _checked(body: dict):
+    """(base, profile) of a create request, or its error as a one-line message."""
+    from tokenmill.server.errors import APIError
+    from tokenmill.server.model_create import create_request
+
+    try:
+        return create_request(body)
+    except APIError as exc:
+        raise ServerError(exc.message) from None
+
+
+def _push(server: str, digest: str, path: Path) -> None:
+    """Send `path` to the server as the blob `digest`, unless it holds it already."""
+    from tokenmill.server_client import has_blob, push_blob
+
+    if not has_blob(server, digest):
+        print(f"transferring model data ({human_size(path.stat().st_size)})", file=sys.stderr)
+        push_blob(server, digest, path)
 
 
 @user_errors

@@ -8,6 +8,7 @@ import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 from tokenmill.config import DEFAULT_PORT, split_host_port
 
@@ -31,11 +32,15 @@ def server_url(explicit: str | None = None) -> str:
 
 def _request(url: str, method: str, body: dict | None) -> urllib.request.Request:
     data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"}
+    return urllib.request.Request(url, data, _headers("application/json"), method=method)
+
+
+def _headers(content_type: str) -> dict[str, str]:
+    headers = {"Content-Type": content_type}
     key = os.environ.get("TOKENMILL_API_KEY")
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    return urllib.request.Request(url, data, headers, method=method)
+    return headers
 
 
 def _error(exc: urllib.error.HTTPError) -> ServerError:
@@ -58,6 +63,35 @@ def call(base: str, method: str, path: str, body: dict | None = None, timeout: f
     except (urllib.error.URLError, OSError) as exc:
         raise ServerError(f"cannot reach {base}: {getattr(exc, 'reason', exc)}") from None
     return json.loads(raw) if raw.strip() else {}
+
+
+def has_blob(base: str, digest: str, timeout: float = 30) -> bool:
+    """HEAD /api/blobs/<digest>: whether the server holds the blob already."""
+    request = urllib.request.Request(f"{base}/api/blobs/{digest}", None, _headers("application/octet-stream"),
+                                     method="HEAD")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout):
+            return True
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return False
+        raise _error(exc) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ServerError(f"cannot reach {base}: {getattr(exc, 'reason', exc)}") from None
+
+
+def push_blob(base: str, digest: str, path: Path, timeout: float = 600) -> None:
+    """POST /api/blobs/<digest> with the file as the body, streamed from disk (never read whole)."""
+    with path.open("rb") as f:  # a missing file is the caller's OSError, not the server's
+        headers = {**_headers("application/octet-stream"), "Content-Length": str(os.fstat(f.fileno()).st_size)}
+        request = urllib.request.Request(f"{base}/api/blobs/{digest}", f, headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                resp.read()
+        except urllib.error.HTTPError as exc:
+            raise _error(exc) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ServerError(f"cannot reach {base}: {getattr(exc, 'reason', exc)}") from None
 
 
 def stream(base: str, path: str, body: dict) -> Iterator[dict]:

@@ -151,6 +151,15 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+# Routes that bound their own bodies: a blob upload is a model file, held to --max-blob-gb and to a
+# time limit that grows with what has arrived (server/blobs.py), not to the limits for JSON bodies.
+OWN_BODY_LIMITS = ("/api/blobs/",)
+
+
+def _own_limits(scope: Scope) -> bool:
+    return scope["path"].startswith(OWN_BODY_LIMITS)
+
+
 class BodyLimitMiddleware:
     """413 for a body declared or found to be larger than max_bytes. The count is kept as the body
     arrives, so a client that sends no Content-Length (chunked) is held to the limit too."""
@@ -160,7 +169,7 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or _own_limits(scope):
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
@@ -193,7 +202,7 @@ class BodyTimeoutMiddleware:
         self.seconds = seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or _own_limits(scope):
             await self.app(scope, receive, send)
             return
         deadline = asyncio.get_running_loop().time() + self.seconds

@@ -1,11 +1,13 @@
 """/api/create's body, in either of Ollama's forms: a `modelfile` text (older clients) or the fields
-newer clients send (`from`, `system`, `template`, `parameters`, `messages`), turned into the base
-model's name and the derived model's profile, checked before anything is stored."""
+newer clients send (`from` or `files`, `system`, `template`, `parameters`, `messages`), turned into
+the base (a model name, or the digest of a pushed GGUF blob) and the derived model's profile,
+checked before anything is stored. A model is made from a name or a blob, never from a path."""
 from __future__ import annotations
 
 from tokenmill.server.errors import bad_request
 from tokenmill.server.profiles import jinja_template
 from tokenmill.server.validation import check_name_field, get_dict, get_model_name, get_str
+from tokenmill.store.blobs import digest_ref, is_digest, parse_digest
 from tokenmill.store.derived import Profile
 from tokenmill.store.modelfile import PARAMETER_TYPES, ModelfileError, parse_modelfile
 from tokenmill.tokenizer import ChatTemplateError
@@ -17,11 +19,15 @@ _ROLES = ("system", "user", "assistant")
 
 
 def create_request(body: dict) -> tuple[str, Profile]:
-    for unsupported in ("quantize", "files", "adapters"):
-        if body.get(unsupported):
-            raise bad_request(f"{unsupported}: tokenmill creates models from installed ones only "
-                              "(FROM, PARAMETER, SYSTEM, TEMPLATE, MESSAGE)", unsupported)
+    if body.get("quantize"):
+        raise bad_request("quantize is not supported: tokenmill serves a GGUF's weights as they are; quantize "
+                          "the file first (llama.cpp's llama-quantize), then push it", "quantize")
+    if body.get("adapters"):
+        raise bad_request("adapters are not supported: tokenmill does not apply LoRA adapters", "adapters")
     text = get_str(body, "modelfile")
+    blob = _blob(body)
+    if blob is not None and (text or body.get("from")):
+        raise bad_request("give either files or from (or a modelfile), not both", "files")
     if text:
         try:
             parsed = parse_modelfile(text)
@@ -30,7 +36,7 @@ def create_request(body: dict) -> tuple[str, Profile]:
         # Over HTTP, FROM names a model (or a blob), never a file on the server's disk.
         base, profile = check_name_field(parsed.base, "modelfile", reference=True, what="FROM"), parsed.profile
     else:
-        base = get_model_name(body, "from", required=True, reference=True)
+        base = blob or get_model_name(body, "from", required=True, reference=True)
         profile = Profile(get_str(body, "system"), get_str(body, "template"), _parameters(body),
                           _messages(body.get("messages")))
     if profile.template:
@@ -39,6 +45,22 @@ def create_request(body: dict) -> tuple[str, Profile]:
         except ChatTemplateError as exc:
             raise bad_request(f"template: {exc}", "template") from None
     return base, profile
+
+
+def _blob(body: dict) -> str | None:
+    """The digest of the one GGUF blob `files` names ({"name.gguf": "sha256:<hex>"}, as Ollama's
+    clients send it after pushing the file), or None without `files`."""
+    files = body.get("files")
+    if files is None or files == {}:
+        return None
+    if not isinstance(files, dict):
+        raise bad_request("files must be an object: {\"<name>.gguf\": \"sha256:<digest>\"}", "files")
+    if len(files) != 1:
+        raise bad_request(f"files: a model is made from one GGUF file; got {len(files)} files", "files")
+    [digest] = files.values()  # the file's name says nothing the blob's validation does not check
+    if not is_digest(digest):
+        raise bad_request("files: the value is the blob's digest, sha256:<64 hex digits>", "files")
+    return digest_ref(parse_digest(digest))
 
 
 def _parameters(body: dict) -> dict:

@@ -32,6 +32,7 @@ from tokenmill.server.model_loads import (
     spec_names,
 )
 from tokenmill.server.served_model import Loaded, LoadSpec, Loader, ModelLease, ServedModel, default_loader
+from tokenmill.store.blobs import is_blob_path
 from tokenmill.store.derived import Profile, normalize_name
 from tokenmill.store.pull import Fetcher
 
@@ -370,7 +371,10 @@ class ModelHost:
         key = path_key(loaded.path)
         names = {normalize_name(n) for n in (loaded.name, *loaded.aliases, load.spec.model, loaded.path.stem,
                                              loaded.path.name, str(loaded.path))}
-        served = ServedModel(loaded.name, loaded.path, aengine, load.spec, time.time(), frozenset(names),
+        # A blob's file name is its digest: /api/ps shows the created model that loaded it instead (that
+        # name stays out of `names`: requests for it go through its profile).
+        shown = load.label if is_blob_path(loaded.path) and load.label else loaded.name
+        served = ServedModel(shown, loaded.path, aengine, load.spec, time.time(), frozenset(names),
                              engine_bytes(loaded.engine), load.keep_alive)
         retire = None
         with self._lock:

@@ -12,6 +12,8 @@ import numpy as np
 
 from tokenmill.server.model_host import ModelHost, ServedModel, normalize_name
 from tokenmill.store import list_models
+from tokenmill.store.blobs import blob_path, is_blob_path, is_digest, parse_digest
+from tokenmill.store.local import describe
 from tokenmill.store.derived import DerivedModel, list_derived
 from tokenmill.store.catalog import find_spec, spec_for_filename
 from tokenmill.tokenizer.tokenizer import chat_template_source
@@ -71,8 +73,9 @@ def served_entry(served: ServedModel) -> ModelEntry:
 
 def installed_entries(host: ModelHost | None) -> list[ModelEntry]:
     """Loaded models first, then every installed and derived one. Blocking (may read GGUF headers):
-    call from a worker thread."""
-    entries = [served_entry(m) for m in (host.loaded_models() if host is not None else [])]
+    call from a worker thread. A blob is listed only under the names of the models made from it."""
+    entries = [served_entry(m) for m in (host.loaded_models() if host is not None else [])
+               if not is_blob_path(m.path)]
     loaded = {e.path.resolve() for e in entries}
     bases = {}
     for m in list_models():
@@ -83,10 +86,25 @@ def installed_entries(host: ModelHost | None) -> list[ModelEntry]:
             entries.append(entry)
     for d in list_derived():
         base = bases.get(normalize_name(d.base)) or next((e for e in entries if str(e.path) == d.base), None)
+        if base is None and is_digest(d.base):
+            base = bases[d.base] = bases.get(d.base) or _blob_entry(parse_digest(d.base))
         if base is not None:
             entries.append(replace(base, name=d.name, modified_at=d.created_at, digest=_record_digest(d),
                                    derived=d))
     return entries
+
+
+def _blob_entry(digest: str) -> ModelEntry | None:
+    path = blob_path(digest)
+    try:
+        m = describe(path)
+        mtime = path.stat().st_mtime
+    except OSError:  # removed by hand: the models made from it are not listed
+        return None
+    if m.error:
+        return None
+    return ModelEntry(m.name, path, m.size_bytes, mtime, digest, m.architecture, m.quantization, m.context_length,
+                      format_parameters(m.parameters))
 
 
 def _record_digest(d: DerivedModel) -> str:

@@ -230,7 +230,7 @@ async def _load_or_unload(request: Request, body: dict, keep_alive: object, *, c
     if keep_alive == 0:
         host = _host(request)
         if not host.unload(name):
-            await run_in_threadpool(_check_installed, name)
+            await run_in_threadpool(_check_installed, name, host.served_files())
         obj = Shape(chat, name).chunk("")
         obj.update(done=True, done_reason="unload")
         return JSONResponse(obj)
@@ -238,12 +238,12 @@ async def _load_or_unload(request: Request, body: dict, keep_alive: object, *, c
     return JSONResponse(Shape(chat, served.name).loaded())
 
 
-def _check_installed(name: str) -> None:
+def _check_installed(name: str, served_files: list[str]) -> None:
     from tokenmill.store import StoreError
-    from tokenmill.store.names import resolve_named
+    from tokenmill.store.names import resolve_requested
 
     try:
-        resolve_named(name)
+        resolve_requested(name, served_files)
     except StoreError:
         raise APIError(404, f"model \"{name}\" not found, try pulling it first", param="model") from None
 

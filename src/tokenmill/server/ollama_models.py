@@ -18,8 +18,8 @@ from tokenmill.server.streaming import ndjson_response
 from tokenmill.server.validation import get_bool, get_model_name, model_field, read_json, warn_unknown
 from tokenmill.store import StoreError
 from tokenmill.store.catalog import UnknownModelError, lookup
-from tokenmill.store.derived import ModelInUseError, save_derived
-from tokenmill.store.names import copy_model, delete_model, resolve_named
+from tokenmill.store.derived import ModelInUseError, find_derived, save_derived
+from tokenmill.store.names import copy_model, delete_model, resolve_requested
 from tokenmill.server.model_create import CREATE_FIELDS, create_request
 
 # Clients gate features on the Ollama version they talk to; this is the API level we implement.
@@ -86,10 +86,15 @@ async def delete(request: Request) -> Response:
     name = model_field(body)
     host = request.app.state.host
     try:
-        resolved = await run_in_threadpool(resolve_named, name)
-        if not resolved.derived and host.unload(name):
-            await _unloaded(host, name)  # as Ollama: a deleted model stops being served
-        await run_in_threadpool(delete_model, name)
+        # A created model goes without resolving its base (whose blob may be gone); a base model is
+        # looked up as any request's name is (never a path).
+        if await run_in_threadpool(find_derived, name) is None:
+            await run_in_threadpool(resolve_requested, name, host.served_files())
+            if host.unload(name):
+                await _unloaded(host, name)  # as Ollama: a deleted model stops being served
+        deleted = await run_in_threadpool(delete_model, name)
+        if deleted.derived and not deleted.path.exists():
+            host.unload(str(deleted.path))  # its blob went with it: so does the engine that served it
     except UnknownModelError:
         raise APIError(404, f"model \"{name}\" not found", param="model") from None
     except ModelInUseError as exc:
@@ -112,6 +117,7 @@ async def copy(request: Request) -> Response:
     source = get_model_name(body, "source", required=True)
     destination = get_model_name(body, "destination", required=True)
     try:
+        await run_in_threadpool(resolve_requested, source, request.app.state.host.served_files())
         await run_in_threadpool(copy_model, source, destination)
     except UnknownModelError:
         raise APIError(404, f"model \"{source}\" not found", param="source") from None
@@ -130,7 +136,8 @@ async def create(request: Request) -> Response:
     except UnknownModelError as exc:
         raise APIError(404, f"base model not found: {exc}", param="from") from None
     except StoreError as exc:
-        raise APIError(400, str(exc), param="modelfile" if body.get("modelfile") else "from") from None
+        raise APIError(400, str(exc), param="files" if body.get("files") else "modelfile" if body.get("modelfile")
+                       else "from") from None
     statuses = [{"status": "using existing layers"}, {"status": "writing manifest"}, {"status": "success"}]
     if get_bool(body, "stream", True):
         async def events():

@@ -29,6 +29,7 @@ class Operation:
     required: tuple[str, ...] = ()
     stream: str | None = None                     # the media type when the body asks to stream
     response: str = JSON
+    raw_body: str | None = None                   # the media type of a body that is not JSON (a blob)
 
 
 def _op(summary: str, fields=None, **kw) -> Operation:
@@ -60,6 +61,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/api/create"): _op("Create a model from an installed one (Modelfile-lite)",
                                  ollama_models.CREATE_FIELDS, stream=NDJSON),
     ("POST", "/api/pull"): _op("Download a catalog model", ollama_models.PULL_FIELDS, stream=NDJSON),
+    ("POST", "/api/blobs/{digest}"): _op("Push a GGUF file as a blob named by its digest (`sha256:<hex>`); "
+                                         "HEAD says whether it is held", raw_body="application/octet-stream"),
     ("POST", "/api/generate"): _op("Generate from a prompt (Ollama)", ollama.GENERATE_FIELDS,
                                    overrides={"options": OLLAMA_OPTIONS}, stream=NDJSON),
     ("POST", "/api/chat"): _op("Chat (Ollama)", ollama.CHAT_FIELDS, overrides={"options": OLLAMA_OPTIONS},
@@ -121,6 +124,9 @@ def _operation(method: str, path: str, op: Operation, secured: bool) -> dict:
         out["parameters"] = [{"name": p, "in": "path", "required": True, "schema": STRING} for p in params]
     if op.fields is not None:
         out["requestBody"] = _body(op)
+    if op.raw_body is not None:
+        out["requestBody"] = {"required": True, "content": {op.raw_body: {"schema": {"type": "string",
+                                                                                        "format": "binary"}}}}
     if secured and path != "/health":
         out["security"] = [{"bearer": []}]
     return out

@@ -77,6 +77,11 @@ def blob_path(hexdigest: str) -> Path:
     return blobs_dir() / f"sha256-{hexdigest}"
 
 
+def is_blob_path(path: Path) -> bool:
+    """Whether `path` is a blob of the store (a model made from it is listed under its created name)."""
+    return re.fullmatch(r"sha256-[0-9a-f]{64}", path.name) is not None and path.parent.resolve() == blobs_dir().resolve()
+
+
 def has_blob(hexdigest: str) -> bool:
     return blob_path(hexdigest).is_file()
 
@@ -176,14 +181,20 @@ def model_blob(hexdigest: str) -> Path:
     return path
 
 
-def import_file(path: Path, max_bytes: int | None = None) -> str:
-    """Copy a local GGUF file into the blobs (the in-process `create` with `FROM ./file.gguf`, as
-    Ollama's create copies it): its hex digest. A file already held is not copied again."""
+def file_digest(path: Path) -> str:
+    """The hex sha256 of a file, read in pieces."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
-    digest = h.hexdigest()
+    return h.hexdigest()
+
+
+def import_file(path: Path, digest: str | None = None, max_bytes: int | None = None) -> str:
+    """Copy a local GGUF file into the blobs (the in-process `create` with `FROM ./file.gguf`, as
+    Ollama's create copies it): its hex digest (`digest`, if the caller hashed it already). A file
+    already held is not copied again."""
+    digest = digest or file_digest(path)
     if has_blob(digest):
         model_blob(digest)
         return digest

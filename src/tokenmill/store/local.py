@@ -178,7 +178,8 @@ def _read_info(path: Path) -> dict:
     }
 
 
-def _describe(path: Path) -> InstalledModel:
+def describe(path: Path) -> InstalledModel:
+    """What `list` shows about a GGUF file (remembered in its manifest)."""
     from tokenmill.gguf import GGUFError
 
     spec = spec_for_filename(path.name)
@@ -201,4 +202,4 @@ def list_models() -> list[InstalledModel]:
     root = models_dir()
     if not root.is_dir():
         return []
-    return sorted((_describe(p) for p in root.glob("*.gguf") if p.is_file()), key=lambda m: m.name)
+    return sorted((describe(p) for p in root.glob("*.gguf") if p.is_file()), key=lambda m: m.name)
