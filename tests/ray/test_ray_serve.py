@@ -34,6 +34,10 @@ def deployment(tiny_gguf, tmp_path_factory):
     # Replicas push their autoscaling numbers every 10 s by default; the autoscaling test cannot wait that long.
     env = pytest.MonkeyPatch()
     env.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+    # The replicas' model store (Ray's workers inherit the driver's environment): /load names models in it.
+    home = tmp_path_factory.mktemp("ray-home")
+    (home / "models").mkdir()
+    env.setenv("TOKENMILL_HOME", str(home))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = _free_port()
@@ -150,7 +154,8 @@ def test_session_sticks_to_its_replica(client):
 
 
 @pytest.mark.parametrize("method, path", [("POST", "/load"), ("POST", "/api/pull"), ("DELETE", "/api/delete"),
-                                          ("POST", "/api/copy"), ("POST", "/api/create")])
+                                          ("POST", "/api/copy"), ("POST", "/api/create"),
+                                          ("POST", "/api/blobs/sha256:" + "0" * 64)])
 def test_model_management_is_refused(client, method, path):
     r = client.request(method, path, json={"model": "other"})
     assert r.status_code == 400
@@ -208,16 +213,16 @@ def _replica_ids() -> set[str]:
             if "tokenmill-replica" in a["name"]}
 
 
-def test_unhealthy_replica_is_replaced(client, tmp_path):
+def test_unhealthy_replica_is_replaced(client):
     from tokenmill.ray.asgi_bridge import ForwardedRequest
+    from tokenmill.store import models_dir
 
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"GGUF" + bytes(60))
+    (models_dir() / "broken.gguf").write_bytes(b"GGUF" + bytes(60))  # requests name models, never files
     # Past the ingress (which refuses /load), straight to one replica: a model load that fails there
     # turns its /health status to "error", which is what Serve's health check asks.
     handle = serve.get_deployment_handle("tokenmill-replica", app_name="tokenmill").options(stream=True)
     load = ForwardedRequest("POST", "/load", b"", ((b"content-type", b"application/json"),),
-                            json.dumps({"model": str(broken)}).encode())
+                            json.dumps({"model": "broken"}).encode())
     start = next(iter(handle.handle.remote(load)))
     assert start.status == 202
     sick = start.replica

@@ -274,3 +274,34 @@ def test_the_ollama_client_pushes_smollm2_and_chats_with_it(smollm2_path, tmp_pa
         assert not list((tmp_path / "home" / "models" / "blobs").glob("sha256-*"))
     finally:
         server.stop()
+
+
+def test_a_trickling_upload_gets_408_and_leaves_nothing(store, own_model):
+    # After --body-timeout the upload must average MIN_RATE: a byte every 0.1 s is cut off.
+    data = own_model.read_bytes()
+    server, _ = start_server("", body_timeout=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(f"POST /api/blobs/{sha(data)} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      f"Content-Length: {len(data)}\r\n\r\n".encode())
+            s.settimeout(0.1)
+            reply = b""
+            for i in range(100):
+                try:
+                    s.sendall(data[i:i + 1])
+                    reply += s.recv(4096)
+                except (TimeoutError, socket.timeout):
+                    continue
+                except OSError:
+                    break
+                if reply:
+                    break
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), reply
+        assert "slower than" in json.loads(body)["error"]
+        deadline = time.monotonic() + 5
+        while leftovers(store) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert leftovers(store) == []
+    finally:
+        server.stop()

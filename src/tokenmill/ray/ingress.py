@@ -34,6 +34,7 @@ REPLICA_HEADER = b"x-tokenmill-replica"
 # from its configuration.
 PER_PROCESS_ROUTES = {("POST", "/load"), ("POST", "/api/pull"), ("DELETE", "/api/delete"), ("POST", "/api/copy"),
                       ("POST", "/api/create")}
+PER_PROCESS_PREFIXES = ("/api/blobs/",)  # blobs go to one node's store, for /api/create
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 
@@ -83,7 +84,7 @@ class TokenmillIngress:
             if not self._authorized(request):
                 return error_response(request, APIError(401, "missing or wrong API key", code="unauthorized"))
             return PlainTextResponse(render(ROUTER_STATS), media_type=CONTENT_TYPE)
-        if (method, path) in PER_PROCESS_ROUTES:
+        if (method, path) in PER_PROCESS_ROUTES or path.startswith(PER_PROCESS_PREFIXES):
             return error_response(request, APIError(
                 400, f"{path} is not available on a Ray deployment: every replica serves the configured model; "
                      "change `model` in its configuration and redeploy", code="not_supported_on_ray"))
