@@ -1,7 +1,7 @@
 """Hypothesis against the doors a hostile client knocks on: model names (Unicode, lone surrogates,
 control characters, NUL, very long, traversal, absolute and Windows paths, percent-encoding) on every
 route that takes one, mutated /api/create bodies (`from`, Modelfile FROM, `files`, `quantize`, wrong
-types), and Host headers. Whatever is sent: no 5xx, every error a JSON body, no server path (the
+types), Host headers, and a few mutated blob uploads. Whatever is sent: no 5xx, every error a JSON body, no server path (the
 store's directory) or server file bytes in any answer, and a refused request leaves the store as
 it was. TOKENMILL_FUZZ_EXAMPLES scales the examples (more for a longer run)."""
 from __future__ import annotations
@@ -251,6 +251,38 @@ def test_fuzzed_host_headers(fuzzed, host_header, path):
     check_answer(r, models, (path, host_header))
     allowed = is_loopback_host(host_name(host_header))
     assert r.status_code == 403 if not allowed else r.status_code != 403, (host_header, r.status_code)
+
+
+def _blob_body(kind: str, data: bytes, tiny: bytes) -> bytes:
+    return {"random": data, "truncated": tiny[:max(1, len(data) * 97)], "tail-cut": tiny[:-max(1, len(data))],
+            "gguf-magic": b"GGUF" + data, "empty": b""}[kind]
+
+
+@given(kind=st.sampled_from(["random", "truncated", "tail-cut", "gguf-magic", "empty"]),
+       data=st.binary(max_size=64),
+       digest=st.one_of(st.just("right"), st.just("wrong"), st.sampled_from(HOSTILE_NAMES[:14]),
+                        st.builds(lambda h: "sha256:" + h, st.text("0123456789abcdefABCDEF", max_size=70))))
+@fuzz_settings(60)
+def test_fuzzed_blob_uploads(fuzzed, kind, data, digest):
+    """A few mutated uploads (the blob tests proper are tests/server/test_blobs.py): a wrong or
+    malformed digest, a truncated or cut model, not a GGUF at all: 4xx, and nothing stays."""
+    import hashlib
+
+    client, models, _ = fuzzed
+    body = _blob_body(kind, data, (models / "tiny-a.gguf").read_bytes())
+    named = {"right": "sha256:" + hashlib.sha256(body).hexdigest(),
+             "wrong": "sha256:" + hashlib.sha256(body + b"x").hexdigest()}.get(digest, digest)
+    try:
+        quoted = urllib.parse.quote(named, safe=":")
+    except UnicodeEncodeError:
+        quoted = urllib.parse.quote(named.encode("utf-8", "surrogatepass"), safe=":")
+    before = listing(models)
+    r = client.post("/api/blobs/" + quoted, content=body)
+    check_answer(r, models, ("/api/blobs", kind, named[:80]))
+    assert r.status_code >= 400, (kind, named[:80])  # none of these is a whole, valid model
+    assert listing(models) == before, (kind, named[:80])
+    r = client.head("/api/blobs/" + quoted)
+    assert r.status_code in (400, 404), (named[:80], r.status_code)
 
 
 def test_the_server_is_whole_after_the_fuzzing(fuzzed):
