@@ -128,3 +128,14 @@ def test_a_metadata_array_of_many_strings_is_walked_not_kept(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20, peak
+
+
+@pytest.mark.real_model
+def test_real_models_pass(smollm2_path):
+    summary = validate_gguf(smollm2_path, ARCHS)
+    assert summary.architecture == "llama" and summary.tensor_count == len(open_gguf(smollm2_path).tensors)
+
+
+@pytest.mark.real_model
+def test_gemma3_passes(gemma3_path):
+    assert validate_gguf(gemma3_path, ARCHS).architecture == "gemma3"

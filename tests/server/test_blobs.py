@@ -254,7 +254,7 @@ def test_the_ollama_client_pushes_smollm2_and_chats_with_it(smollm2_path, tmp_pa
     import ollama
 
     monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))  # a store without SmolLM2 in it
-    server, _ = start_server("", dtype="bf16", kv_size=4096)
+    server, _ = start_server("", dtype="auto", kv_size=4096)
     try:
         client = ollama.Client(host=server.url)
         digest = client.create_blob(smollm2_path)
@@ -303,5 +303,38 @@ def test_a_trickling_upload_gets_408_and_leaves_nothing(store, own_model):
         while leftovers(store) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert leftovers(store) == []
+    finally:
+        server.stop()
+
+
+def test_a_full_disk_is_a_507_without_paths(served, own_model, monkeypatch):
+    import errno
+    import os
+
+    from tokenmill.store import blobs
+
+    c, models = served
+    data = own_model.read_bytes()
+
+    def full(self, chunk):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(models / "blobs" / "x.tmp"))
+
+    monkeypatch.setattr(blobs.BlobUpload, "write", full)
+    r = c.post(f"/api/blobs/{sha(data)}", content=data)
+    assert "No space left" in assert_clean_error(r, 507, str(models))
+    assert leftovers(models) == []
+
+
+def test_a_model_made_from_the_file_serve_was_started_with_is_served(tiny_gguf, store):
+    # `tokenmill serve ./x.gguf` then (an older) `cp x y` recorded y as made from that path: still served.
+    server, host = start_server(str(tiny_gguf), kv_size=2048)
+    try:
+        assert host.wait_ready(30)
+        (store / "derived").mkdir()
+        (store / "derived" / "alias.json").write_text(json.dumps({"name": "alias", "from": str(tiny_gguf)}))
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            r = c.post("/api/generate", json={"model": "alias", "prompt": "hi", "stream": False,
+                                              "options": {"num_predict": 2}})
+            assert r.status_code == 200 and r.json()["model"] == "alias"
     finally:
         server.stop()

@@ -11,6 +11,7 @@ anything that fails leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from collections.abc import AsyncIterator
 
@@ -106,6 +107,11 @@ async def push_blob(request: Request) -> Response:
         raise _too_large(limit) from None
     except BlobError as exc:
         raise APIError(400, str(exc), param="digest") from None
+    except OSError as exc:  # the store's disk: full, read-only, ... (the message names no path)
+        log.error("storing blob sha256:%s failed: %s", digest, exc)
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise APIError(507 if full else 500, f"the server could not store the blob: {exc.strerror or 'I/O error'}"
+                       ) from None
     finally:
         await run_in_threadpool(upload.abort)
     log.info("blob sha256:%s stored (%d bytes)", digest, upload.size)
