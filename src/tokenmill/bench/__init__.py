@@ -19,6 +19,7 @@ BENCHMARKS = {
     "structured": ("tokenmill.bench.structured", "a batch of JSON-schema requests vs the same batch unconstrained"),
     "ray": ("tokenmill.bench.ray_routing", "N Ray replicas (prefix vs default router) vs 1 process of N threads"),
     "ray-sim": ("tokenmill.bench.ray_sim", "simulated R-replica cluster: prefix router vs power of two choices"),
+    "scaling": ("tokenmill.bench.scaling", "decode, prefill and 64-sequence decode at 1..N threads vs llama.cpp"),
 }
 
 
