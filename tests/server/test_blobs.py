@@ -250,13 +250,22 @@ def test_cli_create_without_a_server_imports_the_file(store, own_model, monkeypa
 
 
 @pytest.mark.real_model
-def test_the_ollama_client_pushes_smollm2_and_chats_with_it(smollm2_path, tmp_path, monkeypatch):
+def test_the_ollama_client_pushes_smollm2_and_chats_with_it(smollm2_path, tmp_path, monkeypatch, capsys):
     import ollama
 
     monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))  # a store without SmolLM2 in it
     server, _ = start_server("", dtype="auto", kv_size=4096)
+    monkeypatch.setenv("TOKENMILL_HOST", f"127.0.0.1:{server.port}")
     try:
+        # `tokenmill create` with a Modelfile beside the file, as the user does.
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / smollm2_path.name).symlink_to(smollm2_path)
+        (tmp_path / "mine" / "Modelfile").write_text(f"FROM ./{smollm2_path.name}\nPARAMETER num_predict 4\n")
+        assert main(["create", "smol-cli", "-f", str(tmp_path / "mine" / "Modelfile")]) == 0
+        assert "transferring model data" in capsys.readouterr().err
         client = ollama.Client(host=server.url)
+        assert client.generate("smol-cli", "The capital of France is").eval_count == 4
+        # The ollama client's own way (it POSTs without asking first: a held blob is a 200).
         digest = client.create_blob(smollm2_path)
         assert digest == sha(smollm2_path.read_bytes())
         r = client.create(model="smol-pirate", files={smollm2_path.name: digest},
@@ -271,6 +280,8 @@ def test_the_ollama_client_pushes_smollm2_and_chats_with_it(smollm2_path, tmp_pa
             {"role": "user", "content": "Who are you?"}])
         assert explicit.message.content == answer.message.content  # the SYSTEM prompt was applied
         assert client.delete("smol-pirate").status == "success"
+        assert list((tmp_path / "home" / "models" / "blobs").glob("sha256-*"))  # smol-cli still uses it
+        assert client.delete("smol-cli").status == "success"
         assert not list((tmp_path / "home" / "models" / "blobs").glob("sha256-*"))
     finally:
         server.stop()
