@@ -70,6 +70,9 @@ def test_push_create_serve_and_delete(served, own_model):
     assert "pushed" in {m["id"] for m in c.get("/v1/models").json()["data"]}
     shown = c.post("/api/show", json={"model": "pushed"}).json()
     assert shown["system"] == "Be brief." and shown["details"]["family"] == "llama"
+    assert f"FROM {digest}\n" in shown["modelfile"]
+    base = c.post("/api/show", json={"model": "tiny-a"}).json()["modelfile"]
+    assert "FROM tiny-a\n" in base and str(models) not in base  # a name, not where the server keeps it
     g = c.post("/api/generate", json={"model": "pushed", "prompt": "hello", "stream": False})
     assert g.status_code == 200 and g.json()["model"] == "pushed" and g.json()["eval_count"] == 3
     ch = c.post("/api/chat", json={"model": "pushed", "stream": False, "messages": [{"role": "user", "content": "hi"}]})

@@ -175,8 +175,8 @@ def _parameter_lines(profile) -> list[tuple[str, object]]:
 
 def modelfile_text(e: ModelEntry) -> str:
     """What `ollama show --modelfile` prints: enough to recreate the model."""
-    if e.derived is None:
-        return f"# tokenmill serves this GGUF directly\nFROM {e.path}\n"
+    if e.derived is None:  # its name, not its file: a client is not told where the server keeps models
+        return f"# tokenmill serves this GGUF directly\nFROM {e.name}\n"
     p = e.derived.profile
     out = [f"FROM {e.derived.base}"]
     out += [f"PARAMETER {k} {json.dumps(v) if isinstance(v, str) else v}" for k, v in _parameter_lines(p)]
