@@ -215,13 +215,6 @@ def remove_blob(hexdigest: str) -> bool:
         return False
 
 
-def held_digests() -> set[str]:
-    root = blobs_dir()
-    if not root.is_dir():
-        return set()
-    return {m.group(1) for p in root.iterdir() if (m := re.fullmatch(r"sha256-([0-9a-f]{64})", p.name))}
-
-
 def remove_stale_uploads(max_age: float = STALE_UPLOAD_SECONDS) -> None:
     root = blobs_dir()
     if not root.is_dir():
