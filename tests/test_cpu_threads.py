@@ -272,3 +272,28 @@ def test_describe():
     assert "not applied yet" in cpu_threads.describe()
     cpu_threads.configure_threads(2)
     assert cpu_threads.describe().startswith("2: threads=2 requested")
+
+
+def test_a_forked_child_can_configure_while_the_parent_holds_the_lock():
+    import os
+    import time
+
+    with cpu_threads._lock:  # as another thread of the parent would, mid-configure
+        pid = os.fork()
+        if pid == 0:  # the child: configure, and say so by the exit code
+            code = 2
+            try:
+                code = 0 if cpu_threads.configure_threads(1).count == 1 else 1
+            finally:
+                os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung on the inherited lock")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

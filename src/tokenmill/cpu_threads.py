@@ -252,6 +252,16 @@ def default_threads(root: str = "/", cpus: Iterable[int] | None = None) -> Threa
 # --- applying it, process-wide ---------------------------------------------------------------------
 
 _lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    # A child forked while another thread of the parent held the lock would inherit it held forever.
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
 _current: ThreadChoice | None = None
 _torch_work: bool | None = None   # None: no engine said; True once any engine runs its step in torch
 
