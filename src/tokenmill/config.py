@@ -130,6 +130,12 @@ OPTIONS: tuple[Option, ...] = (
            "shape; 0 = off", ("--watchdog-seconds",), lo=0),
     Option("compile", bool, True, "compile model steps with torch.compile (about a minute per graph the first "
            "time, cached on disk after); --no-compile runs every step eagerly", ("--compile",)),
+    Option("device", str, "auto", "where models run: cpu, cuda (an NVIDIA GPU: bf16 weights dequantized on the "
+           "GPU, the KV cache in GPU memory, decode steps as CUDA graphs unless --no-compile), or auto (cuda when "
+           "torch sees one, else cpu)", ("--device",), choices=("auto", "cpu", "cuda")),
+    Option("gpu_memory_utilization", float, 0.9, "cuda: the share of the GPU's free memory a model may take for "
+           "its weights, KV cache and workspace; the KV cache gets what is left, up to kv_size",
+           ("--gpu-memory-utilization",), lo=0.01, hi=1.0),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -173,6 +179,8 @@ class Config:
     request_timeout: float = 0.0
     watchdog_seconds: float = 10.0
     compile: bool = True
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9
     # Where each value came from: "default", "config file PATH", "env NAME", "flag --name", "argument MODEL".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     config_file: Path | None = field(default=None, compare=False, repr=False)
@@ -185,7 +193,8 @@ class Config:
                             parallel=self.parallel, enable_prefix_caching=self.prefix_cache, policy=self.policy,
                             aging_ms=self.aging_ms, max_wait_ms=self.max_wait_ms, threads=self.threads,
                             compile=self.compile, max_new_tokens=self.max_tokens or None,
-                            request_timeout=self.request_timeout, watchdog_seconds=self.watchdog_seconds)
+                            request_timeout=self.request_timeout, watchdog_seconds=self.watchdog_seconds,
+                            device=self.device, gpu_memory_utilization=self.gpu_memory_utilization)
 
     def keep_alive_seconds(self) -> float | None:
         """The keep_alive setting in seconds; None = forever."""

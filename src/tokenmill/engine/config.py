@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 POLICIES = ("fifo", "priority", "sjf")
 KV_DTYPES = ("auto", "f16", "bf16", "int8")
+DEVICES = ("auto", "cpu", "cuda")
 # Tokens per KV block. A block holds a head's keys contiguously, and the blocks of a sequence lie
 # wherever the free list put them: 64 keys make an 8 KB run for SmolLM2 (head dim 64, f16), where 16
 # made 2 KB runs that the decode kernel read at 58-64% of memory speed against 82-83% (64 sequences x 4k,
@@ -47,6 +48,11 @@ class EngineConfig:
     max_new_tokens: int | None = None
     request_timeout: float = 0.0
     watchdog_seconds: float = 10.0     # log a step that runs longer than this (0 = no watchdog)
+    # Where the model runs (engine/device.py): "cpu", "cuda" (bf16 weights, KV cache and sampling on the
+    # GPU) or "auto" (cuda when torch sees one). The CLI's default is auto; here cpu, so library users
+    # and tests get the same engine on every machine unless they ask.
+    device: str = "cpu"
+    gpu_memory_utilization: float = 0.9  # cuda: share of the free GPU memory for weights, KV cache, workspace
 
     def validate(self) -> None:
         if self.threads < 0:
@@ -73,6 +79,10 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_wait_ms < 0:
             raise ConfigError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
     def num_blocks(self) -> int:

@@ -14,6 +14,7 @@ import torch
 from tokenmill.cpu_threads import configure_threads
 from tokenmill.engine.config import ConfigError, EngineConfig
 from tokenmill.engine.context import generation_reserve, truncate_prompt
+from tokenmill.engine.device import build_device_runner, fit_device_kv_cache, on_device
 from tokenmill.engine.health import StepFaults, StepShape
 from tokenmill.engine.prompt_scores import score_prompt_rows
 from tokenmill.engine.request import FinishReason, Priority, Sequence
@@ -25,7 +26,7 @@ from tokenmill.engine.stats import HISTOGRAM_NAMES, EngineStats, HistogramSnapsh
 from tokenmill.kvcache import BlockManager
 from tokenmill.kernels import native
 from tokenmill.kvcache.storage import KVStorage
-from tokenmill.model import ChunkSpec, LoadedModel, load_model
+from tokenmill.model import LoadedModel, load_model
 from tokenmill.model.decode_graph import DecodeGraph
 from tokenmill.model.step_graph import MIN_TOKENS, StepGraph
 from tokenmill.structured import MaskWorker, PendingMasks
@@ -105,6 +106,9 @@ class LLMEngine:
         cfg.validate()
         # Process-wide, shared with every other engine (cpu_threads.configure_threads says how).
         self.threads = configure_threads(cfg.threads, torch_computes=not step_runs_natively(loaded))
+        device_model = on_device(loaded)  # a GPU model: its own KV sizing and runner (engine/device.py)
+        if device_model:
+            cfg = fit_device_kv_cache(cfg, loaded, kv_cache_dtype(cfg, loaded))
         self.cfg = cfg
         self.loaded = loaded
         self.tokenizer = tokenizer
@@ -117,12 +121,12 @@ class LLMEngine:
         # Every row through the native paged attention: float32 activations with the compiled core.
         self.native_attention = uses_native_attention(loaded)
         self.kv = KVStorage(mc.n_layers, cfg.num_blocks, cfg.block_size, mc.n_kv_heads, mc.head_dim,
-                            kv_cache_dtype(cfg, loaded), lazy=self.native_attention)
+                            kv_cache_dtype(cfg, loaded), lazy=self.native_attention, device=loaded.device)
         self.scheduler = Scheduler(cfg, self.blocks, tokenizer.stop_ids)
         decode_graph = step_graph = None
         if cfg.compile and self.native_attention:
             log.info("native kernels (%s): model steps run eagerly, nothing to compile", native.variant())
-        elif cfg.compile:
+        elif cfg.compile and not device_model:
             # Before any request: the warm-up batches write into the first blocks.
             try:
                 decode_graph = DecodeGraph(loaded.model, self.kv.k, self.kv.v, cfg.block_size)
@@ -133,8 +137,11 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly rather than not at all
                 log.warning("compiling the model failed, running it eagerly: %s: %s", type(exc).__name__, exc)
                 decode_graph = step_graph = None
-        self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, decode_graph, step_graph,
-                                  native_attention=self.native_attention)
+        if device_model:
+            self.runner = build_device_runner(loaded, self.kv, self.blocks, cfg, self.max_model_len)
+        else:
+            self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, decode_graph, step_graph,
+                                      native_attention=self.native_attention)
         self.sampler = Sampler()
         self.masks = MaskWorker()
         self.stats = EngineStats()
@@ -149,7 +156,7 @@ class LLMEngine:
     @classmethod
     def from_path(cls, path: str | Path, cfg: EngineConfig | None = None, *, progress: bool = False) -> "LLMEngine":
         cfg = cfg or EngineConfig()
-        loaded = load_model(path, cfg.dtype, progress=progress)
+        loaded = load_model(path, cfg.dtype, progress=progress, device=cfg.device)
         return cls(loaded, Tokenizer.from_gguf_metadata(loaded.gguf.metadata), cfg)
 
     # --- requests ------------------------------------------------------------------------------
@@ -277,7 +284,7 @@ class LLMEngine:
     def _logits(logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
         # Forked samples reuse their parent's row: the prompt was computed once, for all of them.
         rows = batch.logit_rows()
-        return logits if rows is None else logits.index_select(0, torch.tensor(rows))
+        return logits if rows is None else logits.index_select(0, torch.tensor(rows, device=logits.device))
 
     def _sampler_input(self, batch: ScheduledBatch, masks: PendingMasks | None = None) -> SamplerInput:
         chunks = batch.sampling_chunks
@@ -365,8 +372,7 @@ class LLMEngine:
                 # In micro-batches like the runner, so a long input never builds one huge attention.
                 for start in range(0, n, self.cfg.n_ubatch):
                     end = min(n, start + self.cfg.n_ubatch)
-                    meta = self.runner.attention_meta([ChunkSpec(table, start, end - start)])
-                    hidden = model(torch.tensor(prompt_ids[start:end]), torch.arange(start, end), meta, self.kv)
+                    hidden = self.runner.hidden_states(prompt_ids[start:end], start, table)
                     part = model.final_hidden(hidden).float().sum(dim=0)
                     total = part if total is None else total + part
             return torch.nn.functional.normalize(total / n, dim=0).tolist()

@@ -23,7 +23,7 @@ def score_prompt_rows(model: torch.nn.Module, rows: list[PromptRows]) -> None:
         for i in range(0, len(r.hidden), ROWS_PER_HEAD_CALL):
             hidden = r.hidden[i:i + ROWS_PER_HEAD_CALL]
             start = r.first + i + 1
-            targets = torch.tensor(seq.prompt_ids[start:start + len(hidden)], dtype=torch.int64)
+            targets = torch.tensor(seq.prompt_ids[start:start + len(hidden)], dtype=torch.int64, device=hidden.device)
             with torch.inference_mode():
                 logits = model.logits(hidden).float()
             chosen, values, ids = row_logprobs(logits, targets, k)

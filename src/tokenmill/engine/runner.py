@@ -110,6 +110,12 @@ class ModelRunner:
             return StepOutput(None, prompt_rows)
         return StepOutput(logits[0] if len(logits) == 1 else torch.cat(logits), prompt_rows)
 
+    def hidden_states(self, ids: list[int], start: int, block_table) -> torch.Tensor:
+        """One sequence's chunk at positions start.. run eagerly (embeddings): its last layer's hidden
+        states, its K/V written to the cache."""
+        meta = self.attention_meta([ChunkSpec(block_table, start, len(ids))])
+        return self.model(torch.tensor(ids), torch.arange(start, start + len(ids)), meta, self.kv)
+
     def attention_meta(self, specs: list[ChunkSpec]) -> AttentionMetadata | PagedBatch:
         if self.native_attention:
             return PagedBatch.build(specs, self.kv.block_size)

@@ -156,10 +156,12 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], recent_t
     if not windows:
         return logits
     out = logits if in_place else logits.clone()
-    apply_penalties_rows(out, torch.tensor(windows, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64),
-                         torch.tensor([p.repeat_penalty for p in params], dtype=torch.float32),
-                         torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
-                         torch.tensor([p.presence_penalty for p in params], dtype=torch.float32))
+    dev = logits.device
+    apply_penalties_rows(out, torch.tensor(windows, dtype=torch.int64, device=dev),
+                         torch.tensor(offsets, dtype=torch.int64, device=dev),
+                         torch.tensor([p.repeat_penalty for p in params], dtype=torch.float32, device=dev),
+                         torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev),
+                         torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev))
     return out
 
 
@@ -215,15 +217,16 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
         # only rises at tokens with weight > 0, so a removed (-inf) token can never be hit.
         w = (vals - vals.max(dim=-1, keepdim=True).values).exp_().double()
         cdf = w.cumsum(dim=-1)
-        # float32 uniforms stay below 1 - 2^-24, so u < total survives the float64 rounding.
-        u = torch.rand((vals.shape[0], 1), generator=gen, device=vals.device).double() * cdf[:, -1:]
+        # float32 uniforms stay below 1 - 2^-24, so u < total survives the float64 rounding. Drawn on
+        # the host (a request's generator lives there), so a seed gives the same draws on every device.
+        u = _uniforms(vals.shape[0], gen, vals.device).double() * cdf[:, -1:]
         choice = torch.searchsorted(cdf, u, right=True)
         out[rows] = (choice if ids is None else ids.gather(1, choice)).squeeze(1)
     rows = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) in _COMPILED_GROUPS]
     if rows:
         idx = _index(rows, logits.device)
         sub = logits if len(rows) == logits.shape[0] else logits[idx]
-        uniforms = list(torch.rand((len(rows), 1), generator=gen, device=logits.device))
+        uniforms = list(_uniforms(len(rows), gen, logits.device))
         out[idx] = _draw_compiled(sub, [params[i] for i in rows], uniforms)
     return out
 
@@ -241,14 +244,15 @@ def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms:
             continue
         rows = _index(picked, logits.device)
         x = logits if len(picked) == logits.shape[0] else logits[rows]
+        dev = logits.device
         temps = torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
-                             dtype=torch.float32)
-        log_min_p = torch.log(torch.tensor([params[i].min_p for i in picked], dtype=torch.float32))
-        u = torch.cat([uniforms[i].reshape(1) for i in picked])
+                             dtype=torch.float32, device=dev)
+        log_min_p = torch.log(torch.tensor([params[i].min_p for i in picked], dtype=torch.float32, device=dev))
+        u = torch.cat([uniforms[i].reshape(1) for i in picked]).to(dev)
         if group == "plain":
             out[rows] = sample_categorical(x, temps, log_min_p, u)
         else:
-            top_p = torch.tensor([params[i].top_p for i in picked], dtype=torch.float32)
+            top_p = torch.tensor([params[i].top_p for i in picked], dtype=torch.float32, device=dev)
             out[rows] = sample_nucleus(x, temps, top_p, log_min_p, u)
     return out
 
@@ -369,6 +373,11 @@ def _add_logprobs(
     for j, i in enumerate(rows):
         k = params[i].top_logprobs
         result.top_logprobs[i] = list(zip(ids[j][:k], vals[j][:k]))
+
+
+def _uniforms(n: int, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """float32 [n, 1] uniforms from gen (a CPU generator, or the global CPU RNG), on device."""
+    return torch.rand((n, 1), generator=gen).to(device)
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:

@@ -20,7 +20,7 @@ def apply_penalties_reference(logits: Tensor, ids: Tensor, offsets: Tensor, repe
     at ids[offsets[r]:offsets[r + 1]] (ids outside the vocabulary are ignored); repeat, frequency and
     presence float32 [rows]."""
     rows, vocab = logits.shape
-    row_of = torch.repeat_interleave(torch.arange(rows), offsets.diff())
+    row_of = torch.repeat_interleave(torch.arange(rows, device=logits.device), offsets.diff())
     inside = (ids >= 0) & (ids < vocab)
     keys, counts = torch.unique(row_of[inside] * vocab + ids[inside], return_counts=True)
     if keys.numel() == 0:

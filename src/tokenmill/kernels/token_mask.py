@@ -13,7 +13,7 @@ from torch import Tensor
 
 from tokenmill.kernels import native
 
-__all__ = ["apply_token_bitmask", "apply_token_bitmask_reference", "unpack_allowed"]
+__all__ = ["apply_token_bitmask", "apply_token_bitmask_on_device", "apply_token_bitmask_reference", "unpack_allowed"]
 
 
 def unpack_allowed(bits: Tensor, vocab: int) -> Tensor:
@@ -37,8 +37,29 @@ def apply_token_bitmask_reference(logits: Tensor, rows: list[int], bits: Tensor)
     logits.index_copy_(0, idx, picked)
 
 
+def apply_token_bitmask_on_device(logits: Tensor, rows: list[int], bits: Tensor) -> None:
+    """In place, as the reference, for logits on a GPU: the mask words go up in one copy and the
+    device op (kernels/gpu: Triton on CUDA) applies them; the logits never come to the host."""
+    from tokenmill.kernels import gpu  # the GPU path only
+
+    if not rows:
+        return
+    bits = bits.to(device=logits.device, dtype=torch.int32, non_blocking=True)
+    if rows == list(range(logits.shape[0])):
+        gpu.apply_token_bitmask(logits, bits)
+        return
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    picked = logits.index_select(0, index)
+    gpu.apply_token_bitmask(picked, bits)
+    logits.index_copy_(0, index, picked)
+
+
 def apply_token_bitmask(logits: Tensor, rows: list[int], bits: Tensor) -> None:
-    """In place, as the reference; the compiled kernel for float32 rows with a unit inner stride."""
+    """In place, as the reference; the compiled kernel for float32 rows with a unit inner stride, the
+    device op for logits on a GPU."""
+    if logits.device.type != "cpu":
+        apply_token_bitmask_on_device(logits, rows, bits)
+        return
     m = native.module()
     if (m is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
             or bits.dtype != torch.int32 or bits.shape[0] != len(rows)):

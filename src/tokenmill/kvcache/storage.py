@@ -5,7 +5,10 @@ stacked tensor, so writing a layer's slots never touches (or makes a compiled gr
 
 An int8 cache (kv_dtype "int8", as llama.cpp's q8_0 cache types) also keeps one float32 scale per
 token and head. A lazy cache (the native attention path, which never reads a slot before it is
-written) is allocated uninitialised, so the memory a process holds grows with what is used."""
+written) is allocated uninitialised, so the memory a process holds grows with what is used.
+
+On a GPU (`device`) the same layout holds bf16 keys and values, which the device kernels
+(kernels/gpu) address by the same slots and block tables."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,17 +27,18 @@ class LayerKV:
 
 class KVStorage:
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, *, lazy: bool = False):
+                 dtype: torch.dtype, *, lazy: bool = False, device: torch.device | str = "cpu"):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        self.device = torch.device(device)
         num_slots = num_blocks * block_size
         alloc = torch.empty if lazy else torch.zeros
-        self.k = [alloc(n_kv_heads, num_slots, head_dim, dtype=dtype) for _ in range(n_layers)]
-        self.v = [alloc(n_kv_heads, num_slots, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self.k = [alloc(n_kv_heads, num_slots, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [alloc(n_kv_heads, num_slots, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
         scaled = dtype == torch.int8
-        self.k_scale = [alloc(n_kv_heads, num_slots) for _ in range(n_layers)] if scaled else []
-        self.v_scale = [alloc(n_kv_heads, num_slots) for _ in range(n_layers)] if scaled else []
+        self.k_scale = [alloc(n_kv_heads, num_slots, device=device) for _ in range(n_layers)] if scaled else []
+        self.v_scale = [alloc(n_kv_heads, num_slots, device=device) for _ in range(n_layers)] if scaled else []
 
     def layer(self, i: int) -> LayerKV:
         if self.k_scale:
@@ -55,8 +59,8 @@ class KVStorage:
         """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
         if not pairs:
             return
-        src = torch.as_tensor([s for s, _ in pairs])
-        dst = torch.as_tensor([d for _, d in pairs])
+        src = torch.as_tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.as_tensor([d for _, d in pairs], device=self.device)
         for buf in self.k + self.v + self.k_scale + self.v_scale:
             blocks = buf.view(buf.shape[0], self.num_blocks, -1)
             blocks.index_copy_(1, dst, blocks.index_select(1, src))

@@ -13,6 +13,7 @@ from tokenmill.kernels import fused, native
 from tokenmill.kvcache.storage import LayerKV
 from tokenmill.model.attention import (AttentionMetadata, GraphDecodeMeta, GraphStepMeta, fused_decode_attention,
                                        paged_attention_op, write_and_attend)
+from tokenmill.model.gpu.batch import DeviceBatch, write_and_attend_device
 from tokenmill.model.linear import Linear
 from tokenmill.model.paged_batch import PagedBatch, write_and_attend_native
 
@@ -134,7 +135,8 @@ class Attention(nn.Module):
         return qk[:, :self.n_heads], qk[:, self.n_heads:], v.view(-1, self.n_kv_heads, hd)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta | PagedBatch, cache: LayerKV) -> torch.Tensor:
+               meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta | PagedBatch | DeviceBatch,
+               cache: LayerKV) -> torch.Tensor:
         k_cache, v_cache = cache.k, cache.v
         scale = self.head_dim ** -0.5 if self.scale is None else self.scale
         if isinstance(meta, PagedBatch):
@@ -148,6 +150,8 @@ class Attention(nn.Module):
             if self.window:
                 meta = meta.with_window(self.window)
             out = fused_decode_attention(q, k_cache, v_cache, meta, self.scale)
+        elif isinstance(meta, DeviceBatch):  # the GPU path (model/gpu/batch.py)
+            out = write_and_attend_device(q, k, v, cache, meta, scale, self.window or 0)
         else:
             out = write_and_attend(q, k, v, k_cache, v_cache, meta.with_window(self.window) if self.window else meta,
                                    self.scale)

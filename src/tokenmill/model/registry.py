@@ -12,6 +12,8 @@ from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import GGUFError, GGUFFile, open_gguf
 from tokenmill.gguf.weights import check_supported, dequantize
 from tokenmill.kernels import native
+from tokenmill.model.gpu.device import resolve_device
+from tokenmill.model.gpu.load import check_device_mode, device_weight, finish_on_device
 from tokenmill.model.linear import GGUFWeight, Int4Weight, onednn_bf16_available
 from tokenmill.model.quantized import RawTensor
 from tokenmill.model.gemma3 import Gemma3Model
@@ -38,6 +40,7 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     weights: str = "dense"  # "gguf": the weights stayed in their GGUF blocks
+    device: torch.device = torch.device("cpu")  # where the weights are and the model runs
 
 
 def resolve_mode(dtype: str | torch.dtype) -> str:
@@ -61,11 +64,19 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress: bool = False,
-               int4: bool = True) -> LoadedModel:
+               int4: bool = True, device: str | torch.device = "cpu") -> LoadedModel:
     """Load a GGUF model in a weight mode (MODES). With `int4` (and bf16), 4-bit GGUF weights are
-    also kept int4-packed for few-row steps (see model/linear.py)."""
+    also kept int4-packed for few-row steps (see model/linear.py). On a device other than the CPU
+    (cuda, or auto finding one) the weights are dense bf16, dequantized there (model/gpu/load.py)."""
     start = time.perf_counter()
-    mode = resolve_mode(dtype)
+    try:
+        target = resolve_device(device)
+        if target.type != "cpu":
+            check_device_mode(dtype)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    on_device = target.type != "cpu"
+    mode = "bf16" if on_device else resolve_mode(dtype)
     dtype = resolve_dtype(mode)
     try:
         g = open_gguf(path)
@@ -82,16 +93,22 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
         if missing:
             raise GGUFError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-            model.load_tensor(name, _weight(g.tensors[name], mode, dtype, int4), pending)
+            info = g.tensors[name]
+            model.load_tensor(name, device_weight(info, target) if on_device else _weight(info, mode, dtype, int4),
+                              pending)
         if pending:
             raise ModelLoadError(f"{path}: tensors without their fused siblings: {sorted(pending)[:4]}")
         model.rope.to(torch.float32)
-        model.pack_weights()
+        if on_device:
+            finish_on_device(model, target)
+        else:
+            model.pack_weights()
         model.eval()
         g.release_pages()
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from exc
-    return LoadedModel(model, cfg, g, dtype, time.perf_counter() - start, "gguf" if mode == "gguf" else "dense")
+    return LoadedModel(model, cfg, g, dtype, time.perf_counter() - start, "gguf" if mode == "gguf" else "dense",
+                       target)
 
 
 def _weight(info, mode: str, dtype: torch.dtype, int4: bool) -> GGUFWeight:

@@ -42,7 +42,7 @@ def default_loader(spec: LoadSpec, report: Callable[[float], None]) -> Loaded:
 
     path = ensure_model(spec.model, progress=True, fetcher=spec.fetcher)  # pulls a known model on first use
     report(0.1)
-    loaded = load_model(path, spec.engine.dtype)
+    loaded = load_model(path, spec.engine.dtype, device=spec.engine.device)
     report(0.8)
     cfg = fit_kv_cache(spec.engine, loaded, spec.max_kv_bytes)
     engine = LLMEngine(loaded, Tokenizer.from_gguf_metadata(loaded.gguf.metadata), cfg)

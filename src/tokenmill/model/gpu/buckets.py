@@ -1,0 +1,124 @@
+"""The device-independent half of CUDA-graph decoding: which captured batch size (bucket) a decode
+step runs in, and the static input buffers every graph reads, filled for a step with its rows and
+padded to the bucket.
+
+A graph replays fixed addresses and shapes, so every bucket's graph reads the first `bucket` rows of
+the same buffers: token ids, positions, slot mapping, block tables (full context width) and
+sequence lengths. Padding rows write nothing (slot -1) and attend nothing (sequence length 0), so a
+step of 5 sequences in the bucket of 8 computes exactly what 5 would, in the 5 rows read back.
+
+Buckets: 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up to the largest batch (`parallel`),
+which is always a bucket itself (as vLLM and SGLang grade theirs)."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tokenmill.model.gpu.batch import DeviceBatch
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """The batch sizes to capture, ascending, the last one max_batch."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    grid = [1, 2, 4, 8, *range(16, 65, 8)]
+    while grid[-1] < max_batch:
+        grid.append(grid[-1] + 16)
+    return [b for b in grid if b < max_batch] + [max_batch]
+
+
+@dataclass
+class DecodeRows:
+    """One decode step's rows as the host knows them (one new token per sequence)."""
+    input_ids: Sequence[int]
+    positions: Sequence[int]
+    slot_mapping: Sequence[int]
+    block_tables: Sequence[Sequence[int]]  # each sequence's blocks covering its seq_len (any longer is ignored)
+    seq_lens: Sequence[int]
+
+
+class DecodeBuffers:
+    """Static inputs of the decode graphs on `device`, with host staging buffers (pinned on CUDA, so
+    the copies run asynchronously) that a step fills before its copies."""
+
+    def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device | str):
+        self.device = torch.device(device)
+        self.buckets = decode_buckets(max_batch)
+        self.max_batch = max_batch
+        self.max_blocks = max_blocks
+        self.block_size = block_size
+        pin = self.device.type == "cuda"
+        # ids, positions, slot mapping: one int64 row each; sequence lengths and tables int32.
+        self.host_tokens = torch.zeros(3, max_batch, dtype=torch.int64, pin_memory=pin)
+        self.host_lens = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.tokens = torch.zeros(3, max_batch, dtype=torch.int64, device=self.device)
+        self.tokens[2].fill_(-1)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=self.device)
+        # The last step's copies out of the staging buffers, which the next fill must not overwrite early.
+        self._copied = torch.cuda.Event() if pin else None
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.tokens[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.tokens[1]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.tokens[2]
+
+    def bucket_for(self, num_rows: int) -> int | None:
+        """The smallest bucket holding num_rows rows; None when none does."""
+        i = bisect.bisect_left(self.buckets, num_rows)
+        return self.buckets[i] if num_rows >= 1 and i < len(self.buckets) else None
+
+    def accepts(self, num_rows: int, num_blocks: int) -> bool:
+        """Whether a step of num_rows sequences, the longest using num_blocks blocks, fits."""
+        return self.bucket_for(num_rows) is not None and num_blocks <= self.max_blocks
+
+    def fill(self, rows: DecodeRows) -> int:
+        """Write a step's rows into the buffers, pad them to their bucket, and return the bucket."""
+        n = len(rows.input_ids)
+        bucket = self.bucket_for(n)
+        if bucket is None:
+            raise ValueError(f"{n} rows fit no bucket (largest {self.buckets[-1]})")
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens = self.host_tokens.numpy()
+        tables = self.host_tables.numpy()
+        lens = self.host_lens.numpy()
+        tokens[:, :bucket] = 0
+        tokens[2, :bucket] = -1  # padding rows write nothing
+        tokens[0, :n] = rows.input_ids
+        tokens[1, :n] = rows.positions
+        tokens[2, :n] = rows.slot_mapping
+        lens[:bucket] = 0        # ... and attend nothing
+        lens[:n] = rows.seq_lens
+        tables[:bucket] = 0
+        for i, (table, seq_len) in enumerate(zip(rows.block_tables, rows.seq_lens)):
+            used = -(-seq_len // self.block_size)
+            if used > self.max_blocks or len(table) < used:
+                raise ValueError(f"row {i}: {seq_len} keys need {used} blocks; the table has {len(table)}, "
+                                 f"the buffers {self.max_blocks}")
+            tables[i, :used] = table[:used]
+        asynchronous = self._copied is not None
+        for i in range(3):  # row by row: each a contiguous run
+            self.tokens[i, :bucket].copy_(self.host_tokens[i, :bucket], non_blocking=asynchronous)
+        self.seq_lens[:bucket].copy_(self.host_lens[:bucket], non_blocking=asynchronous)
+        self.block_tables[:bucket].copy_(self.host_tables[:bucket], non_blocking=asynchronous)
+        if self._copied is not None:
+            self._copied.record()
+        return bucket
+
+    def batch(self, bucket: int) -> DeviceBatch:
+        """The first `bucket` rows of the buffers as a decode batch (views: a graph captured on it reads
+        whatever the buffers hold when it replays)."""
+        return DeviceBatch(self.slot_mapping[:bucket], self.block_tables[:bucket], self.seq_lens[:bucket], None,
+                           self.block_size)
