@@ -297,3 +297,24 @@ def test_a_forked_child_can_configure_while_the_parent_holds_the_lock():
             raise AssertionError("the forked child hung on the inherited lock")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(native.module() is None, reason="the compiled core is not built")
+def test_torch_share_reaches_threads_started_later_whatever_the_configuring_thread_held():
+    import threading
+
+    seen = {}
+    torch.set_num_threads(2)  # this thread's own count: configure must not take it for the process's
+    worker = threading.Thread(target=lambda: cpu_threads.configure_threads(2, torch_computes=False))
+    worker.start()
+    worker.join()
+    cpu_threads.configure_threads(2, torch_computes=True)  # from this thread, which still says 2
+    later = threading.Thread(target=lambda: seen.update(n=torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert seen["n"] == 2 and cpu_threads.torch_threads() == 2
+    # and the share reported is the process's, not the asking thread's
+    worker = threading.Thread(target=lambda: cpu_threads.configure_threads(0))
+    worker.start()
+    worker.join()
+    assert cpu_threads.torch_threads() == 2

@@ -263,6 +263,7 @@ def _new_lock_after_fork() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_after_fork)
 _current: ThreadChoice | None = None
+_torch_applied: int | None = None  # torch's intra-op count as last set here, for the process
 _torch_work: bool | None = None   # None: no engine said; True once any engine runs its step in torch
 
 
@@ -291,12 +292,12 @@ def configure_threads(requested: int, *, torch_computes: bool | None = None) -> 
             choice = default_threads()
         if torch_computes is not None:
             _torch_work = bool(_torch_work) or torch_computes
-        before = (_current, torch_threads())
+        before = (_current, _torch_applied)
         _apply(choice)
         _current = choice
-        if (choice, torch_threads()) != before:
+        if (choice, _torch_applied) != before:
             log.info("compute threads: %d (%s); torch intra-op threads: %d", choice.count, choice.reason,
-                     torch_threads())
+                     _torch_applied)
         return choice
 
 
@@ -313,10 +314,13 @@ def _apply(choice: ThreadChoice) -> None:
 
     from tokenmill.kernels import native
 
+    global _torch_applied
     native.set_num_threads(choice.count)
-    share = _torch_share(choice.count)
-    if torch.get_num_threads() != share:  # setting it rebuilds torch's pthreadpool even when unchanged
-        torch.set_num_threads(share)
+    # Always set: torch.get_num_threads() answers for the calling thread only (OpenMP keeps the count
+    # per thread; a thread takes torch's process-wide value at its first parallel op), so it cannot
+    # tell whether the process-wide value already is `share`.
+    _torch_applied = _torch_share(choice.count)
+    torch.set_num_threads(_torch_applied)
 
 
 @contextlib.contextmanager
@@ -327,7 +331,7 @@ def torch_does_the_work() -> Iterator[None]:
     import torch
 
     count = (_current or default_threads()).count
-    saved = torch.get_num_threads()
+    saved = torch.get_num_threads() if _torch_applied is None else _torch_applied
     torch.set_num_threads(count)
     try:
         yield
@@ -341,7 +345,11 @@ def current_threads() -> ThreadChoice | None:
 
 
 def torch_threads() -> int:
-    """torch's intra-op thread count, as set now."""
+    """torch's intra-op thread count as configure_threads set it for the process (torch's own answer
+    before it did). Not torch.get_num_threads() afterwards: that is the calling thread's count, which a
+    thread fixes at its first parallel op (the HTTP loop's may predate the engines')."""
+    if _torch_applied is not None:
+        return _torch_applied
     import torch
 
     return torch.get_num_threads()
@@ -355,6 +363,6 @@ def describe() -> str:
 
 
 def _reset_for_tests() -> None:
-    global _current, _torch_work
+    global _current, _torch_work, _torch_applied
     with _lock:
-        _current, _torch_work = None, None
+        _current, _torch_work, _torch_applied = None, None, None
