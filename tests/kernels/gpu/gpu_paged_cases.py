@@ -64,8 +64,8 @@ def make_case(seq_lens: list[int], kv_heads: int, head_dim: int, block_size: int
         keys.append(k.float())
         values.append(v.float())
     move = lambda t: t.to(device)  # noqa: E731
-    return PagedCase(move(k_cache), move(v_cache), move(tables), torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                     keys, values, block_size)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return PagedCase(move(k_cache), move(v_cache), move(tables), lens, keys, values, block_size)
 
 
 def dense_attention(q: Tensor, keys: Tensor, values: Tensor, q_positions: list[int], scale: float,

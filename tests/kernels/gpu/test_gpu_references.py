@@ -127,7 +127,7 @@ def test_ops_reject_bad_inputs_with_clear_errors():
     with pytest.raises(TypeError, match="caches"):
         paged_decode_attention(torch.randn(1, 4, 16), k_cache, v_cache.half(), tables, lens, SCALE, block_size=4)
     with pytest.raises(ValueError, match="cu_q_lens"):
-        paged_prefill_attention(torch.randn(2, 4, 16), k_cache, v_cache, tables, torch.tensor([0, 2], dtype=torch.int32)[:1],
+        paged_prefill_attention(torch.randn(2, 4, 16), k_cache, v_cache, tables, torch.tensor([0], dtype=torch.int32),
                                 lens, SCALE, block_size=4)
     with pytest.raises(ValueError, match="slot_mapping"):
         kv_write(torch.randn(2, 2, 16), torch.randn(2, 2, 16), k_cache, v_cache, torch.tensor([1]))

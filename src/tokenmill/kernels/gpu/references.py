@@ -87,12 +87,12 @@ def paged_prefill_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tenso
 def unpack_bitmask(bitmask: Tensor, vocab: int) -> Tensor:
     """int32 [B, words] -> bool [B, vocab], True where the token is allowed (bit t of word t // 32,
     little-endian); tokens past the mask's words are not allowed."""
-    tokens = torch.arange(vocab, device=bitmask.device)
-    words = tokens // 32
-    inside = words < bitmask.shape[1]
-    picked = bitmask[:, words.clamp(max=max(bitmask.shape[1] - 1, 0))] if bitmask.shape[1] else \
-        torch.zeros(bitmask.shape[0], vocab, dtype=torch.int32, device=bitmask.device)
-    return ((picked >> (tokens % 32).to(torch.int32)) & 1).bool() & inside
+    covered = min(vocab, 32 * bitmask.shape[1])
+    tokens = torch.arange(covered, device=bitmask.device)
+    bits = (bitmask[:, tokens // 32] >> (tokens % 32).to(torch.int32)) & 1
+    allowed = torch.zeros(bitmask.shape[0], vocab, dtype=torch.bool, device=bitmask.device)
+    allowed[:, :covered] = bits.bool()
+    return allowed
 
 
 def apply_token_bitmask_reference(logits: Tensor, bitmask: Tensor) -> None:
