@@ -1,0 +1,113 @@
+"""The engine on a CUDA GPU (skipped without one): weights dequantized on the device, the KV cache
+sized from free memory, decode steps replayed from CUDA graphs, sampling on the device. Held to the
+CPU bf16 engine on the same tiny models (greedy tokens equal, logits within bf16 tolerance) and the
+graphs to the eager device steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import make_engine, random_ids, run_to_completion
+from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
+from tiny_spm import tiny_spm_metadata
+from tokenmill.engine import SamplingParams
+from tokenmill.engine.config import ConfigError
+from tokenmill.engine.gpu_runner import DeviceModelRunner
+from tokenmill.model import load_model
+from tokenmill.model.gpu.buckets import decode_buckets
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+LENGTHS = [5, 40, 17, 3, 29, 64, 9, 33]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def recording(runner) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    run = runner.run
+
+    def wrapped(batch):
+        out = run(batch)
+        if out.logits is not None:
+            seen.append(out.logits.float().cpu())
+        return out
+
+    runner.run = wrapped
+    return seen
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("cuda-llama") / "t.gguf", TinyLlamaSpec(context_length=512))
+
+
+@pytest.fixture(scope="module")
+def gemma3_path(tmp_path_factory):
+    return write_tiny_gemma3(tmp_path_factory.mktemp("cuda-gemma") / "g.gguf", tiny_spm_metadata(),
+                             TinyGemma3Spec(context_length=512))
+
+
+def against_cpu(path, prompts, *, compile: bool, **cfg):
+    reqs = [(p, GREEDY) for p in prompts]
+    cpu = make_engine(load_model(path, torch.bfloat16), **cfg)  # eager: CUDA graphs are the GPU's compile
+    gpu = make_engine(load_model(path, "auto", device="cuda"), device="cuda", compile=compile, **cfg)
+    assert isinstance(gpu.runner, DeviceModelRunner) and gpu.kv.k[0].is_cuda
+    cpu_logits, gpu_logits = recording(cpu.runner), recording(gpu.runner)
+    expected = run_to_completion(cpu, reqs)
+    assert run_to_completion(gpu, reqs) == expected
+    worst = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(cpu_logits, gpu_logits))
+    assert worst < 0.03, worst
+    return gpu
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "graphs"])
+def test_llama_on_cuda_matches_the_cpu(llama_path, compile):
+    prompts = [random_ids(n, seed=i) for i, n in enumerate(LENGTHS)]
+    gpu = against_cpu(llama_path, prompts, n_batch=64, n_ubatch=32, parallel=8, max_total_tokens=4096,
+                      compile=compile)
+    if compile:
+        assert gpu.runner.graphs.buckets == decode_buckets(8)
+        assert gpu.runner.graph_steps > 0
+    else:
+        assert gpu.runner.graphs is None
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "graphs"])
+def test_gemma3_on_cuda_matches_the_cpu(gemma3_path, compile):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(6, 260, (n,), generator=g).tolist() for n in LENGTHS]
+    against_cpu(gemma3_path, prompts, n_batch=64, n_ubatch=32, parallel=8, max_total_tokens=4096, compile=compile)
+
+
+def test_graphs_replay_what_eager_steps_compute(llama_path):
+    loaded = load_model(llama_path, "auto", device="cuda")
+    reqs = [(random_ids(n, seed=i), GREEDY) for i, n in enumerate(LENGTHS[:5])]  # 5 rows: the bucket of 8
+    eager = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096)
+    graphs = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True)
+    eager_logits, graph_logits = recording(eager.runner), recording(graphs.runner)
+    assert run_to_completion(graphs, reqs) == run_to_completion(eager, reqs)
+    assert graphs.runner.graph_steps > 0
+    for a, b in zip(eager_logits, graph_logits):
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=0)
+
+
+def test_sampling_knobs_and_a_grammar_free_batch_on_cuda(llama_path):
+    loaded = load_model(llama_path, "auto", device="cuda")
+    engine = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True)
+    params = [SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1,
+                             repeat_penalty=1.2, logprobs=True, top_logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=1.0, seed=2, ignore_eos=True)]
+    first = run_to_completion(engine, [(random_ids(20, seed=7), p) for p in params])
+    again = run_to_completion(engine, [(random_ids(20, seed=7), p) for p in params])
+    assert first == again and all(len(out) == 8 for out in first)  # seeds repeat on the device
+
+
+def test_kv_cache_on_the_gpu(llama_path):
+    loaded = load_model(llama_path, "auto", device="cuda")
+    engine = make_engine(loaded, device="cuda", max_total_tokens=4096)
+    assert engine.cfg.max_total_tokens == 4096  # room for more: kv_size caps it
+    assert engine.kv.k[0].dtype == torch.bfloat16 and engine.kv.k[0].shape[1] == 4096
+    assert engine.runner.kv_bytes == engine.kv.nbytes and engine.runner.weights_bytes > 0
+    assert engine.runner.device_name == torch.cuda.get_device_name()
+    with pytest.raises(ConfigError, match="not enough GPU memory"):
+        make_engine(loaded, device="cuda", gpu_memory_utilization=0.001)
