@@ -151,6 +151,26 @@ def test_embeddings_and_prompt_logprobs_go_through_the_device_runner(llama):
         assert abs(a - b) < 0.05
 
 
+def test_forks_shared_prefixes_and_preemption(llama):
+    """n > 1 samples (copy-on-write of shared blocks), a prompt prefix cached across requests, and
+    preemption by recompute under a cache too small for everyone: the same tokens on both runners."""
+    shared = random_ids(40, seed=11)
+    prompts = [shared + random_ids(n, seed=20 + n) for n in (3, 9, 14)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = []
+    for engine in engines(llama, replay=True, max_total_tokens=10 * 16, n_batch=32, parallel=4):
+        rids = [engine.add_request(p, params, n=2 if i == 0 else 1) for i, p in enumerate(prompts)]
+        got: dict = {}
+        while engine.has_unfinished():
+            for ev in engine.step():
+                got.setdefault((ev.request_id, ev.index), []).extend(ev.token_ids)
+            engine.blocks.check_integrity()
+        assert engine.blocks.num_used_blocks == 0
+        assert engine.stats.num_preemptions > 0
+        outputs.append([got[(r, i)] for r in rids for i in range(2) if (r, i) in got])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 4
+
+
 def test_positions_past_the_rotary_table_are_refused(llama):
     _, dev = engines(llama, replay=False, max_total_tokens=1024)
     with pytest.raises(ValueError, match="beyond the rotary table"):
