@@ -39,7 +39,7 @@ def device_kv_tokens(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dty
     budget = memory.kv_budget_bytes(free_bytes, cfg.gpu_memory_utilization, weights, workspace)
     per_token = KVStorage.bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_dtype)
     tokens = memory.kv_tokens(budget, per_token, cfg.block_size, cfg.max_total_tokens)
-    if tokens < min(MIN_KV_TOKENS, cfg.max_total_tokens):
+    if tokens < min(MIN_KV_TOKENS, cfg.num_blocks * cfg.block_size):
         raise ConfigError(
             f"not enough GPU memory for a KV cache: {cfg.gpu_memory_utilization:g} of {free_bytes / 2**30:.2f} GiB "
             f"free, less {weights / 2**30:.2f} GiB of weights and {workspace / 2**30:.2f} GiB of workspace, leaves "

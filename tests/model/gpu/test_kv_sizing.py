@@ -68,6 +68,11 @@ def test_engine_kv_tokens_from_free_memory():
     assert device_kv_tokens(EngineConfig(max_total_tokens=65536), loaded, torch.bfloat16, 80 * GiB) == 65536
 
 
+def test_a_small_kv_size_is_kept_in_whole_blocks():
+    cfg = EngineConfig(max_total_tokens=100, block_size=16)
+    assert device_kv_tokens(cfg, fake_loaded(GiB // 4), torch.bfloat16, 80 * GiB) == 96
+
+
 def test_engine_refuses_a_device_without_room():
     with pytest.raises(ConfigError, match="not enough GPU memory for a KV cache"):
         device_kv_tokens(EngineConfig(), fake_loaded(GiB), torch.bfloat16, 3 * GiB // 2)
