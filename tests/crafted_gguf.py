@@ -23,6 +23,12 @@ def _tensor_field(reader: gguf.GGUFReader, index: int, part: int) -> int:
     return field.offset + sum(int(p.nbytes) for p in field.parts[:part])
 
 
+def _metadata_value(reader: gguf.GGUFReader, key: str) -> int:
+    """The byte offset of the scalar value of metadata `key`."""
+    field = reader.fields[key]
+    return field.offset + sum(int(p.nbytes) for p in field.parts[:-1])
+
+
 def crafted_variants(valid: Path) -> dict[str, bytes]:
     """name -> the bytes of a file that must be refused; `valid` is a little-endian GGUF v3 file."""
     data = valid.read_bytes()
@@ -57,5 +63,16 @@ def crafted_variants(valid: Path) -> dict[str, bytes]:
         "tensor_elements_huge": _patched(data, _tensor_field(reader, 0, 3), "<Q", 2**60),
         "zero_dimension": _patched(data, _tensor_field(reader, 0, 3), "<Q", 0),
         "offset_from_first": _patched(data, _tensor_field(reader, 0, 5), "<Q", int(first.data_offset) + 10**12),
+        # A sound structure whose hyperparameters a loader would divide by or allocate for.
+        **{name: _patched(data, _metadata_value(reader, "llama." + key), fmt, value) for name, key, fmt, value in (
+            ("zero_head_count", "attention.head_count", "<I", 0),
+            ("kv_heads_above_heads", "attention.head_count_kv", "<I",
+             int(reader.fields["llama.attention.head_count"].parts[-1][0]) + 1),
+            ("huge_block_count", "block_count", "<I", 2**31),
+            ("huge_context_length", "context_length", "<I", 2**32 - 1),
+            ("huge_rope_dimension", "rope.dimension_count", "<I", 2**31),
+            ("nan_norm_eps", "attention.layer_norm_rms_epsilon", "<f", float("nan")),
+            ("zero_rope_base", "rope.freq_base", "<f", 0.0),
+        )},
     }
 

@@ -13,10 +13,18 @@ from crafted_gguf import crafted_variants
 from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
 from tiny_spm import tiny_spm_metadata
 from tokenmill.gguf import GGUFError, open_gguf
+from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.validate import InvalidGGUF, validate_gguf
 
 ARCHS = ("llama", "gemma3")
 Q = gguf.GGMLQuantizationType
+
+
+def add_minimal_hyperparameters(w: gguf.GGUFWriter) -> None:
+    """The llama hyperparameters a model needs (validation checks them too), for hand-written files."""
+    for key, value in (("block_count", 1), ("embedding_length", 4), ("feed_forward_length", 8),
+                       ("attention.head_count", 1), ("vocab_size", 2)):
+        w.add_uint32(f"llama.{key}", value)
 
 
 @pytest.mark.parametrize("wtype", [Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0])
@@ -35,6 +43,7 @@ def test_tiny_gemma3_and_big_endian_files_pass(tmp_path):
     be = tmp_path / "be.gguf"
     w = gguf.GGUFWriter(str(be), "llama", endianess=gguf.GGUFEndian.BIG)
     w.add_array("test.tokens", ["a", "bc"])
+    add_minimal_hyperparameters(w)
     w.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -64,7 +73,13 @@ EXPECTED = {
     "huge_array_count": "limit", "huge_string_length": "limit", "unknown_architecture": "unsupported architecture",
     "tensor_elements_huge": "claims", "zero_dimension": "zero dimension",
     "offset_from_first": "past the end",
+    "zero_head_count": "head_count is 0", "kv_heads_above_heads": "must divide attention.head_count",
+    "huge_block_count": "more layers than the file has tensors", "huge_context_length": "context_length is 4294967295",
+    "huge_rope_dimension": "rope.dimension_count is 2147483648", "nan_norm_eps": "layer_norm_rms_epsilon is nan",
+    "zero_rope_base": "freq_base is 0.0",
 }
+HYPERPARAMETERS = ("zero_head_count", "kv_heads_above_heads", "huge_block_count", "huge_context_length",
+                   "huge_rope_dimension", "nan_norm_eps", "zero_rope_base")
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -95,6 +110,21 @@ def test_the_loader_refuses_what_would_read_past_the_end(tmp_path, variants):
             open_gguf(path)
 
 
+def test_the_loaders_config_refuses_hyperparameters_it_would_divide_by_or_allocate_for(tmp_path, variants):
+    # A file that skipped validation (a local path, a blob checked before these checks) still fails
+    # with a clear error before a model is built from its numbers.
+    tracemalloc.start()
+    try:
+        for name in HYPERPARAMETERS:
+            path = tmp_path / f"{name}.gguf"
+            path.write_bytes(variants[name])
+            with pytest.raises(GGUFError, match=EXPECTED[name].replace(".", r"\.")):
+                ModelConfig.from_gguf(open_gguf(path))
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()
+
+
 def test_a_huge_file_is_checked_by_its_header_only(tmp_path):
     # A valid model followed by 8 GiB of (sparse) padding: the check reads the header, not the file,
     # and allocates nothing in proportion to the file's size.
@@ -116,6 +146,7 @@ def test_a_metadata_array_of_many_strings_is_walked_not_kept(tmp_path):
     path = tmp_path / "wide.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_array("test.many", [f"{i:08d}" for i in range(100_000)])
+    add_minimal_hyperparameters(w)
     w.add_tensor("w", np.zeros((2, 32), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

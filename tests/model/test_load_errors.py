@@ -48,9 +48,10 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_missing_tensor(tmp_path):
-    """Metadata promises two layers; the file holds only the embedding."""
+    """Metadata promises a layer; the file holds only the embedding. (A layer count above the file's
+    tensor count is refused earlier, by the config's checks, before a model is built from it.)"""
     g = gguf.GGUFWriter(str(tmp_path / "two.gguf"), "llama")
-    g.add_block_count(2)
+    g.add_block_count(1)
     g.add_context_length(64)
     g.add_embedding_length(64)
     g.add_feed_forward_length(128)

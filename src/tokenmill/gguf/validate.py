@@ -10,7 +10,8 @@ a hostile file is refused quickly and cheaply whatever its size:
 - every tensor has a known ggml type, 1 to 4 dimensions, an offset aligned as the file says and its
   data inside the file, with no two tensors overlapping (llama.cpp's own loader checks as much; the
   "Bleeding Llama" out-of-bounds read, Ollama's CVE-2026-7482, was a tensor running past the end);
-- the architecture is one tokenmill serves.
+- the architecture is one tokenmill serves, and its hyperparameters fit the tensors (gguf/config.py:
+  a head count of 0 or a rotary dimension of 2**31 is refused here, not divided by or allocated for).
 
 Messages describe the problem by position and number, never by the file's path or its bytes."""
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import BinaryIO
 
 import gguf
 
+from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import DEFAULT_ALIGNMENT, GGUF_MAGIC, SUPPORTED_VERSIONS, GGUFError
 
 # Far beyond any real model (Llama 3 405B has ~1,100 tensors and ~40 metadata keys; Gemma 3's
@@ -41,6 +43,9 @@ MAX_DIMS = 4                 # GGML_MAX_DIMS
 _VT = gguf.GGUFValueType
 _SCALAR_SIZES = {_VT.UINT8: 1, _VT.INT8: 1, _VT.BOOL: 1, _VT.UINT16: 2, _VT.INT16: 2, _VT.UINT32: 4,
                  _VT.INT32: 4, _VT.FLOAT32: 4, _VT.UINT64: 8, _VT.INT64: 8, _VT.FLOAT64: 8}
+_SCALAR_FORMATS = {_VT.UINT8: "B", _VT.INT8: "b", _VT.BOOL: "?", _VT.UINT16: "H", _VT.INT16: "h",
+                   _VT.UINT32: "I", _VT.INT32: "i", _VT.FLOAT32: "f", _VT.UINT64: "Q", _VT.INT64: "q",
+                   _VT.FLOAT64: "d"}
 _CHUNK = 1 << 16
 _READ_AHEAD = 1 << 20
 
@@ -164,19 +169,21 @@ class _Check:
         self.cur = cur
         self.elements = 0
 
-    def value(self, vtype: int, what: str, keep: bool = False):
+    def value(self, vtype: int, what: str):
+        """A number or a bool as itself, an array as a range of its length (what the model's config
+        needs of it, e.g. the vocabulary's size), a string as None (not kept)."""
         size = _SCALAR_SIZES.get(vtype)
         if size is not None:
-            raw = self.cur.read(size, what)
-            return raw if keep else None
+            (value,) = struct.unpack(self.cur.endian + _SCALAR_FORMATS[vtype], self.cur.read(size, what))
+            return value
         if vtype == _VT.STRING:
-            return self.cur.string(what, keep=keep)
-        if vtype == _VT.ARRAY:
-            self.array(what)
+            self.cur.string(what)
             return None
+        if vtype == _VT.ARRAY:
+            return range(self.array(what))
         raise InvalidGGUF(f"{what} has unknown value type {vtype}")
 
-    def array(self, what: str) -> None:
+    def array(self, what: str) -> int:
         cur = self.cur
         etype = cur.u32(f"element type of {what}")
         count = cur.u64(f"element count of {what}")
@@ -195,6 +202,7 @@ class _Check:
             raise InvalidGGUF(f"{what} is an array of arrays, which GGUF models do not use")
         else:
             raise InvalidGGUF(f"{what} has unknown array element type {etype}")
+        return count
 
 
 def _header(cur: _Cursor) -> int:
@@ -213,11 +221,12 @@ def _header(cur: _Cursor) -> int:
     return version
 
 
-def _metadata(check: _Check, count: int) -> tuple[str | None, int]:
-    """(general.architecture, alignment), every other value checked and dropped."""
+def _metadata(check: _Check, count: int) -> tuple[str | None, int, dict]:
+    """(general.architecture, alignment, the other values: numbers and array lengths, strings None)."""
     cur = check.cur
     keys: set[str] = set()
     architecture, alignment = None, DEFAULT_ALIGNMENT
+    values: dict = {}
     for i in range(count):
         key = cur.string(f"metadata key #{i}", MAX_NAME, keep=True)
         if not key:
@@ -237,13 +246,15 @@ def _metadata(check: _Check, count: int) -> tuple[str | None, int]:
             if alignment == 0 or alignment & (alignment - 1):
                 raise InvalidGGUF(f"general.alignment {alignment} is not a non-zero power of two")
         else:
-            check.value(vtype, f"metadata value #{i}")
-    return architecture, alignment
+            values[key] = check.value(vtype, f"metadata value #{i}")
+    return architecture, alignment, values
 
 
 @dataclass(frozen=True)
 class _Tensor:
     index: int
+    name: str
+    shape: tuple[int, ...]  # PyTorch order, as the reader has it
     offset: int
     nbytes: int
 
@@ -274,7 +285,7 @@ def _tensor_info(cur: _Cursor, i: int, names: set[str], alignment: int) -> _Tens
                           f"of its block size {block}")
     if offset % alignment:
         raise InvalidGGUF(f"tensor #{i} has data offset {offset}, not a multiple of the alignment {alignment}")
-    return _Tensor(i, offset, elements // block * type_size)
+    return _Tensor(i, name, tuple(reversed(dims)), offset, elements // block * type_size)
 
 
 def validate_gguf(path: str | Path, architectures: Collection[str]) -> GGUFSummary:
@@ -300,7 +311,7 @@ def _validate(cur: _Cursor, architectures: Collection[str]) -> GGUFSummary:
         raise InvalidGGUF(f"the file claims {tensor_count} tensors; the limit is {MAX_TENSORS}")
     # A key/value pair takes at least 13 bytes and a tensor info at least 32.
     cur.need(kv_count * 13 + tensor_count * 32, f"{kv_count} metadata pairs and {tensor_count} tensor infos")
-    architecture, alignment = _metadata(_Check(cur), kv_count)
+    architecture, alignment, metadata = _metadata(_Check(cur), kv_count)
     if architecture is None:
         raise InvalidGGUF("general.architecture is missing")
     if architecture not in architectures:
@@ -320,4 +331,16 @@ def _validate(cur: _Cursor, architectures: Collection[str]) -> GGUFSummary:
         if end > cur.size:
             raise InvalidGGUF(f"tensor #{t.index}'s data (bytes {start}..{end}) runs past the end of the file "
                               f"({cur.size} bytes)")
+    _hyperparameters(architecture, metadata, {t.name: t.shape for t in tensors})
     return GGUFSummary(architecture, version, tensor_count, kv_count, data_offset, cur.size)
+
+
+def _hyperparameters(architecture: str, metadata: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The model's numbers must fit its tensors (gguf/config.py's checks), so that loading it later
+    neither divides by zero nor allocates for a context or a rotary table of 2**32."""
+    try:
+        ModelConfig.from_metadata(architecture, metadata, shapes, "the file")
+    except GGUFError as exc:
+        raise InvalidGGUF(str(exc)) from None
+    except (ValueError, TypeError, OverflowError) as exc:  # a number stored as a string or an array, ...
+        raise InvalidGGUF(f"the model's hyperparameters cannot be read ({type(exc).__name__})") from None
