@@ -2,6 +2,8 @@
 (Modelfile-lite) whose SYSTEM prompt, PARAMETERs and TEMPLATE apply to requests naming the new model."""
 from __future__ import annotations
 
+import hashlib
+
 import httpx
 import ollama
 import pytest
@@ -92,3 +94,21 @@ def test_modelfile_template_and_messages_through_the_older_create_form(served_st
         assert bad.status_code == 400 and "installed model file" in bad.json()["error"]
         tags = {m["name"] for m in c.get("/api/tags").json()["models"]}
         assert "plain" in tags
+
+
+def test_a_model_made_from_a_catalog_alias_is_listed_and_shown(store, monkeypatch):
+    # `from: smollm2` (an alias of smollm2:135m) is recorded as written; the listing must still find
+    # its base, or the model serves but /api/tags, /api/show and /v1/models say it does not exist.
+    from tokenmill.server import model_info
+    from tokenmill.store import KNOWN_MODELS, ModelSpec
+    from tokenmill.store.derived import Profile, save_derived
+
+    data = (store / "tiny-a.gguf").read_bytes()
+    spec = ModelSpec(name="tiny:1m", aliases=("tinyalias",), filename="tiny-a.gguf", parts=(),
+                     sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    save_derived("from-alias", "tinyalias", Profile(system="be brief"))
+    listed = {e.name: e for e in model_info.installed_entries(None)}
+    assert "from-alias" in listed and listed["from-alias"].path == store / "tiny-a.gguf"
+    shown = model_info.find_entry(None, "from-alias")
+    assert shown is not None and shown.derived.profile.system == "be brief"

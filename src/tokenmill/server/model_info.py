@@ -86,6 +86,8 @@ def installed_entries(host: ModelHost | None) -> list[ModelEntry]:
             entries.append(entry)
     for d in list_derived():
         base = bases.get(normalize_name(d.base)) or next((e for e in entries if str(e.path) == d.base), None)
+        if base is None and (spec := find_spec(d.base)) is not None:  # made FROM a catalog alias ("smollm2")
+            base = bases.get(normalize_name(spec.name))
         if base is None and is_digest(d.base):
             base = bases[d.base] = bases.get(d.base) or _blob_entry(parse_digest(d.base))
         if base is not None:
