@@ -72,11 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate from a model in the terminal")
     p.add_argument("model", help="model name or path to a .gguf file")
     p.add_argument("prompt", nargs="?", help="prompt; without one, an interactive chat opens")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="most tokens in an answer (default: the model's num_predict on a server, 256 in-process)")
     p.add_argument("--dtype", choices=["auto", "gguf", "bf16", "fp32"], default="auto",
                    help="see `tokenmill serve --help`")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's own on a server, greedy in-process)")
     p.add_argument("--server", default=None, help="the server to talk to (host:port); default TOKENMILL_HOST or "
                                                   "127.0.0.1:11434 when one answers there, else the model runs "
                                                   "in-process")

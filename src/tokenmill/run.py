@@ -43,15 +43,18 @@ class LocalChat:
 
 
 class RemoteChat:
-    """Streams /api/chat (or, raw, /api/generate) from a running tokenmill or Ollama server."""
+    """Streams /api/chat (or, raw, /api/generate) from a running tokenmill or Ollama server. Only the
+    options the user gave are sent (`options`), as Ollama's run does: a model created with PARAMETER
+    num_predict or temperature keeps them unless a flag overrides them."""
 
-    def __init__(self, base_url: str, model: str):
+    def __init__(self, base_url: str, model: str, options: dict | None = None):
         self.base_url = server_url(base_url)
         self.model = model
+        self.options = options or {}
 
     def stream(self, prompt: str, params: SamplingParams, *, raw: bool = False,
                history: list[dict] | None = None) -> Iterator[str]:
-        options = {"temperature": params.temperature, "num_predict": params.max_tokens}
+        options = self.options
         if raw:
             body = {"model": self.model, "prompt": prompt, "raw": True, "stream": True, "options": options}
             for obj in stream(self.base_url, "/api/generate", body):
@@ -106,7 +109,8 @@ def choose_chat(args) -> LocalChat | RemoteChat:
     base = server_url(explicit)
     if explicit or (not looks_like_path(args.model) and answers(base)):
         print(f"using the server at {base}", file=sys.stderr)
-        return RemoteChat(base, args.model)
+        given = {"num_predict": getattr(args, "max_tokens", None), "temperature": getattr(args, "temperature", None)}
+        return RemoteChat(base, args.model, {k: v for k, v in given.items() if v is not None})
     reason = "a .gguf path" if looks_like_path(args.model) else f"no server answers at {base}"
     print(f"running {args.model} in-process ({reason})", file=sys.stderr)
     return LocalChat(args.model, args.dtype)
@@ -117,7 +121,10 @@ def cmd_run(args) -> int:
     from tokenmill.store import StoreError
     from tokenmill.tokenizer import TokenizerError
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=getattr(args, "temperature", 0.0))
+    # In-process defaults; a server gets only the flags given (RemoteChat).
+    temperature = getattr(args, "temperature", None)
+    params = SamplingParams(max_tokens=args.max_tokens if args.max_tokens is not None else 256,
+                            temperature=temperature if temperature is not None else 0.0)
     try:
         chat = choose_chat(args)
         if args.prompt is None:

@@ -106,3 +106,24 @@ def test_show_without_a_server_takes_a_catalog_alias_and_counts_parameters(store
     expected = f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count / 1e3:.1f}K"
     assert re.search(rf"parameters\s+{re.escape(expected.replace('.0', ''))}\n", out), out
     assert main(["show", "nope"]) == 1 and 'model "nope" not found' in capsys.readouterr().err
+
+
+def test_run_through_a_server_sends_only_the_options_given(monkeypatch, capsys):
+    # A model created with PARAMETER num_predict/temperature keeps them: `run` without flags sends no
+    # options (as Ollama's run), and a flag overrides only its own option.
+    import tokenmill.run as run
+
+    bodies = []
+
+    def fake_stream(base, path, body):
+        bodies.append((path, body))
+        yield {"message": {"content": "arr"}}
+
+    monkeypatch.setattr(run, "answers", lambda base: True)
+    monkeypatch.setattr(run, "stream", fake_stream)
+    assert main(["run", "pirate", "hi"]) == 0
+    assert main(["run", "pirate", "hi", "--max-tokens", "5"]) == 0
+    assert main(["run", "pirate", "hi", "--temperature", "0"]) == 0
+    assert "arr" in capsys.readouterr().out
+    assert [(p, b["options"]) for p, b in bodies] == [
+        ("/api/chat", {}), ("/api/chat", {"num_predict": 5}), ("/api/chat", {"temperature": 0.0})]
