@@ -62,3 +62,15 @@ def test_serve_help_says_what_threads_0_means(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert "0 = physical cores within affinity and cgroup quota" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_benchmark_without_its_package_says_which_extra_installs_it(monkeypatch, capsys):
+    # `make serve` installs no httpx; `tokenmill bench serve` then prints the install hint, no traceback.
+    import sys
+
+    for mod in [m for m in sys.modules if m == "httpx" or m.startswith(("httpx.", "tokenmill.bench."))]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "httpx", None)  # import httpx -> ModuleNotFoundError
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9"]) == 1
+    err = capsys.readouterr().err
+    assert "needs the Python package 'httpx'" in err and "pip install 'tokenmill[bench]'" in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 BENCHMARKS = {
     "offline": ("tokenmill.bench.offline", "throughput of N prompts submitted at once (continuous batching)"),
@@ -21,6 +22,10 @@ BENCHMARKS = {
     "ray-sim": ("tokenmill.bench.ray_sim", "simulated R-replica cluster: prefix router vs power of two choices"),
     "scaling": ("tokenmill.bench.scaling", "decode, prefill and 64-sequence decode at 1..N threads vs llama.cpp"),
 }
+
+
+# Which extra of pyproject.toml installs a package some benchmark imports.
+_EXTRA_OF = {"httpx": "bench", "matplotlib": "bench", "ray": "ray"}
 
 
 def _usage() -> str:
@@ -39,5 +44,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if name not in BENCHMARKS:
         print(f"tokenmill bench: unknown benchmark {rest[0]!r}\n\n{_usage()}", end="")
         return 2
-    module = importlib.import_module(BENCHMARKS[name][0])
-    return module.main(argv, prog=f"tokenmill bench {name}")
+    try:
+        module = importlib.import_module(BENCHMARKS[name][0])
+        return module.main(argv, prog=f"tokenmill bench {name}")
+    except ModuleNotFoundError as exc:
+        # A package `make serve` (pip install tokenmill) does not install: say which extra has it.
+        if exc.name is None or exc.name.split(".")[0] == "tokenmill":
+            raise
+        package = exc.name.split(".")[0]
+        extra = _EXTRA_OF.get(package)
+        hint = f"pip install 'tokenmill[{extra}]'" if extra else f"pip install {package}"
+        print(f"tokenmill bench {name} needs the Python package {package!r}, which this install lacks: {hint}",
+              file=sys.stderr)
+        return 1
