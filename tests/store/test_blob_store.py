@@ -151,3 +151,14 @@ def test_a_request_name_is_never_a_path(home, tmp_path):
     assert str(tmp_path) not in str(a.value) and "/etc" not in str(b.value)
     assert resolve_requested("legacy-out", served_files=[outside]).path == outside
     assert resolve_named("legacy-out").path == outside  # the command line may use any file
+
+
+def test_a_model_is_not_named_as_a_blob_digest_or_an_installed_file(home, gguf_bytes):
+    digest = _upload(gguf_bytes, _sha(gguf_bytes))
+    for name in (f"sha256:{digest}", f"sha256-{digest.upper()}"):  # `from: <that>` would mean the blob
+        with pytest.raises(StoreError, match="blob digest, not a model name"):
+            save_derived(name, f"sha256:{digest}", Profile())
+    (models_dir() / "Tiny-Model.Q8_0.gguf").write_bytes(gguf_bytes)
+    with pytest.raises(StoreError, match="installed model file"):  # names fold case; the file's does not
+        save_derived("tiny-model.q8_0", f"sha256:{digest}", Profile())
+    assert [d.name for d in (find_derived(f"sha256:{digest}"), find_derived("tiny-model.q8_0")) if d] == []

@@ -100,8 +100,11 @@ def save_derived(name: str, base: str, profile: Profile) -> DerivedModel:
     """Create or replace `name`. `base` is an installed model's name, a blob digest, or a derived
     model (whose fields are inherited); never a path: a file becomes a blob first (blobs.import_file)."""
     name = check_name(name)
-    if find_spec(name) is not None or (models_dir() / f"{name}.gguf").is_file():
+    # Names compare case-insensitively, files on disk do not: SmolLM2-...gguf is taken by smollm2-...
+    if find_spec(name) is not None or any(p.stem.lower() == name for p in models_dir().glob("*.gguf")):
         raise StoreError(f"{name!r} is the name of an installed model file; choose another name")
+    if is_digest(name):  # `from: sha256:<hex>` means the blob; a model of that name could never be named
+        raise StoreError(f"{name!r} is a blob digest, not a model name; choose another name")
     with blob_lock():  # the blob checked here stays until the record that uses it is written
         parent = find_derived(base)
         if parent is not None:
