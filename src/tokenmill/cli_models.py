@@ -62,10 +62,21 @@ def cmd_ps(args: argparse.Namespace) -> int:
     _need_server(base)
     rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")]
     for m in call(base, "GET", "/api/ps")["models"]:
-        rows.append((m["name"], (m.get("digest") or "")[:12], human_size(m["size"]), "100% CPU",
-                     str(m.get("context_length", "")), _until(m["expires_at"])))
+        rows.append((m["name"], (m.get("digest") or "")[:12], human_size(m["size"]),
+                     processor(m["size"], m.get("size_vram", 0)), str(m.get("context_length", "")),
+                     _until(m["expires_at"])))
     _table(rows)
     return 0
+
+
+def processor(size: int, size_vram: int) -> str:
+    """Ollama's PROCESSOR column: where a loaded model's bytes are."""
+    if size <= 0 or size_vram <= 0:
+        return "100% CPU"
+    if size_vram >= size:
+        return "100% GPU"
+    gpu = round(100 * size_vram / size)
+    return f"{100 - gpu}%/{gpu}% CPU/GPU"
 
 
 @user_errors

@@ -49,3 +49,11 @@ def fit_kv_cache(cfg: EngineConfig, loaded: LoadedModel, max_kv_bytes: int | Non
 def engine_bytes(engine: LLMEngine) -> int:
     """Weights plus the whole KV cache (allocated lazily, so RSS grows toward this as it fills)."""
     return weights_bytes(engine.loaded) + engine.kv.nbytes
+
+
+def gpu_bytes(engine: LLMEngine) -> int:
+    """What the engine holds in GPU memory (Ollama's size_vram): its bf16 weights and its KV cache,
+    both allocated at load; 0 for a model on the CPU."""
+    if engine.loaded.device.type == "cpu":
+        return 0
+    return engine_bytes(engine)

@@ -11,9 +11,12 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from tokenmill import cpu_threads, process_stats
+from tokenmill import cpu_threads, gpu_info, process_stats
 from tokenmill.cpu_threads import ThreadChoice
 from tokenmill.engine.stats import HistogramSnapshot, StatsSnapshot
+from tokenmill.gpu_info import DeviceMemory
+from tokenmill.server.model_loads import served_gpu
+from tokenmill.server.served_model import ServedModel
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -57,6 +60,11 @@ class Writer:
         self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
         for key, value in sorted(values.items()):
             self.lines.append(f"{name}{self._labels({label: key})} {_fmt(value)}")
+
+    def series(self, name: str, kind: str, help_: str, rows: list[tuple[dict[str, str], float]]) -> None:
+        """One metric with a sample per label set (its HELP and TYPE once)."""
+        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        self.lines += [f"{name}{self._labels(labels)} {_fmt(value)}" for labels, value in rows]
 
     def histogram(self, name: str, help_: str, h: HistogramSnapshot) -> None:
         self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
@@ -112,6 +120,52 @@ def render_threads(choice: ThreadChoice | None, torch_threads: int) -> str:
     return w.text()
 
 
+@dataclass
+class GPUState:
+    """One GPU that loaded models use: its memory now, and what each model there holds."""
+    device: str                        # cuda:0
+    name: str                          # NVIDIA H100 80GB HBM3
+    memory: DeviceMemory
+    models: dict[str, int]             # model name -> bytes of weights + KV cache there
+
+
+def gpu_states(models: list[ServedModel]) -> list[GPUState]:
+    """The GPUs of the loaded models; [] when every model is on the CPU (nothing asks CUDA then)."""
+    states: dict[str, GPUState] = {}
+    for m in models:
+        device = served_gpu(m)
+        if device is None:
+            continue
+        if device not in states:
+            states[device] = GPUState(device, gpu_info.gpu_name(device), gpu_info.device_memory(device), {})
+        states[device].models[m.name] = m.gpu_bytes
+    return [states[d] for d in sorted(states)]
+
+
+def render_gpus(states: list[GPUState]) -> str:
+    """GPU memory per device (the driver's view: every process; and this process's allocator), and per
+    model; only where a model is on a GPU. KV usage is vllm:kv_cache_usage_perc, as on the CPU."""
+    if not states:
+        return ""
+    w = Writer({})
+    dev = [({"device": g.device}, g) for g in states]
+    w.series("tokenmill:gpu_info", "gauge", "The GPUs loaded models use (labels; always 1).",
+             [({"device": g.device, "name": g.name}, 1) for g in states])
+    w.series("tokenmill:gpu_memory_total_bytes", "gauge", "The GPU's memory in bytes.",
+             [(labels, g.memory.total_bytes) for labels, g in dev])
+    w.series("tokenmill:gpu_memory_used_bytes", "gauge", "GPU memory in use by every process (total less free), in "
+             "bytes.", [(labels, g.memory.used_bytes) for labels, g in dev])
+    w.series("tokenmill:gpu_memory_reserved_bytes", "gauge", "GPU memory this process's allocator holds, in bytes.",
+             [(labels, g.memory.reserved_bytes) for labels, g in dev])
+    w.series("tokenmill:gpu_memory_allocated_bytes", "gauge", "GPU memory in this process's live tensors, in bytes.",
+             [(labels, g.memory.allocated_bytes) for labels, g in dev])
+    w.series("tokenmill:model_gpu_memory_bytes", "gauge", "A loaded model's weights and KV cache on the GPU, in "
+             "bytes (/api/ps size_vram).",
+             [({"device": g.device, "model_name": name}, size)
+              for g in states for name, size in sorted(g.models.items())])
+    return w.text()
+
+
 def render(snap: StatsSnapshot | None, model: str | None, in_flight: int, rejected: int, status: str,
            engine: EngineCounters | None = None) -> str:
     w = Writer({"model_name": model} if model else {})
@@ -162,7 +216,8 @@ async def metrics(request: Request) -> Response:
                                   aengine.watchdog.num_slow_steps, time.monotonic() - snap.taken_at)
     text = render(snap, served.name if served else None, host.admission.in_flight, host.admission.num_rejected,
                   host.status, counters) + render_process(process_stats.read()) \
-        + render_threads(cpu_threads.current_threads(), cpu_threads.torch_threads())
+        + render_threads(cpu_threads.current_threads(), cpu_threads.torch_threads()) \
+        + render_gpus(gpu_states(host.loaded_models()))
     return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
 

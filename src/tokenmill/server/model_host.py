@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import replace
 
+from tokenmill import gpu_info
 from tokenmill.engine import AsyncEngine
 from tokenmill.server.admission import RETRY_AFTER_SECONDS, Admission
 from tokenmill.server.errors import APIError
@@ -25,7 +26,7 @@ from tokenmill.server.model_loads import (
     HostPolicy,
     NoRoomError,
     PendingLoad,
-    file_size,
+    load_pool,
     path_key,
     public_load_error,
     resolved_key,
@@ -315,9 +316,8 @@ class ModelHost:
             while not load.done.is_set():
                 if time.monotonic() > deadline and load.waiting_for_room:
                     raise APIError(503, f"no room to load {load.label}: the loaded models are busy "
-                                        f"(max_loaded_models {self.policy.max_loaded_models}, memory budget "
-                                        f"{self.policy.memory_budget / 1e9:.2f} GB)", code="no_room",
-                                   retry_after=RETRY_AFTER_SECONDS)
+                                        f"(max_loaded_models {self.policy.max_loaded_models}, {load.room})",
+                                   code="no_room", retry_after=RETRY_AFTER_SECONDS)
                 if time.monotonic() > deadline:
                     raise APIError(503, f"model {load.label!r} is still loading", code="model_loading",
                                    retry_after=RETRY_AFTER_SECONDS)
@@ -365,7 +365,7 @@ class ModelHost:
                  served.size_bytes / 2**20)
 
     def _serve(self, load: PendingLoad, loaded: Loaded) -> ServedModel:
-        from tokenmill.engine.memory import engine_bytes
+        from tokenmill.engine.memory import engine_bytes, gpu_bytes
 
         aengine = AsyncEngine(loaded.engine).start()
         key = path_key(loaded.path)
@@ -375,7 +375,7 @@ class ModelHost:
         # name stays out of `names`: requests for it go through its profile).
         shown = load.label if is_blob_path(loaded.path) and load.label else loaded.name
         served = ServedModel(shown, loaded.path, aengine, load.spec, time.time(), frozenset(names),
-                             engine_bytes(loaded.engine), load.keep_alive)
+                             engine_bytes(loaded.engine), load.keep_alive, gpu_bytes=gpu_bytes(loaded.engine))
         retire = None
         with self._lock:
             closed = self._closed
@@ -397,32 +397,37 @@ class ModelHost:
         return served
 
     def _make_room(self, load: PendingLoad) -> int:
-        """Unload idle models (least recently used first) until `load` fits; the KV bytes it may use."""
-        # The weights as the file holds them, plus a margin for what loading adds (dense copies, buffers).
-        need = int(file_size(load.spec.model) * 1.1)
+        """Unload idle models (least recently used first) until `load` fits; the KV bytes it may use.
+        A model going to a GPU is held to that GPU's memory (model_loads.MemoryPool), one going to
+        the CPU to the memory budget."""
+        pool = load_pool(load.spec.engine)
+        need = pool.load_bytes(load.spec.model)
         deadline = time.monotonic() + self.policy.wait_timeout
         while True:
             with self._lock:
                 others = [m for k, m in self._models.items() if k != load.key]
-                used = sum(m.size_bytes for m in others)
-                fits = len(others) < self.policy.max_loaded_models and used + need <= self.policy.memory_budget
+                releasing = self._releasing
+            used = sum(pool.held_by(m) for m in others)
+            budget = pool.budget(self.policy.memory_budget, used)  # a GPU's free memory: asked outside the lock
+            with self._lock:
+                others = [m for m in others if m in self._models.values()]  # (the reaper may have run)
+                fits = len(others) < self.policy.max_loaded_models and used + need <= budget
                 victim = None if fits else min((m for m in others if m.idle), key=lambda m: m.last_used, default=None)
                 if victim is not None:
                     self._forget(victim)
             if fits:
-                return self.policy.memory_budget - used - need
+                return budget - used - need
             if victim is not None:
                 log.info("unloading %s to make room for %s", victim.name, load.spec.model)
                 self._shutdown(victim)
                 continue
-            if not others:
-                raise NoRoomError(f"model {load.label} needs {need / 1e9:.2f} GB, more than the memory "
-                                  f"budget of {self.policy.memory_budget / 1e9:.2f} GB")
-            load.waiting_for_room = True
+            if not others and not releasing:
+                raise NoRoomError(f"model {load.label} needs {need / 1e9:.2f} GB, more than the "
+                                  f"{pool.describe(budget)}")
+            load.waiting_for_room, load.room = True, pool.describe(budget)
             if time.monotonic() > deadline or self._closed:
                 raise NoRoomError(f"no room to load {load.label}: {len(others)} model(s) loaded and busy "
-                                  f"(max_loaded_models {self.policy.max_loaded_models}, memory budget "
-                                  f"{self.policy.memory_budget / 1e9:.2f} GB)")
+                                  f"(max_loaded_models {self.policy.max_loaded_models}, {pool.describe(budget)})")
             time.sleep(0.05)
 
     # --- unloading -------------------------------------------------------------------------------
@@ -448,6 +453,7 @@ class ModelHost:
             served.aengine.shutdown()
             gc.collect()  # the engine's tensors go now, not at some later collection
             release_free_memory()
+            gpu_info.release_cached_memory()  # and a GPU model's memory goes back to the driver
         finally:
             with self._lock:
                 self._releasing -= 1

@@ -43,6 +43,75 @@ class NoRoomError(Exception):
     """Loading would exceed the limits and nothing can be unloaded in time."""
 
 
+# A model loaded onto a GPU holds its weights there in bf16, dequantized from the file's blocks: 3.2 to
+# 3.6 times a 4- or 5-bit file, 1.9 times an 8-bit one. Counted at the high end, plus what loading and
+# a step need beside the weights (model/gpu/memory.py's fixed workspace), before the load; the KV
+# cache then gets what the budget has left (and at most what the device has free, engine/device.py).
+GPU_BYTES_PER_FILE_BYTE = 4
+GPU_LOAD_MARGIN = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class MemoryPool:
+    """The memory a load has to fit in: the machine's RAM under the memory budget, or, for a model
+    going to a GPU, that GPU's memory."""
+    gpu: str | None = None                # "cuda:0", or None for RAM
+    utilization: float = 0.9              # a GPU's: the load's gpu_memory_utilization
+
+    def load_bytes(self, model: str) -> int:
+        """What loading `model` takes from this pool before its KV cache."""
+        size = file_size(model)
+        if self.gpu is None:
+            return int(size * 1.1)  # the weights as the file holds them, plus dense copies and buffers
+        return size * GPU_BYTES_PER_FILE_BYTE + GPU_LOAD_MARGIN
+
+    def held_by(self, served: ServedModel) -> int:
+        """What a loaded model holds in this pool."""
+        if self.gpu is None:
+            return served.host_bytes
+        return served.gpu_bytes if served_gpu(served) == self.gpu else 0
+
+    def budget(self, memory_budget: int, held: int) -> int:
+        """RAM: the memory budget. A GPU: `utilization` of its memory that is free now plus what the
+        loaded models there hold (`held`: a model that could be unloaded counts as room)."""
+        if self.gpu is None:
+            return memory_budget
+        from tokenmill import gpu_info
+
+        return int((gpu_info.device_memory(self.gpu).free_bytes + held) * self.utilization)
+
+    def describe(self, budget: int) -> str:
+        where = "memory budget" if self.gpu is None else f"{self.gpu} memory budget"
+        return f"{where} {budget / 1e9:.2f} GB"
+
+
+def load_pool(engine: EngineConfig) -> MemoryPool:
+    """Where a model loaded with `engine` will live. A device that cannot be had counts as RAM: the
+    load itself then fails with the reason."""
+    if engine.device == "cpu":
+        return MemoryPool()
+    from tokenmill import gpu_info
+    from tokenmill.model.gpu.device import DeviceUnavailable, resolve_device
+
+    try:
+        device = resolve_device(engine.device)
+    except DeviceUnavailable:
+        return MemoryPool()
+    if device.type != "cuda":
+        return MemoryPool()
+    return MemoryPool(gpu_info.device_label(device), engine.gpu_memory_utilization)
+
+
+def served_gpu(served: ServedModel) -> str | None:
+    """The GPU a loaded model is on ("cuda:0"), or None."""
+    device = served.engine.loaded.device
+    if device.type != "cuda":
+        return None
+    from tokenmill import gpu_info
+
+    return gpu_info.device_label(device)
+
+
 @dataclass(eq=False)
 class PendingLoad:
     spec: LoadSpec
@@ -56,6 +125,7 @@ class PendingLoad:
     error: str | None = None
     no_room: bool = False
     waiting_for_room: bool = False        # every loaded model is busy: the load waits for one to idle
+    room: str = ""                        # then: the budget it waits under ("memory budget 12.00 GB")
     started: float = field(default_factory=time.monotonic)
     served: ServedModel | None = None
 

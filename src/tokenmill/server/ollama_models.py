@@ -68,7 +68,8 @@ async def show(request: Request) -> Response:
 
 
 async def ps(request: Request) -> Response:
-    """Each loaded model with its size in memory (weights + KV cache) and when it will unload."""
+    """Each loaded model with its size in memory (weights + KV cache), how much of it is on a GPU
+    (size_vram, as Ollama: all of it for a model on the GPU, 0 on the CPU) and when it will unload."""
     models = []
     for served in request.app.state.host.loaded_models():
         e = await run_in_threadpool(model_info.served_entry, served)
@@ -76,7 +77,7 @@ async def ps(request: Request) -> Response:
         expires = served.expires_at if served.expires_at is not None else time.time() + 10 * 365 * 86400
         models.append({"name": e.name, "model": e.name, "size": served.size_bytes, "digest": e.digest,
                        "details": model_info.ollama_details(e), "expires_at": model_info.iso_time(expires),
-                       "size_vram": 0, "context_length": served.engine.max_model_len})
+                       "size_vram": served.gpu_bytes, "context_length": served.engine.max_model_len})
     return JSONResponse({"models": models})
 
 

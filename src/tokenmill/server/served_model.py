@@ -66,6 +66,7 @@ class ServedModel:
     leases: int = 0                       # requests using it now: never unloaded while > 0
     last_used: float = field(default_factory=time.monotonic)
     expires_at: float | None = None       # wall clock; None = never
+    gpu_bytes: int = 0                    # of size_bytes, what is on a GPU (Ollama's size_vram; 0 on the CPU)
 
     @property
     def engine(self) -> LLMEngine:
@@ -74,6 +75,11 @@ class ServedModel:
     @property
     def load_seconds(self) -> float:
         return self.engine.loaded.load_seconds
+
+    @property
+    def host_bytes(self) -> int:
+        """What the model holds in the machine's RAM (the memory budget's share)."""
+        return self.size_bytes - self.gpu_bytes
 
     @property
     def idle(self) -> bool:
