@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tokenmill.model import AttentionMetadata, ChunkSpec
-from tokenmill.model.gpu.batch import HostBatch, upload
+from tokenmill.kvcache.storage import KVStorage
+from tokenmill.model.gpu.batch import HostBatch, upload, write_and_attend_device
 from tokenmill.model.gpu.buckets import DecodeBuffers, DecodeRows, decode_buckets
 from tokenmill.model.paged_batch import PagedBatch
 
@@ -83,25 +84,53 @@ def test_host_batch_slots_match_the_cpu_metadata():
     assert host.slot_mapping == AttentionMetadata.build(specs, 4).slot_mapping.tolist()
     assert host.slot_mapping == PagedBatch.build(specs, 4).slot_mapping.tolist()
     assert host.block_tables == [[4, 0, 2], [1, 0, 0], [5, 6, 0]]
-    assert host.seq_lens == [11, 3, 7] and host.cu_q_lens == [0, 6, 7, 14]
-    assert not host.is_decode
-    assert HostBatch.build([ChunkSpec([1], 3, 1), ChunkSpec([2, 3], 4, 1)], 4).is_decode
+    assert host.seq_lens == [11, 3, 7] and host.prefill_cu_q_lens == [0, 6, 7, 14]
+    assert host.num_decodes == 0 and not host.is_decode  # a decode after a prefill chunk is a prefill row
+    decodes = HostBatch.build([ChunkSpec([1], 3, 1), ChunkSpec([2, 3], 4, 1)], 4)
+    assert decodes.is_decode and decodes.num_decodes == 2
+    mixed = HostBatch.build([ChunkSpec([1], 3, 1), ChunkSpec([2, 3], 4, 1), ChunkSpec([5, 6], 0, 5),
+                             ChunkSpec([7], 1, 2)], 4)
+    assert mixed.num_decodes == 2 and mixed.prefill_cu_q_lens == [0, 5, 7] and not mixed.is_decode
     with pytest.raises(ValueError, match="block table covers"):
         HostBatch.build([ChunkSpec([1], 3, 2)], 4)
 
 
 def test_upload_unpacks_one_copy_into_the_step():
-    specs = [ChunkSpec([4, 0, 2], 5, 6), ChunkSpec([1, 3], 2, 1)]
+    specs = [ChunkSpec([1, 3], 2, 1), ChunkSpec([4, 0, 2], 5, 6)]
     host = HostBatch.build(specs, 4)
     ids = list(range(100, 107))
-    positions = [5, 6, 7, 8, 9, 10, 2]
-    step = upload(host, ids, positions, [5, 6], 4, torch.device("cpu"))
+    positions = [2, 5, 6, 7, 8, 9, 10]
+    step = upload(host, ids, positions, [0, 6], 4, torch.device("cpu"))
     assert step.input_ids.tolist() == ids and step.positions.tolist() == positions
-    assert step.sample_rows.tolist() == [5, 6]
+    assert step.sample_rows.tolist() == [0, 6]
     meta = step.batch
     assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.tolist() == host.slot_mapping
     assert meta.block_tables.dtype == torch.int32 and meta.block_tables.tolist() == host.block_tables
-    assert meta.seq_lens.dtype == torch.int32 and meta.seq_lens.tolist() == [11, 3]
-    assert meta.cu_q_lens.tolist() == [0, 6, 7] and not meta.is_decode
+    assert meta.seq_lens.dtype == torch.int32 and meta.seq_lens.tolist() == [3, 11]
+    assert meta.num_decodes == 1 and meta.prefill_cu_q_lens.tolist() == [0, 6] and not meta.is_decode
     decode = upload(HostBatch.build([ChunkSpec([3], 1, 1)], 4), [9], [1], [], 4, torch.device("cpu"))
-    assert decode.batch.is_decode and decode.batch.cu_q_lens is None and decode.sample_rows.numel() == 0
+    assert decode.batch.is_decode and decode.batch.prefill_cu_q_lens is None and decode.sample_rows.numel() == 0
+
+
+def test_a_decode_row_attends_the_same_way_in_a_mixed_step():
+    """The decode rows of a step with prefill chunks go through the decode kernel (its reference on
+    CPU tensors), as they would alone: bitwise the same output."""
+    torch.manual_seed(0)
+    kv = KVStorage(1, 8, 4, 2, 16, torch.float32)
+    kv.k[0].normal_()
+    kv.v[0].normal_()
+    cache = kv.layer(0)
+    decode_spec, prefill_spec = ChunkSpec([5, 2, 7], 9, 1), ChunkSpec([1, 0], 3, 4)
+    q = torch.randn(5, 4, 16)
+    k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+
+    def attend(specs, rows):
+        host = HostBatch.build(specs, 4)
+        n = sum(s.num_new for s in specs)
+        step = upload(host, [0] * n, [0] * n, [], 4, torch.device("cpu"))
+        return write_and_attend_device(q[rows], k[rows], v[rows], cache, step.batch, 0.25, 0)
+
+    mixed = attend([decode_spec, prefill_spec], slice(0, 5))
+    alone = attend([decode_spec], slice(0, 1))
+    assert torch.equal(mixed[:1], alone)
+    assert torch.equal(mixed[1:], attend([prefill_spec], slice(1, 5)))

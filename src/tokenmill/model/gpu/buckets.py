@@ -121,4 +121,4 @@ class DecodeBuffers:
         """The first `bucket` rows of the buffers as a decode batch (views: a graph captured on it reads
         whatever the buffers hold when it replays)."""
         return DeviceBatch(self.slot_mapping[:bucket], self.block_tables[:bucket], self.seq_lens[:bucket], None,
-                           self.block_size)
+                           bucket, self.block_size)
