@@ -91,9 +91,11 @@ def test_graphs_replay_what_eager_steps_compute(llama_path):
         torch.testing.assert_close(b, a, atol=2e-2, rtol=0)
 
 
-def test_sampling_knobs_and_a_grammar_free_batch_on_cuda(llama_path):
+def test_seeded_sampling_repeats_on_cuda(llama_path):
     loaded = load_model(llama_path, "auto", device="cuda")
-    engine = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True)
+    # No prefix cache: the second run computes its prompt as the first did.
+    engine = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True,
+                         enable_prefix_caching=False)
     params = [SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1,
                              repeat_penalty=1.2, logprobs=True, top_logprobs=3, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=1.0, seed=2, ignore_eos=True)]
