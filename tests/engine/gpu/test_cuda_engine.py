@@ -22,18 +22,34 @@ LENGTHS = [5, 40, 17, 3, 29, 64, 9, 33]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def recording(runner) -> list[torch.Tensor]:
-    seen: list[torch.Tensor] = []
+def per_request(runner) -> dict[str, list[torch.Tensor]]:
+    """Each request's logits rows, step by step (requests with one sample each)."""
+    rows: dict[str, list[torch.Tensor]] = {}
     run = runner.run
 
     def wrapped(batch):
         out = run(batch)
         if out.logits is not None:
-            seen.append(out.logits.float().cpu())
+            for chunk, row in zip(batch.sampling_chunks, out.logits.float().cpu()):
+                rows.setdefault(chunk.seq.request_id, []).append(row)
         return out
 
     runner.run = wrapped
-    return seen
+    return rows
+
+
+def assert_same_greedy(expected: list[list[int]], got: list[list[int]], ref_rows: list[list[torch.Tensor]],
+                       got_rows: list[list[torch.Tensor]]) -> None:
+    """Greedy tokens equal, logits within bf16 tolerance; two bf16 models that round their matmuls
+    differently may part at a near tie, so a request's tokens may differ from the first step whose two
+    candidates the reference scores within 2% of its largest logit (and from there on, not before)."""
+    for want, have, ref, ours in zip(expected, got, ref_rows, got_rows):
+        for step, (a, b) in enumerate(zip(want, have)):
+            scale = float(ref[step].abs().max())
+            assert float((ref[step] - ours[step]).abs().max()) < 0.03 * scale, step
+            if a != b:
+                assert float(ref[step][a] - ref[step][b]) < 0.02 * scale, (step, a, b)
+                break
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +68,10 @@ def against_cpu(path, prompts, *, compile: bool, **cfg):
     cpu = make_engine(load_model(path, torch.bfloat16), **cfg)  # eager: CUDA graphs are the GPU's compile
     gpu = make_engine(load_model(path, "auto", device="cuda"), device="cuda", compile=compile, **cfg)
     assert isinstance(gpu.runner, DeviceModelRunner) and gpu.kv.k[0].is_cuda
-    cpu_logits, gpu_logits = recording(cpu.runner), recording(gpu.runner)
-    expected = run_to_completion(cpu, reqs)
-    assert run_to_completion(gpu, reqs) == expected
-    worst = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(cpu_logits, gpu_logits))
-    assert worst < 0.03, worst
+    cpu_rows, gpu_rows = per_request(cpu.runner), per_request(gpu.runner)
+    expected, got = run_to_completion(cpu, reqs), run_to_completion(gpu, reqs)
+    ids = [f"req-{i}" for i in range(len(reqs))]
+    assert_same_greedy(expected, got, [cpu_rows[i] for i in ids], [gpu_rows[i] for i in ids])
     return gpu
 
 
@@ -84,11 +99,11 @@ def test_graphs_replay_what_eager_steps_compute(llama_path):
     reqs = [(random_ids(n, seed=i), GREEDY) for i, n in enumerate(LENGTHS[:5])]  # 5 rows: the bucket of 8
     eager = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096)
     graphs = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True)
-    eager_logits, graph_logits = recording(eager.runner), recording(graphs.runner)
-    assert run_to_completion(graphs, reqs) == run_to_completion(eager, reqs)
+    eager_rows, graph_rows = per_request(eager.runner), per_request(graphs.runner)
+    expected, got = run_to_completion(eager, reqs), run_to_completion(graphs, reqs)
     assert graphs.runner.graph_steps > 0
-    for a, b in zip(eager_logits, graph_logits):
-        torch.testing.assert_close(b, a, atol=2e-2, rtol=0)
+    ids = [f"req-{i}" for i in range(len(reqs))]
+    assert_same_greedy(expected, got, [eager_rows[i] for i in ids], [graph_rows[i] for i in ids])
 
 
 def test_seeded_sampling_repeats_on_cuda(llama_path):
