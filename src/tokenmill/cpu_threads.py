@@ -12,9 +12,12 @@ rather than slows; the remainder is left to the HTTP loop and the engine's own t
 Every reader takes `root` (default "/") so that tests fake /sys and /proc in a temporary folder.
 
 `configure_threads` applies the choice process-wide: the compiled core's pool and torch's intra-op
-pool. Where the native core runs the model step, torch only runs small glue ops in between (index,
-cat, the embedding rows' copy) and gets 1 thread, so its OpenMP workers never spin against the
-pool's; where torch does the work (bf16/fp32 dense weights, TOKENMILL_NATIVE=0) it gets the count."""
+pool. Where the native core runs the model step, torch only runs glue in between (the sampled rows'
+gather, banned tokens' index_put, tensors made from lists: tens of microseconds a step) and gets 1
+thread, so that its OpenMP team never wakes, or spins, beside the pool's workers; where torch does
+the work (bf16/fp32 dense weights, TOKENMILL_NATIVE=0) it gets the count. OpenMP keeps that count per
+thread, and a thread takes torch's process-wide value at its first parallel op: an engine's loop
+thread starts after its engine configured threads, so it runs with that engine's share."""
 from __future__ import annotations
 
 import contextlib
@@ -262,6 +265,7 @@ def _new_lock_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_after_fork)
+
 _current: ThreadChoice | None = None
 _torch_applied: int | None = None  # torch's intra-op count as last set here, for the process
 _torch_work: bool | None = None   # None: no engine said; True once any engine runs its step in torch
