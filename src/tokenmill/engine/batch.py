@@ -12,17 +12,42 @@ from tokenmill.engine.request import Sequence
 class ScheduledChunk:
     seq: Sequence
     start: int        # first position computed this step
-    num_new: int
+    num_new: int      # rows computed this step (the proposals of a speculating sequence included)
     samples: bool     # this chunk catches the sequence up: its last row is sampled
     # (src, dst) KV blocks to copy before the step writes: dst is this sequence's private copy of a
     # block it shares with a sibling sample (copy-on-write).
     copies: list[tuple[int, int]] = field(default_factory=list)
     # A forked sample computes nothing this step; it samples from the logits row of this chunk.
     forked_from: "ScheduledChunk | None" = None
+    # Speculative decoding (engine/speculative/): tokens proposed after the sequence's last one. They
+    # are computed after it at the next positions, and every row from the last token on is sampled
+    # (1 + len(draft_ids) rows); the step keeps the proposals the model agrees with.
+    draft_ids: list[int] = field(default_factory=list)
+    # Seeded requests: a generator per sampled row (speculative/verify.py), set when sampling.
+    row_generators: list | None = None
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids[self.start:self.start + self.num_new]
+        return self.input_ids(self.start, self.num_new)
+
+    def input_ids(self, start: int, num_new: int) -> list[int]:
+        """The token ids of positions [start, start + num_new) of this chunk (a micro-batch's piece):
+        the sequence's own, then its proposals."""
+        ids = self.seq.all_token_ids[start:start + num_new]
+        if self.draft_ids and len(ids) < num_new:
+            first_draft = self.seq.num_tokens  # position of draft_ids[0]
+            ids = ids + self.draft_ids[max(0, start - first_draft):start + num_new - first_draft]
+        return ids
+
+    @property
+    def num_sample_rows(self) -> int:
+        return (1 + len(self.draft_ids)) if self.samples else 0
+
+    def sample_rows_in(self, start: int, num_new: int) -> range:
+        """Which rows of the piece [start, start + num_new) get logits, as offsets into the piece:
+        the chunk's last row, or every row from the last token on when it carries proposals."""
+        first = self.start + self.num_new - self.num_sample_rows
+        return range(max(first, start) - start, num_new) if self.samples and start + num_new > first else range(0)
 
 
 @dataclass
@@ -46,6 +71,15 @@ class ScheduledBatch:
                 return
 
     @property
+    def num_decode_seqs(self) -> int:
+        """Chunks that continue a generation: one new token, or one and its proposals."""
+        return sum(1 for c in self.chunks if _is_decode(c))
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_new for c in self.chunks if not _is_decode(c))
+
+    @property
     def sampling_chunks(self) -> list[ScheduledChunk]:
         return [c for c in self.chunks if c.samples]
 
@@ -54,16 +88,22 @@ class ScheduledBatch:
         return [pair for c in self.chunks for pair in c.copies]
 
     def logit_rows(self) -> list[int] | None:
-        """For each sampling chunk, the row of the runner's logits it samples from; None when every
-        chunk has its own row (no forks this step)."""
+        """For each sampled row of each sampling chunk, the row of the runner's logits it samples
+        from; None when every chunk has its own rows (no forks this step)."""
         if not any(c.forked_from for c in self.chunks):
             return None
         rows: list[int] = []
-        own: dict[int, int] = {}
+        own: dict[int, list[int]] = {}
+        num_own = 0
         for c in self.sampling_chunks:
             if c.forked_from is None:
-                own[id(c)] = len(own)
-                rows.append(own[id(c)])
+                own[id(c)] = list(range(num_own, num_own + c.num_sample_rows))
+                num_own += c.num_sample_rows
+                rows += own[id(c)]
             else:
-                rows.append(own[id(c.forked_from)])  # the parent comes first in chunk order
+                rows += own[id(c.forked_from)]  # the parent comes first in chunk order
         return rows
+
+
+def _is_decode(chunk: ScheduledChunk) -> bool:
+    return bool(chunk.draft_ids) or (chunk.num_new == 1 and not chunk.seq.is_prefilling)

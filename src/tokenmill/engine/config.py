@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.engine.speculative.config import SpecConfig, SpecConfigError
+
 POLICIES = ("fifo", "priority", "sjf")
 KV_DTYPES = ("auto", "f16", "bf16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
@@ -48,6 +50,12 @@ class EngineConfig:
     max_new_tokens: int | None = None
     request_timeout: float = 0.0
     watchdog_seconds: float = 10.0     # log a step that runs longer than this (0 = no watchdog)
+    # Speculative decoding (engine/speculative/): "ngram" (prompt lookup) or "off", the default for
+    # requests that do not choose; tokens proposed per step and sequence; the n-gram sizes looked up.
+    speculative: str = "ngram"
+    num_speculative_tokens: int = 4
+    spec_ngram_min: int = 2
+    spec_ngram_max: int = 4
     # Where the model runs (engine/device.py): "cpu", "cuda" (bf16 weights, KV cache and sampling on the
     # GPU) or "auto" (cuda when torch sees one). The CLI's default is auto; here cpu, so library users
     # and tests get the same engine on every machine unless they ask.
@@ -79,10 +87,17 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_wait_ms < 0:
             raise ConfigError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        try:
+            self.spec_config().validate()
+        except SpecConfigError as exc:
+            raise ConfigError(str(exc)) from None
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def spec_config(self) -> SpecConfig:
+        return SpecConfig(self.speculative, self.num_speculative_tokens, self.spec_ngram_min, self.spec_ngram_max)
 
     @property
     def num_blocks(self) -> int:

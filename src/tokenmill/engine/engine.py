@@ -21,7 +21,8 @@ from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler, SamplerInput
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
+from tokenmill.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
+from tokenmill.engine.speculative import Speculator, row_generators
 from tokenmill.engine.stats import HISTOGRAM_NAMES, EngineStats, HistogramSnapshot, StatsSnapshot, StepRecord
 from tokenmill.kvcache import BlockManager
 from tokenmill.kernels import native
@@ -100,6 +101,16 @@ def kv_cache_dtype(cfg: EngineConfig, loaded: LoadedModel) -> torch.dtype:
     return wanted
 
 
+def _recent_ids(chunk: ScheduledChunk, row: int) -> list[int]:
+    """The penalty window of a chunk's sampled row: the context, then the proposals before the row."""
+    seq = chunk.seq
+    n = seq.params.repeat_last_n
+    if not row or n == 0:
+        return seq.last_token_ids(n)
+    window = seq.last_token_ids(n) + chunk.draft_ids[:row]
+    return window[-n:] if n > 0 else window
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, cfg: EngineConfig | None = None):
         cfg = cfg or EngineConfig()
@@ -145,6 +156,10 @@ class LLMEngine:
         self.sampler = Sampler()
         self.masks = MaskWorker()
         self.stats = EngineStats()
+        # Speculative decoding (engine/speculative/) where a proposed row computes exactly as it would
+        # in a step of its own (the native kernels' batch invariance): greedy output stays the same.
+        if getattr(self.runner, "supports_drafts", False) and self.native_attention and step_runs_natively(loaded):
+            self.scheduler.speculator = Speculator(cfg.spec_config(), self.stats.spec)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.faults = StepFaults()
@@ -276,7 +291,7 @@ class LLMEngine:
         changed = self.scheduler.update(batch, result)
         self._record(batch, start, self.scheduler.num_preemptions - preemptions_before)
         for seq in changed:
-            self.stats.record_token(seq)
+            self.stats.record_token(seq, len(seq.output_ids) - seq.num_emitted)
             events += self._finished(seq) if seq.is_finished else [self._event(seq)]
         return events
 
@@ -287,21 +302,33 @@ class LLMEngine:
         return logits if rows is None else logits.index_select(0, torch.tensor(rows, device=logits.device))
 
     def _sampler_input(self, batch: ScheduledBatch, masks: PendingMasks | None = None) -> SamplerInput:
+        # One row per sampled row: a speculating sequence has one for its last token and one for each
+        # proposal, each sampled as the step that reached it without speculation would (its penalty
+        # window and output count include the proposals before it; speculative/verify.py).
         chunks = batch.sampling_chunks
-        seqs = [c.seq for c in chunks]
+        rows = [(c, j) for c in chunks for j in range(c.num_sample_rows)]
+        seqs = [c.seq for c, _ in rows]
         params = [s.params for s in seqs]
         uses_penalties = any(p.uses_penalties for p in params)
-        recent = [s.last_token_ids(s.params.repeat_last_n) for s in seqs] if uses_penalties else []
+        recent = [_recent_ids(c, j) for c, j in rows] if uses_penalties else []
+        generators: list = []
+        for c in chunks:
+            if c.draft_ids and c.seq.generator is not None:
+                c.row_generators = row_generators(c.seq.generator, c.num_sample_rows)
+                generators += c.row_generators
+            else:
+                generators += [c.seq.generator] * c.num_sample_rows
         return SamplerInput(
             params=params,
-            generators=[s.generator for s in seqs],
+            generators=generators,
             recent_token_ids=recent,
-            num_output_tokens=[len(s.output_ids) for s in seqs],
-            stop_token_ids=[self.scheduler.stop_ids] * len(seqs),
-            # A forked sample has its parent's grammar state, hence its parent's mask.
+            num_output_tokens=[len(c.seq.output_ids) + j for c, j in rows],
+            stop_token_ids=[self.scheduler.stop_ids] * len(rows),
+            # A forked sample has its parent's grammar state, hence its parent's mask. Constrained
+            # sequences propose nothing, so they have one row each.
             token_masks=None if masks is None else masks.for_rows(
                 [(c.forked_from.seq if c.forked_from else c.seq).seq_id if c.seq.constraint else None
-                 for c in chunks]),
+                 for c, _ in rows]),
         )
 
     def _fail(self, batch: ScheduledBatch, message: str) -> list[TokenEvent]:
@@ -336,8 +363,8 @@ class LLMEngine:
         return events
 
     def _record(self, batch: ScheduledBatch, start: float, preemptions: int) -> None:
-        decodes = sum(1 for c in batch.chunks if not c.seq.is_prefilling and c.num_new == 1)
-        prefill_tokens = batch.num_tokens - decodes
+        decodes = batch.num_decode_seqs
+        prefill_tokens = batch.num_prefill_tokens
         self.stats.num_preemptions += preemptions
         self.stats.record_step(StepRecord(batch.num_tokens, len(batch.chunks), decodes, prefill_tokens,
                                           time.perf_counter() - start, batch.num_cached_tokens))
@@ -389,7 +416,9 @@ class LLMEngine:
                 self.num_running(), self.num_waiting(), self.kv_usage(), self.blocks.num_used_blocks,
                 prefix.queries, prefix.hits, s.num_preemptions, s.num_prompt_tokens, s.num_cached_prompt_tokens,
                 s.num_generation_tokens, s.num_steps, dict(s.finished),
-                {name: HistogramSnapshot.of(getattr(s, name)) for name in HISTOGRAM_NAMES})
+                {name: HistogramSnapshot.of(getattr(s, name)) for name in HISTOGRAM_NAMES},
+                s.spec.num_drafts, s.spec.num_draft_tokens, s.spec.num_accepted_tokens,
+                tuple(s.spec.accepted_per_position))
 
     def kv_usage(self) -> float:
         return self.blocks.usage()

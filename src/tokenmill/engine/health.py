@@ -31,8 +31,7 @@ class StepShape:
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> "StepShape":
-        decodes = sum(1 for c in batch.chunks if c.num_new == 1 and not c.seq.is_prefilling)
-        return cls(len(batch.chunks), batch.num_tokens, decodes, batch.num_tokens - decodes)
+        return cls(len(batch.chunks), batch.num_tokens, batch.num_decode_seqs, batch.num_prefill_tokens)
 
     def describe(self) -> str:
         return (f"{self.num_seqs} sequences, {self.num_tokens} tokens "

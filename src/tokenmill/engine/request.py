@@ -17,11 +17,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, replace
-
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.sampler import make_generator
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.structured import Constraint
+
+if TYPE_CHECKING:
+    from tokenmill.engine.speculative.proposer import SpecState
 
 
 class Status(enum.Enum):
@@ -104,6 +107,9 @@ class Sequence:
     # params.prompt_logprobs: entry j scores prompt token j + 1 (logprob, top alternatives), from the
     # row of position j. Filled as the prompt's chunks are computed; forked samples share it.
     prompt_scores: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Speculative decoding (engine/speculative/): this sequence's n-gram index and back-off record,
+    # made on its first proposal.
+    spec: "SpecState | None" = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -189,6 +195,6 @@ class Sequence:
             output_ids=list(self.output_ids), output_logprobs=list(self.output_logprobs),
             output_top_logprobs=list(self.output_top_logprobs),
             shifted_ids=None if self.shifted_ids is None else list(self.shifted_ids),
-            times=replace(self.times),
+            times=replace(self.times), spec=None,
         )  # replace() runs __post_init__, which seeds the child's own generator
         return child

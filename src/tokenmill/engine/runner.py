@@ -45,7 +45,7 @@ class PromptRows:
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor | None  # [sampling chunks, vocab] in batch order; None if nobody samples
+    logits: torch.Tensor | None  # [sampled rows, vocab] in batch order; None if nobody samples
     prompt_rows: list[PromptRows] = field(default_factory=list)
 
 
@@ -58,6 +58,8 @@ def scored_positions(seq: Sequence, start: int, num_new: int) -> range:
 
 
 class ModelRunner:
+    supports_drafts = True  # computes and returns logits for every proposed row (ScheduledChunk.draft_ids)
+
     def __init__(self, model: torch.nn.Module, kv: KVStorage, blocks: BlockManager, n_ubatch: int,
                  decode_graph: DecodeGraph | None = None, step_graph: StepGraph | None = None, *,
                  native_attention: bool = False):
@@ -83,15 +85,14 @@ class ModelRunner:
             sample_rows: list[int] = []
             scored: list[tuple[Sequence, range, int]] = []  # (seq, positions, row of the first)
             for chunk, start, num_new in ubatch:
-                all_ids = chunk.seq.all_token_ids
                 scored_here = scored_positions(chunk.seq, start, num_new)
                 if scored_here:
                     scored.append((chunk.seq, scored_here, len(ids) + scored_here.start - start))
-                ids.extend(all_ids[start:start + num_new])
+                # A speculating sequence's proposals are rows like any others, each sampled.
+                sample_rows.extend(len(ids) + r for r in chunk.sample_rows_in(start, num_new))
+                ids.extend(chunk.input_ids(start, num_new))
                 positions.extend(range(start, start + num_new))
                 specs.append(ChunkSpec(self.blocks.block_table(chunk.seq.seq_id), start, num_new))
-                if chunk.samples and start + num_new == chunk.start + chunk.num_new:
-                    sample_rows.append(len(ids) - 1)
             graph_logits = None if scored else self._run_graph(ids, positions, specs, sample_rows)
             if graph_logits is not None:
                 logits.append(graph_logits)

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from tokenmill.structured import Grammar
 
 MAX_TOP_LOGPROBS = 20
+MAX_SPECULATIVE_TOKENS = 16  # proposed tokens per step and sequence (engine/speculative/)
 # OpenAI caps temperature at 2 and Ollama not at all; we only reject values that are clearly
 # nonsense (and inf/nan), so clients that send e.g. 3.0 keep working.
 MAX_TEMPERATURE = 100.0
@@ -57,6 +58,11 @@ class SamplingParams:
     # The output must match this grammar (compiled off the engine thread, see structured/): tokens it
     # does not allow are masked out, and the sequence ends with `stop` once the grammar is complete.
     constraint: "Grammar | None" = None
+    # Speculative decoding (engine/speculative/): True or False overrides the engine's setting for this
+    # request; num_speculative_tokens caps the tokens proposed per step (0 = none). Greedy output is the
+    # same either way, and so is a seeded request's.
+    speculative: bool | None = None
+    num_speculative_tokens: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -100,6 +106,10 @@ class SamplingParams:
         _int("top_logprobs", self.top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise InvalidSamplingParams("speculative", f"speculative must be true or false, got {self.speculative!r}")
+        if self.num_speculative_tokens is not None:
+            _int("num_speculative_tokens", self.num_speculative_tokens, lo=0, hi=MAX_SPECULATIVE_TOKENS)
 
 
 def _is_int(v) -> bool:

@@ -18,6 +18,7 @@ from tokenmill.engine.context import shift_context
 from tokenmill.engine.policy import WaitingQueue
 from tokenmill.engine.request import FinishReason, Sequence, Status
 from tokenmill.engine.sampler import SampleResult
+from tokenmill.engine.speculative import Speculator, num_accepted, settle_generator
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.block_manager import PrefixMatch
 
@@ -42,6 +43,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._rotation = 0
         self.num_preemptions = 0
+        # Speculative decoding (engine/speculative/): set by the engine when its runner computes
+        # proposed rows; None = no sequence proposes.
+        self.speculator: Speculator | None = None
 
     # --- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -77,6 +81,10 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            speculative = self._speculative_chunk(seq, budget)
+            if speculative is not None:
+                batch.add(speculative)
+                continue
             num_new = min(seq.num_uncomputed, budget)
             copies = self._reserve(seq, seq.num_computed_tokens + num_new, batch)
             if copies is not None:
@@ -92,6 +100,29 @@ class Scheduler:
             seq.times.first_scheduled = time.monotonic()
         start = seq.num_computed_tokens
         return ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens, copies)
+
+    def _speculative_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        """A decoding sequence's chunk with the tokens it proposes, when it has some and there is room
+        for them; else None (it goes the ordinary way). Proposals never preempt anyone: their blocks
+        come from free ones, and enough stay free for every running sequence's next token."""
+        spec = self.speculator
+        if spec is None or seq.num_uncomputed != 1:
+            return None
+        draft = spec.propose(seq, min(spec.num_wanted(seq), budget - 1), num_rows=len(self.running))
+        if not draft:
+            return None
+        start = seq.num_computed_tokens
+        total = start + 1 + len(draft)
+        had = len(self.blocks.block_table(seq.seq_id))
+        needed = max(0, -(-total // self.blocks.block_size) - had)
+        if self.blocks.num_free_blocks - needed < len(self.running) or not self.blocks.can_allocate(seq.seq_id, total):
+            return None
+        self.blocks.allocate(seq.seq_id, total)
+        if not self.blocks.can_prepare_write(seq.seq_id, start):
+            self.blocks.trim(seq.seq_id, had * self.blocks.block_size)
+            return None
+        copies = self.blocks.prepare_write(seq.seq_id, start)
+        return ScheduledChunk(seq, start, 1 + len(draft), True, copies, draft_ids=draft)
 
     def _reserve(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> list[tuple[int, int]] | None:
         """Make room for `seq` to hold num_tokens and to write its new tokens into blocks of its own,
@@ -210,32 +241,71 @@ class Scheduler:
         now = time.monotonic()
         for chunk in batch.chunks:
             seq = chunk.seq
+            if chunk.draft_ids:
+                assert result is not None
+                self._verify(chunk, result, row, now)
+                row += chunk.num_sample_rows
+                changed.append(seq)
+                continue
             seq.num_computed_tokens += chunk.num_new
             if self.cfg.enable_prefix_caching:
                 self.blocks.commit_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
             if not chunk.samples:
                 continue
             assert result is not None
-            token = result.token_ids[row]
-            seq.output_ids.append(token)
-            if result.logprobs is not None and result.logprobs[row] is not None:
-                seq.output_logprobs.append(result.logprobs[row])
-            if result.top_logprobs is not None and seq.params.top_logprobs:
-                seq.output_top_logprobs.append(result.top_logprobs[row])
+            self._append(seq, result, row, now)
             row += 1
-            if seq.times.first_token is None:
-                seq.times.first_token = now
-            seq.times.prev_token, seq.times.last_token = seq.times.last_token, now
-            reason = self._finish_reason(seq, token)
-            if reason is None and seq.num_tokens >= seq.max_model_len:
-                if seq.shift:
-                    self._shift(seq)
-                else:
-                    reason = FinishReason.LENGTH
-            if reason is not None:
-                self.finish(seq, reason, seq.error)
             changed.append(seq)
         return changed
+
+    def _append(self, seq: Sequence, result: SampleResult, row: int, now: float) -> bool:
+        """Give seq the token sampled at `row`; finish it, or shift its context, if that calls for
+        it. Returns whether it may take another token this step (neither happened)."""
+        token = result.token_ids[row]
+        seq.output_ids.append(token)
+        if result.logprobs is not None and result.logprobs[row] is not None:
+            seq.output_logprobs.append(result.logprobs[row])
+        if result.top_logprobs is not None and seq.params.top_logprobs:
+            seq.output_top_logprobs.append(result.top_logprobs[row])
+        if seq.times.first_token is None:
+            seq.times.first_token = now
+        seq.times.prev_token, seq.times.last_token = seq.times.last_token, now
+        reason = self._finish_reason(seq, token)
+        if reason is None and seq.num_tokens >= seq.max_model_len:
+            if not seq.shift:
+                reason = FinishReason.LENGTH
+            else:
+                self._shift(seq)
+                return False
+        if reason is not None:
+            self.finish(seq, reason, seq.error)
+            return False
+        return True
+
+    def _verify(self, chunk: ScheduledChunk, result: SampleResult, row: int, now: float) -> None:
+        """A speculating sequence takes the proposals the model agreed with and the model's own token
+        after them (speculative/verify.py), one at a time, so that a stop token, max_tokens or the
+        context's end cuts the run where it would have ended without speculation. The KV the step
+        wrote for the rejected proposals is left behind: the positions are past what the sequence has
+        computed (and so never cached), and the blocks only they used are given back."""
+        seq = chunk.seq
+        num_draft = len(chunk.draft_ids)
+        sampled = result.token_ids[row:row + num_draft + 1]
+        accepted = num_accepted(chunk.draft_ids, sampled)
+        self.speculator.observe(seq, num_draft, accepted)
+        num_emitted = 0
+        going = True
+        while going and num_emitted <= accepted:
+            # Row i's input (the last token, then proposal i) is now part of the context, computed.
+            seq.num_computed_tokens = chunk.start + num_emitted + 1
+            going = self._append(seq, result, row + num_emitted, now)
+            num_emitted += 1
+        if chunk.row_generators is not None and seq.generator is not None:
+            settle_generator(seq.generator, chunk.row_generators, num_emitted)
+        if going:  # not finished, not shifted: still holds its blocks
+            self.blocks.trim(seq.seq_id, seq.num_tokens)
+            if self.cfg.enable_prefix_caching:
+                self.blocks.commit_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

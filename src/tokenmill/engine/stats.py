@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.engine.request import Sequence
+from tokenmill.engine.speculative.proposer import SpecCounters
 
 
 class Histogram:
@@ -60,6 +61,7 @@ class EngineStats:
     queue_time: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
     tokens_per_step: Histogram = field(default_factory=lambda: Histogram(TOKENS_BUCKETS))
     seqs_per_step: Histogram = field(default_factory=lambda: Histogram(TOKENS_BUCKETS))
+    spec: SpecCounters = field(default_factory=SpecCounters)  # speculative decoding, written by the scheduler
     last_step: StepRecord | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -72,9 +74,10 @@ class EngineStats:
             self.num_prompt_tokens += rec.num_prefill_tokens
             self.num_cached_prompt_tokens += rec.num_cached_tokens
 
-    def record_token(self, seq: Sequence) -> None:
+    def record_token(self, seq: Sequence, num_tokens: int = 1) -> None:
+        """seq got num_tokens tokens this step (more than one when its proposals were accepted)."""
         with self.lock:
-            self.num_generation_tokens += 1
+            self.num_generation_tokens += num_tokens
             t = seq.times
             if len(seq.output_ids) == 1 and t.first_token is not None:
                 self.ttft.observe(t.first_token - t.arrival)
@@ -121,4 +124,10 @@ class StatsSnapshot:
     num_steps: int
     finished: dict[str, int]                 # by finish reason
     histograms: dict[str, HistogramSnapshot]  # by HISTOGRAM_NAMES
+    # Speculative decoding, vLLM's spec_decode_* counters: verifications with proposals, tokens proposed,
+    # tokens accepted, and accepted tokens by position in the proposal (0 = the first proposed token).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
     taken_at: float = field(default_factory=time.monotonic)

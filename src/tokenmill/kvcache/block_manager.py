@@ -232,6 +232,27 @@ class BlockManager:
             self._pool.register(seq.table[i], h)
             seq.hashes.append(h)
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink seq_id's table to the blocks that hold its first num_tokens tokens, releasing
+        the rest (tail first): what a step wrote past them is void (rejected speculative
+        tokens). Released blocks keep their prefix-cache keys, as with free(): a key is only
+        ever given to a full block of computed tokens, which a write past them cannot touch.
+        Never grows the table; unknown ids: no-op."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        seq = self._seqs.get(seq_id)
+        keep = self._blocks_for(num_tokens)
+        if seq is None or len(seq.table) <= keep:
+            return
+        dropped = seq.table[keep:]
+        self._journal.record(seq.table.extend, dropped)
+        _truncate(seq.table, keep)
+        if len(seq.hashes) > keep:
+            self._journal.record(seq.hashes.extend, seq.hashes[keep:])
+            _truncate(seq.hashes, keep)
+        for b in reversed(dropped):
+            self._pool.release(b)
+
     def free(self, seq_id: int) -> None:
         """Drop the sequence; its blocks lose one reference each. Unknown ids: no-op."""
         seq = self._seqs.pop(seq_id, None)

@@ -1,0 +1,52 @@
+"""Speculative decoding settings: the method, how many tokens a step may propose per sequence, the
+prompt-lookup n-gram sizes, and when to back off."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.engine.sampling_params import MAX_SPECULATIVE_TOKENS
+
+METHODS = ("off", "ngram")
+
+
+class SpecConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    # "ngram": prompt lookup (speculative/ngram.py); "off": none unless a request asks for it.
+    method: str = "ngram"
+    num_tokens: int = 4               # proposals per step and sequence (k)
+    ngram_min: int = 2                # shortest suffix looked up
+    ngram_max: int = 4                # longest suffix looked up (tried first)
+    # Back-off: after `max_misses` verifications in a row that accepted nothing, a sequence stops
+    # proposing for `cooldown_steps` steps, doubled after every further failed retry (up to
+    # max_cooldown_steps) and reset by an accepted token.
+    max_misses: int = 2
+    cooldown_steps: int = 4
+    max_cooldown_steps: int = 64
+    # The cost of one more row in a step, as a share of a step's fixed cost, and the acceptance rate
+    # a sequence is assumed to have before its first verification: together they decide how many
+    # tokens (up to num_tokens) are worth proposing (speculative/policy.py).
+    row_cost: float = 0.3
+    prior_acceptance: float = 0.6
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise SpecConfigError(f"speculative must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise SpecConfigError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
+                                  f"got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SpecConfigError(f"spec_ngram_min and spec_ngram_max need 1 <= min <= max, "
+                                  f"got {self.ngram_min} and {self.ngram_max}")
+        if self.ngram_max > 16:
+            raise SpecConfigError(f"spec_ngram_max must be at most 16, got {self.ngram_max}")
+        for name in ("max_misses", "cooldown_steps", "max_cooldown_steps"):
+            if getattr(self, name) < 1:
+                raise SpecConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.row_cost > 0:
+            raise SpecConfigError(f"row_cost must be positive, got {self.row_cost}")
+        if not 0 <= self.prior_acceptance < 1:
+            raise SpecConfigError(f"prior_acceptance must be in [0, 1), got {self.prior_acceptance}")

@@ -1,0 +1,53 @@
+"""The engine's side of speculative decoding: how many tokens a sequence may propose this step (its
+request's wishes, what is left of its max_tokens and context, the step's budget), the proposals, and
+the acceptance counters for /metrics.
+
+Only unconstrained sequences propose for now: a grammar's mask would have to be built for every
+proposed row (the matcher advanced through the proposals before them)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tokenmill.engine.speculative.config import SpecConfig
+from tokenmill.engine.speculative.proposer import NgramProposer, SpecCounters
+
+if TYPE_CHECKING:
+    from tokenmill.engine.request import Sequence
+
+
+class Speculator:
+    def __init__(self, cfg: SpecConfig, counters: SpecCounters | None = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.proposer = NgramProposer(cfg)
+        self.counters = counters if counters is not None else SpecCounters()
+
+    def num_wanted(self, seq: "Sequence") -> int:
+        """The most tokens seq may propose in a step: its request's choice (speculative,
+        num_speculative_tokens) over the engine's, capped by what it may still generate, 0 when it
+        must not (a grammar constrains it) or would gain nothing."""
+        p = seq.params
+        on = p.speculative if p.speculative is not None else self.cfg.method != "off"
+        if not on or seq.constraint is not None:
+            return 0
+        k = p.num_speculative_tokens if p.num_speculative_tokens is not None else self.cfg.num_tokens
+        # Never propose past max_tokens or the context: the last row would be computed for nothing,
+        # and a run that filled the context would need a shift in the middle.
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - len(seq.output_ids) - 1)
+        k = min(k, seq.max_model_len - seq.num_tokens - 1)
+        return max(k, 0)
+
+    def propose(self, seq: "Sequence", cap: int, num_rows: int = 1) -> list[int]:
+        """Up to cap proposals for a decoding sequence (it has exactly one uncomputed token) in a step of
+        about num_rows rows: as many as its acceptance rate makes worth their rows (policy.py)."""
+        if cap <= 0 and seq.spec is None:
+            return []
+        seq.spec, draft = self.proposer.propose(seq.spec, seq.all_token_ids, seq.num_shifted_tokens, max(cap, 0),
+                                                num_rows)
+        return draft
+
+    def observe(self, seq: "Sequence", num_draft_tokens: int, num_accepted: int) -> None:
+        self.counters.record(num_draft_tokens, num_accepted)
+        if seq.spec is not None:
+            self.proposer.observe(seq.spec, num_draft_tokens, num_accepted)

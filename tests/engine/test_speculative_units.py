@@ -1,0 +1,222 @@
+"""Speculative decoding's parts on their own: the n-gram index, the acceptance rule, the seeded
+generators' bookkeeping, back-off, the block manager's trim, and the settings' validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.engine import EngineConfig, SamplingParams
+from tokenmill.engine.config import ConfigError
+from tokenmill.engine.sampling_params import InvalidSamplingParams
+from tokenmill.engine.speculative import (NgramIndex, NgramProposer, SpecConfig, SpecConfigError, SpecCounters,
+                                          num_accepted, row_generators, settle_generator)
+from tokenmill.engine.speculative.policy import AcceptanceRate, best_num_tokens, expected_tokens
+from tokenmill.kvcache import BlockManager
+
+
+# --- the n-gram index ---------------------------------------------------------------------------
+
+def test_proposes_what_followed_the_suffix_earlier():
+    ids = [1, 2, 3, 4, 5, 6, 9, 2, 3]
+    assert NgramIndex(1, 4).propose(ids, 3) == [4, 5, 6]
+
+
+def test_longest_suffix_wins_over_a_later_shorter_match():
+    # "2 3" occurred at the start (followed by 4) and "3" occurred later (followed by 7).
+    ids = [2, 3, 4, 8, 3, 7, 0, 2, 3]
+    assert NgramIndex(1, 4).propose(ids, 1) == [4]
+    assert NgramIndex(1, 1).propose(ids, 1) == [7]  # unigrams only: the latest "3"
+
+
+def test_latest_occurrence_of_the_same_ngram_wins():
+    ids = [5, 6, 1, 9, 5, 6, 2, 9, 5, 6]
+    assert NgramIndex(2, 2).propose(ids, 1) == [2]
+
+
+def test_min_n_and_no_match():
+    ids = [1, 2, 3, 4, 3]
+    assert NgramIndex(2, 4).propose(ids, 4) == []  # "4 3" never occurred; "3" alone is too short
+    assert NgramIndex(1, 4).propose(ids, 1) == [4]
+    assert NgramIndex(1, 4).propose([7], 4) == []
+    assert NgramIndex(1, 4).propose([], 4) == []
+
+
+def test_a_match_running_into_the_end_continues_with_its_period():
+    assert NgramIndex(1, 4).propose([8, 7, 7, 7], 5) == [7, 7, 7, 7, 7]
+    assert NgramIndex(2, 4).propose([0, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+
+
+def test_growing_index_agrees_with_a_fresh_one_at_every_length():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (300,), generator=g).tolist()
+    grown = NgramIndex(1, 4)
+    for n in range(1, len(ids) + 1):
+        assert grown.propose(ids[:n], 4) == NgramIndex(1, 4).propose(ids[:n], 4)
+    assert grown.num_indexed == len(ids) - 1
+
+
+def test_a_shrinking_list_is_refused():
+    index = NgramIndex(1, 2)
+    index.propose([1, 2, 3, 4], 2)
+    with pytest.raises(ValueError, match="shrank"):
+        index.propose([1, 2], 2)
+    with pytest.raises(ValueError):
+        NgramIndex(3, 2)
+
+
+# --- acceptance and seeded generators -------------------------------------------------------------
+
+@pytest.mark.parametrize("draft,sampled,expected", [
+    ([5, 6, 7], [5, 6, 7, 8], 3),  # all accepted: the bonus token comes too
+    ([5, 6, 7], [5, 9, 7, 8], 1),  # the first disagreement ends it, whatever follows
+    ([5, 6, 7], [4, 6, 7, 8], 0),
+    ([], [3], 0),
+])
+def test_num_accepted(draft, sampled, expected):
+    assert num_accepted(draft, sampled) == expected
+
+
+def test_row_generators_draw_what_the_request_generator_would_draw_in_turn():
+    gen = torch.Generator().manual_seed(1234)
+    sequential = torch.Generator().manual_seed(1234)
+    expected = [torch.rand((1,), generator=sequential).item() for _ in range(4)]
+    rows = row_generators(gen, 4)
+    assert [torch.rand((1,), generator=g).item() for g in rows] == expected
+    # gen itself was not touched; after 2 emitted tokens it continues with the third draw.
+    settle_generator(gen, rows, 2)
+    assert torch.rand((1,), generator=gen).item() == expected[2]
+
+
+# --- back-off and counters ------------------------------------------------------------------------
+
+def test_back_off_after_misses_then_retry_with_a_doubled_cooldown():
+    # Rows nearly free: the acceptance rate never shrinks a proposal here, only the misses stop it.
+    cfg = SpecConfig(max_misses=2, cooldown_steps=3, max_cooldown_steps=6, row_cost=1e-4)
+    p = NgramProposer(cfg)
+    ids = [1, 2, 3, 1, 2]
+    state, draft = p.propose(None, ids, 0, 2)
+    assert draft == [3, 1]
+    p.observe(state, 2, 0)
+    assert p.propose(state, ids, 0, 2)[1] == [3, 1]  # one miss: still proposing
+    p.observe(state, 2, 0)
+    assert [p.propose(state, ids, 0, 2)[1] for _ in range(3)] == [[], [], []]  # cooldown of 3
+    assert p.propose(state, ids, 0, 2)[1] == [3, 1]  # the retry
+    p.observe(state, 2, 0)  # fails at once: a cooldown of 6
+    assert [p.propose(state, ids, 0, 2)[1] for _ in range(6)] == [[]] * 6
+    assert p.propose(state, ids, 0, 2)[1] == [3, 1]
+    p.observe(state, 2, 1)  # an accepted token forgives everything
+    assert state.misses == 0 and state.next_cooldown == 3
+
+
+def test_a_context_shift_rebuilds_the_index():
+    p = NgramProposer(SpecConfig(ngram_min=1))
+    state, _ = p.propose(None, [1, 2, 3, 1], 0, 2)
+    state2, draft = p.propose(state, [9, 1], 10, 2)  # the context was rewritten
+    assert state2 is not state and draft == []
+
+
+def test_counters_by_position():
+    c = SpecCounters()
+    c.record(4, 2)
+    c.record(2, 2)
+    c.record(4, 0)
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (3, 10, 4)
+    assert c.accepted_per_position == [2, 2, 0, 0]
+
+
+# --- how many tokens pay for their rows ----------------------------------------------------------
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1
+    assert expected_tokens(0.5, 2) == 1.75
+    assert expected_tokens(1.0, 4) == 5
+
+
+def test_best_num_tokens_grows_with_acceptance_and_shrinks_with_the_batch():
+    alone = [best_num_tokens(a, 1, 0.3, 8) for a in (0.1, 0.3, 0.6, 0.8, 0.95)]
+    assert alone[0] == 0 and alone == sorted(alone) and alone[-1] >= 5
+    assert best_num_tokens(0.6, 1, 0.3, 8) == 2
+    assert best_num_tokens(0.95, 1, 0.3, 3) == 3  # capped
+    batched = [best_num_tokens(0.8, r, 0.3, 8) for r in (1, 2, 4, 8, 16)]
+    assert batched == sorted(batched, reverse=True) and batched[-1] == 0
+    assert best_num_tokens(0.99, 4, 1e-6, 8) == 8  # free rows: always the most
+
+
+def test_acceptance_rate_follows_recent_verifications_and_drifts_back_when_idle():
+    rate = AcceptanceRate(prior=0.6)
+    assert rate.value == 0.6
+    for _ in range(10):
+        rate.observe(4, 4)
+    assert rate.value > 0.9
+    for _ in range(10):
+        rate.observe(4, 0)
+    assert rate.value < 0.4  # a miss is one failed trial, a full acceptance four successes
+    low = rate.value
+    for _ in range(100):
+        rate.idle()
+    assert low < rate.value and abs(rate.value - 0.6) < 0.01
+
+
+@pytest.mark.parametrize("max_misses,most_rows_per_step", [(2, 0.05), (100, 0.3)])
+def test_proposals_that_always_fail_become_rare_but_never_stop_for_good(max_misses, most_rows_per_step):
+    # 2 (the default): cooldowns after misses; 100: the acceptance rate alone keeps the cost down.
+    p = NgramProposer(SpecConfig(max_misses=max_misses))
+    ids = [1, 2, 3, 4, 5] * 4
+    state, proposed_rows = None, []
+    for _ in range(400):
+        state, draft = p.propose(state, ids, 0, 4)
+        if draft:
+            p.observe(state, len(draft), 0)
+        proposed_rows.append(len(draft))
+    assert proposed_rows[0] == 2  # the prior's choice for a sequence alone in its step
+    late = proposed_rows[100:]
+    assert 0 < sum(late) < most_rows_per_step * len(late)  # still retrying, rarely
+
+
+# --- the block manager's trim ---------------------------------------------------------------------
+
+def test_trim_releases_tail_blocks_and_rolls_back():
+    bm = BlockManager(8, 4)
+    bm.allocate(1, 13)  # 4 blocks
+    table = bm.block_table(1)
+    cp = bm.checkpoint()
+    bm.trim(1, 6)  # 2 blocks hold 6 tokens
+    assert bm.block_table(1) == table[:2] and bm.num_free_blocks == 6
+    bm.check_integrity()
+    bm.rollback(cp)
+    assert bm.block_table(1) == table and bm.num_free_blocks == 4
+    bm.check_integrity()
+    bm.trim(1, 100)  # never grows
+    bm.trim(99, 0)  # unknown: nothing
+    assert bm.block_table(1) == table
+    bm.free(1)
+    assert bm.num_free_blocks == 8
+
+
+def test_trim_keeps_committed_blocks_and_drops_keys_of_trimmed_ones():
+    bm = BlockManager(8, 4)
+    ids = list(range(12))
+    bm.allocate(1, 12)
+    bm.commit_full_blocks(1, ids, 12)
+    bm.trim(1, 5)
+    assert len(bm.state_snapshot().seq_hashes[1]) == 2
+    bm.check_integrity()
+    assert bm.match_prefix(ids + [0]).num_tokens == 12  # the released full block stays cached
+    bm.free(1)
+
+
+# --- settings -------------------------------------------------------------------------------------
+
+def test_settings_are_validated():
+    EngineConfig(speculative="off").validate()
+    for bad in (dict(speculative="draft"), dict(num_speculative_tokens=0), dict(num_speculative_tokens=17),
+                dict(spec_ngram_min=3, spec_ngram_max=2), dict(spec_ngram_min=0)):
+        with pytest.raises(ConfigError):
+            EngineConfig(**bad).validate()
+    for bad in (dict(max_misses=0), dict(row_cost=0), dict(prior_acceptance=1.0)):
+        with pytest.raises(SpecConfigError):
+            SpecConfig(**bad).validate()
+    SamplingParams(speculative=False, num_speculative_tokens=0).validate()
+    for bad in (dict(speculative="yes"), dict(num_speculative_tokens=-1), dict(num_speculative_tokens=99)):
+        with pytest.raises(InvalidSamplingParams):
+            SamplingParams(**bad).validate()
