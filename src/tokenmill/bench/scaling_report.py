@@ -30,15 +30,22 @@ def _header(r: dict[str, Any]) -> list[str]:
             f"default threads: {m['default_threads']} ({m['default_threads_reason']})",
             f"cpu flags: {m['flags'] or 'none of ' + 'avx2/avx512f/vnni/bf16/amx'}",
             f"llama.cpp: {'; '.join(sources + plan.get('notes', [])) or 'n/a'}",
-            f"tests: tg = {c['tg_prompt_len']}-token prompt, {c['tg_tokens']} new tokens, greedy, EOS ignored; "
-            f"pp = {c['pp_tokens']}-token prompt; batch = {c['batch']} x {c['batch_prompt_len']}-token prompts, "
-            f"{c['batch_tokens']} decode steps; median of {c['repeats']} (tg, pp)"]
+            "tests: " + "; ".join(_TEST_TEXT[t].format(**c) for t in r["tests"])]
+
+
+_TEST_TEXT = {"tg": "tg = {tg_prompt_len}-token prompt, {tg_tokens} new tokens, greedy, EOS ignored, median of {repeats}",
+              "pp": "pp = {pp_tokens}-token prompt, median of {repeats}",
+              "batch": "batch = {batch} x {batch_prompt_len}-token prompts, {batch_tokens} decode steps"}
+
+
+def _rows(r: dict[str, Any]) -> list[dict[str, Any]]:
+    return sorted(r["rows"], key=lambda row: row["threads"])
 
 
 def _metric_table(r: dict[str, Any], test: str, key: str, title: str) -> list[str]:
     lines = ["", title.format(batch=r["config"]["batch"]),
              f"{'threads':>8}{'tokenmill':>12}{'llama.cpp':>12}{'ratio':>8}"]
-    for row in r["rows"]:
+    for row in _rows(r):
         tm, lc = _get(row["tokenmill"], test, key), _get(row["llama_cpp"], test, key)
         lines.append(f"{row['threads']:>8}{fmt(tm):>12}{fmt(lc):>12}{fmt(row['ratio'].get(test), 2):>8}")
     return lines
@@ -53,7 +60,7 @@ def _proxy_table(r: dict[str, Any]) -> list[str]:
     lines = ["", "thread pool per decoded token (single stream) | per decode step (batch); n/a: not counted",
              f"{'threads':>8}{'syncs':>8}{'inline':>8}{'wait us':>9}{'omp':>7}{'forkjoin':>9}{'sleeps':>8}  |"
              f"{'syncs':>8}{'wait us':>9}{'forkjoin':>9}"]
-    for row in r["rows"]:
+    for row in _rows(r):
         t, b = row["tokenmill"].get("proxy_tg"), row["tokenmill"].get("proxy_batch")
         lines.append(f"{row['threads']:>8}{_per(t, 'per_token', 'regions'):>8}{_per(t, 'per_token', 'inline'):>8}"
                      f"{_per(t, 'per_token', 'join_wait_ns', 1e-3):>9}{_per(t, 'per_token', 'omp_regions'):>7}"
@@ -68,7 +75,7 @@ def _proxy_table(r: dict[str, Any]) -> list[str]:
 
 def _problems(r: dict[str, Any]) -> list[str]:
     out = []
-    for row in r["rows"]:
+    for row in _rows(r):
         tm, lc = row["tokenmill"], row["llama_cpp"]
         if tm.get("error"):
             out.append(f"  {row['threads']} threads, tokenmill: {tm['error']}")
@@ -78,6 +85,10 @@ def _problems(r: dict[str, Any]) -> list[str]:
             out.append(f"  {row['threads']} threads: several OpenMP runtimes loaded, fork-join counts may "
                        f"mislead: {', '.join(tm['openmp_runtimes'])}")
         out += [f"  {row['threads']} threads, llama.cpp: {e}" for e in lc.get("errors", [])]
+    done = {row["threads"] for row in r["rows"]}
+    missing = [n for n in r.get("thread_counts", []) if n not in done]
+    if missing:
+        out.append(f"  not measured (the run ended first): {', '.join(map(str, missing))} threads")
     return ["", "problems:", *out] if out else []
 
 
