@@ -136,6 +136,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("gpu_memory_utilization", float, 0.9, "cuda: the share of the GPU's free memory a model may take for "
            "its weights, KV cache and workspace; the KV cache gets what is left, up to kv_size",
            ("--gpu-memory-utilization",), lo=0.01, hi=1.0),
+    Option("speculative", str, "ngram", "speculative decoding for requests that do not choose: ngram (prompt "
+           "lookup: a sequence proposes what followed its last few tokens earlier in its context, verified in the "
+           "same step; greedy and seeded output unchanged) or off", ("--speculative",), choices=("off", "ngram")),
+    Option("num_speculative_tokens", int, 4, "most tokens a sequence proposes per step (fewer when its proposals "
+           "are seldom accepted or the batch is large)", ("--num-speculative-tokens",), lo=1, hi=16),
+    Option("spec_ngram_min", int, 2, "prompt lookup: the shortest suffix looked up", ("--spec-ngram-min",), lo=1,
+           hi=16),
+    Option("spec_ngram_max", int, 4, "prompt lookup: the longest suffix looked up (tried first)",
+           ("--spec-ngram-max",), lo=1, hi=16),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -181,6 +190,10 @@ class Config:
     compile: bool = True
     device: str = "auto"
     gpu_memory_utilization: float = 0.9
+    speculative: str = "ngram"
+    num_speculative_tokens: int = 4
+    spec_ngram_min: int = 2
+    spec_ngram_max: int = 4
     # Where each value came from: "default", "config file PATH", "env NAME", "flag --name", "argument MODEL".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     config_file: Path | None = field(default=None, compare=False, repr=False)
@@ -194,7 +207,9 @@ class Config:
                             aging_ms=self.aging_ms, max_wait_ms=self.max_wait_ms, threads=self.threads,
                             compile=self.compile, max_new_tokens=self.max_tokens or None,
                             request_timeout=self.request_timeout, watchdog_seconds=self.watchdog_seconds,
-                            device=self.device, gpu_memory_utilization=self.gpu_memory_utilization)
+                            device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
+                            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                            spec_ngram_min=self.spec_ngram_min, spec_ngram_max=self.spec_ngram_max)
 
     def keep_alive_seconds(self) -> float | None:
         """The keep_alive setting in seconds; None = forever."""
@@ -386,6 +401,9 @@ def load_config(args: argparse.Namespace | None = None, *, env: Mapping[str, str
     except ValueError as exc:
         raise ConfigError(f"{cfg.source('keep_alive')}: {exc}") from None
     # The one relation between settings (each value alone was checked above).
+    if cfg.spec_ngram_min > cfg.spec_ngram_max:
+        raise ConfigError(f"spec_ngram_min ({cfg.spec_ngram_min}, {cfg.source('spec_ngram_min')}) is above "
+                          f"spec_ngram_max ({cfg.spec_ngram_max}, {cfg.source('spec_ngram_max')})")
     if cfg.kv_size < cfg.block_size:
         raise ConfigError(f"kv_size ({cfg.kv_size}, {cfg.source('kv_size')}) is below one block "
                           f"(block_size {cfg.block_size}, {cfg.source('block_size')})")

@@ -220,3 +220,17 @@ def test_settings_are_validated():
     for bad in (dict(speculative="yes"), dict(num_speculative_tokens=-1), dict(num_speculative_tokens=99)):
         with pytest.raises(InvalidSamplingParams):
             SamplingParams(**bad).validate()
+
+
+def test_serve_settings_reach_the_engine():
+    from tokenmill.config import ConfigError as ServeConfigError, load_config
+
+    cfg = load_config(env={"TOKENMILL_SPECULATIVE": "off", "TOKENMILL_NUM_SPECULATIVE_TOKENS": "6",
+                           "TOKENMILL_SPEC_NGRAM_MIN": "1", "TOKENMILL_SPEC_NGRAM_MAX": "3"})
+    ec = cfg.engine_config()
+    assert (ec.speculative, ec.num_speculative_tokens, ec.spec_ngram_min, ec.spec_ngram_max) == ("off", 6, 1, 3)
+    assert load_config(env={}).engine_config().spec_config() == EngineConfig().spec_config()
+    with pytest.raises(ServeConfigError, match="spec_ngram_min"):
+        load_config(env={"TOKENMILL_SPEC_NGRAM_MIN": "4", "TOKENMILL_SPEC_NGRAM_MAX": "2"})
+    with pytest.raises(ServeConfigError, match="speculative"):
+        load_config(env={"TOKENMILL_SPECULATIVE": "draft"})

@@ -72,6 +72,15 @@ class OutputAssembler:
         self.text += out
         return self._delta(out, ev, hit)
 
+    def _num_output_tokens(self, ev: TokenEvent) -> int:
+        """The generation's token count: once a stop string cut it, the tokens up to the one that
+        completed it, as if generation had stopped there (a step that accepted several speculative
+        tokens may have delivered more)."""
+        if not self.stops.stopped or self.stops.stop_string is None:
+            return ev.num_output_tokens
+        end = self.stops.emitted_chars + len(self.stops.stop_string)
+        return min(ev.num_output_tokens, self.tracker.tokens_before(end))
+
     def _delta(self, text: str, ev: TokenEvent, hit: bool) -> TextDelta:
         # Release the tokens whose text has been sent; at the cut of a stop string that is final,
         # and a normal finish releases everything.
@@ -91,6 +100,6 @@ class OutputAssembler:
             hit_stop_string=hit,
             num_prompt_tokens=ev.num_prompt_tokens,
             num_cached_tokens=ev.num_cached_tokens,
-            num_output_tokens=ev.num_output_tokens,
+            num_output_tokens=self._num_output_tokens(ev),
             prompt_logprobs=ev.prompt_logprobs,
         )

@@ -197,6 +197,17 @@ def render(snap: StatsSnapshot | None, model: str | None, in_flight: int, reject
              snap.num_cached_prompt_tokens)
     w.metric("vllm:generation_tokens_total", "counter", "Tokens generated.", snap.num_generation_tokens)
     w.metric("tokenmill:engine_steps_total", "counter", "Engine steps run.", snap.num_steps)
+    # Speculative decoding, vLLM's spec_decode family under tokenmill's prefix: acceptance rate is
+    # accepted / draft tokens, mean accepted length 1 + accepted / drafts.
+    w.metric("tokenmill:spec_decode_num_drafts_total", "counter", "Verifications of proposed tokens (speculative "
+             "decoding).", snap.spec_num_drafts)
+    w.metric("tokenmill:spec_decode_num_draft_tokens_total", "counter", "Tokens proposed.", snap.spec_num_draft_tokens)
+    w.metric("tokenmill:spec_decode_num_accepted_tokens_total", "counter", "Proposed tokens accepted.",
+             snap.spec_num_accepted_tokens)
+    if snap.spec_accepted_per_position:
+        w.series("tokenmill:spec_decode_num_accepted_tokens_per_pos_total", "counter", "Proposed tokens accepted, "
+                 "by position in the proposal (0 = first).",
+                 [({"position": str(i)}, n) for i, n in enumerate(snap.spec_accepted_per_position)])
     w.labelled("vllm:request_success_total", "counter", "Finished sequences by finish reason.", snap.finished,
                "finished_reason")
     for name, help_, key in HISTOGRAMS:

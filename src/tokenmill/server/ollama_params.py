@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.engine import SamplingParams
+from tokenmill.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from tokenmill.server.validation import get_bool, get_dict, get_float, get_int, get_stop, warn_unknown
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "typical_p": 1.0,
@@ -14,7 +15,9 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "typica
 IGNORED = {"num_batch", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_thread", "numa", "low_vram", "f16_kv",
            "vocab_only", "logits_all", "embedding_only", "penalize_newline", "mirostat", "mirostat_tau",
            "mirostat_eta", "tfs_z", "num_gqa", "rope_frequency_base", "rope_frequency_scale"}
-KNOWN = {"num_keep", "num_ctx", "num_predict", "seed", "stop", *DEFAULTS, *IGNORED}
+# speculative, num_speculative_tokens: tokenmill's own (engine/speculative/), per request.
+KNOWN = {"num_keep", "num_ctx", "num_predict", "seed", "stop", "speculative", "num_speculative_tokens", *DEFAULTS,
+         *IGNORED}
 
 # SamplingParams field -> the name the client used, for error messages.
 FIELD_NAMES = {"max_tokens": "options.num_predict", "repeat_penalty": "options.repeat_penalty",
@@ -65,6 +68,8 @@ def parse_options(body: dict, where: str) -> OllamaOptions:
         stop=get_stop(opts, "stop", label="options.stop"),
         logprobs=bool(get_bool(body, "logprobs", False)) or top_logprobs > 0,
         top_logprobs=top_logprobs,
+        speculative=get_bool(opts, "speculative", None, label="options.speculative"),
+        num_speculative_tokens=i("num_speculative_tokens", lo=0, hi=MAX_SPECULATIVE_TOKENS),
     )
     # Ollama treats top_k <= 0 as "off".
     if params.top_k < 0:

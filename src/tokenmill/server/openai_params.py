@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.engine import Priority, SamplingParams
+from tokenmill.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from tokenmill.server.errors import bad_request
 from tokenmill.server.structured_params import OPENAI_FIELDS
 from tokenmill.server.validation import (
@@ -26,6 +27,7 @@ SAMPLING_FIELDS = {
     # vLLM / llama.cpp extensions
     "top_k", "min_p", "typical_p", "repetition_penalty", "repeat_last_n", "min_tokens", "ignore_eos",
     "stop_token_ids", "truncate_prompt_tokens",
+    "speculative", "num_speculative_tokens",  # tokenmill's: speculative decoding per request
     *OPENAI_FIELDS,  # response_format, vLLM's guided_* and structured_outputs
 }
 # Accepted without effect: they change nothing about the text a model can produce here.
@@ -88,6 +90,8 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
         ignore_eos=bool(get_bool(body, "ignore_eos", False)),
         logprobs=want_logprobs,
         top_logprobs=top,
+        speculative=get_bool(body, "speculative", None),
+        num_speculative_tokens=get_int(body, "num_speculative_tokens", lo=0, hi=MAX_SPECULATIVE_TOKENS),
     )
     truncate = get_int(body, "truncate_prompt_tokens", lo=-1)
     if truncate == 0:

@@ -110,6 +110,10 @@ FIELDS: dict[str, dict] = {
     "logprobs": BOOLEAN,
     "top_logprobs": {"type": "integer", "minimum": 0},
     "n_probs": {"type": "integer", "minimum": 0},
+    "speculative": described(BOOLEAN, "speculative decoding (prompt lookup) for this request, overriding the "
+                                      "server's --speculative; greedy and seeded output are the same either way"),
+    "num_speculative_tokens": described({"type": "integer", "minimum": 0, "maximum": 16},
+                                        "most tokens proposed per step for this request; 0: none"),
     "cache_prompt": described(BOOLEAN, "accepted; the prefix cache is always on"),
     "id_slot": described(INTEGER, "accepted; there are no slots"),
     # /load
@@ -148,7 +152,8 @@ OPTIONS: dict[str, dict] = {
     "num_predict": described({"type": "integer", "minimum": -2},
                              "-1: until the model stops, -2: until the context is full; both within --max-tokens"),
     **{k: FIELDS[k] for k in ("seed", "stop", "temperature", "top_k", "top_p", "min_p", "typical_p",
-                              "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty")},
+                              "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty",
+                              "speculative", "num_speculative_tokens")},
     **{k: described(v, "accepted; no effect") for k, v in {
         "num_batch": INTEGER, "num_gpu": INTEGER, "main_gpu": INTEGER, "use_mmap": BOOLEAN, "use_mlock": BOOLEAN,
         "num_thread": INTEGER, "numa": BOOLEAN, "low_vram": BOOLEAN, "f16_kv": BOOLEAN, "vocab_only": BOOLEAN,
