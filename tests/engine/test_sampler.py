@@ -457,3 +457,14 @@ def test_row_count_mismatch():
 
 def test_empty_batch():
     assert sampler(torch.zeros(0, 4), SamplerInput(params=[])).token_ids == []
+
+
+@pytest.mark.parametrize("knobs", [dict(top_k=40), dict(top_k=40, top_p=0.9), dict(typical_p=0.5), dict(top_p=0.9),
+                                   dict()])
+def test_a_nan_row_draws_a_token_inside_the_vocabulary(knobs):
+    """A model whose weights are NaN (anyone can push such a blob) gives NaN logits: every sampling path
+    still answers a token id of the vocabulary (the top_k path indexed one past its candidates: a 500)."""
+    logits = torch.full((2, 100), float("nan"))
+    logits[1] = torch.randn(100)
+    ids = run(logits, [SamplingParams(temperature=0.8, seed=1, **knobs)] * 2)
+    assert all(0 <= t < 100 for t in ids)

@@ -220,7 +220,9 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
         # float32 uniforms stay below 1 - 2^-24, so u < total survives the float64 rounding. Drawn on
         # the host (a request's generator lives there), so a seed gives the same draws on every device.
         u = _uniforms(vals.shape[0], gen, vals.device).double() * cdf[:, -1:]
-        choice = torch.searchsorted(cdf, u, right=True)
+        # A NaN row (a model whose weights or activations overflowed) has a NaN total, and the search
+        # lands past the last candidate: clamp it into the row, as the compiled draws do.
+        choice = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
         out[rows] = (choice if ids is None else ids.gather(1, choice)).squeeze(1)
     rows = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) in _COMPILED_GROUPS]
     if rows:
