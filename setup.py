@@ -21,14 +21,14 @@ VARIANTS = {
 }
 SOURCES = sorted(glob.glob("csrc/*.cpp"))
 HEADERS = sorted(glob.glob("csrc/*.h"))  # a changed header rebuilds the variant (setuptools tracks `depends`)
-COMMON = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+COMMON = ["-O3", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
 
 
 def extension(variant: str, flags: list[str]) -> Pybind11Extension:
     return Pybind11Extension(
         f"tokenmill._native_{variant}", SOURCES, depends=HEADERS, cxx_std=17, include_dirs=["csrc"],
         define_macros=[("TOKENMILL_MODULE", f"_native_{variant}"), ("TOKENMILL_VARIANT", f'"{variant}"')],
-        extra_compile_args=COMMON + flags, extra_link_args=["-fopenmp"], optional=True)
+        extra_compile_args=COMMON + flags, extra_link_args=["-pthread"], optional=True)
 
 
 # AMX-INT8 (csrc/qmatmul_amx.h) rides in the avx512 variant when the compiler knows the flags (gcc 11+);

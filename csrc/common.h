@@ -1,4 +1,4 @@
-// Shared by every kernel family: bf16/fp16 conversions, the parallel loop, and the ISA this
+// Shared by every kernel family: bf16/fp16 conversions, the thread pool's loops, and the ISA this
 // translation unit was compiled for. Each .cpp is compiled once per variant (setup.py); code picks
 // its path with the compiler's own macros (__AVX512VNNI__, __AVX2__), so the scalar build is the
 // portable reference and the others only ever run on CPUs that kernels/native.py checked.
@@ -13,9 +13,7 @@
 #include <immintrin.h>
 #endif
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "thread_pool.h"  // num_threads, parallel_for, run
 
 namespace tmk {
 
@@ -29,35 +27,6 @@ namespace tmk {
 #if defined(TM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define TM_AMX 1
 #endif
-
-// Threads the kernels use; set from Python (kernels.set_num_threads) so --threads is honoured.
-int num_threads();
-void set_num_threads(int n);
-
-// fn(begin, end) over [0, n) split into contiguous ranges, one per thread. A range's work never
-// depends on how many threads there are, so results are the same for any thread count.
-template <typename Fn>
-inline void parallel_for(int64_t n, int64_t grain, Fn&& fn) {
-    if (n <= 0) return;
-    int threads = num_threads();
-    if (threads <= 1 || n <= grain) {
-        fn(int64_t(0), n);
-        return;
-    }
-#ifdef _OPENMP
-    int64_t chunks = (n + grain - 1) / grain;
-    if (chunks < threads) threads = int(chunks);
-#pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t per = (n + nt - 1) / nt;
-        int64_t b = t * per, e = b + per < n ? b + per : n;
-        if (b < e) fn(b, e);
-    }
-#else
-    fn(int64_t(0), n);
-#endif
-}
 
 // A growable scratch buffer whose data starts on a 64-byte line, so loads of 64-byte rows (tile rows,
 // zmm vectors) never straddle two lines. Growing does not keep the contents.

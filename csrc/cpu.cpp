@@ -1,5 +1,5 @@
 // What the running CPU supports (so Python can pick a variant without parsing /proc/cpuinfo) and
-// the kernels' thread count.
+// the kernels' thread pool (its count and counters).
 #include <pybind11/pybind11.h>
 
 #include <atomic>
@@ -17,10 +17,6 @@
 namespace py = pybind11;
 
 namespace tmk {
-static int g_threads = 1;
-int num_threads() { return g_threads; }
-void set_num_threads(int n) { g_threads = n < 1 ? 1 : n; }
-
 // CPUID leaf 7: AMX-TILE is EDX bit 24, AMX-INT8 bit 25 (gcc 12's __builtin_cpu_supports has no name for them).
 static bool cpu_has_amx_int8() {
 #if defined(__x86_64__)
@@ -98,5 +94,17 @@ void register_cpu(py::module_& m) {
 #else
         return false;
 #endif
-    });
+    }, "whether this module was compiled with OpenMP (no longer: the kernels run on thread_pool.h)");
+    m.def("pool_stats", []() {
+        const tmk::pool::Stats s = tmk::pool::stats();
+        py::dict d;
+        d["regions"] = s.regions;            // parallel regions on more than one thread (dispatch + join each)
+        d["inline"] = s.inline_calls;        // parallel calls that ran on the calling thread alone
+        d["join_wait_ns"] = s.join_wait_ns;  // time callers waited at joins for the workers
+        d["worker_sleeps"] = s.worker_sleeps;
+        d["threads"] = s.threads;            // the pool's threads (workers + the caller); 1 before its first region
+        d["omp_regions"] = 0;                // OpenMP is gone from the compiled core
+        return d;
+    }, "the thread pool's counters since process start (or reset_pool_stats)");
+    m.def("reset_pool_stats", &tmk::pool::reset_stats, "zero the pool's cumulative counters");
 }

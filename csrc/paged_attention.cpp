@@ -246,7 +246,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
               ptr<const int32_t>(cu_rows), ptr<const int32_t>(start_pos), ptr<const int32_t>(block_tables), table_width,
               block_size, window, float(scale), segment_blocks(block_size)};
 
-    // Check every block the kernel will read before any thread starts (no throwing inside OpenMP).
+    // Check every block the kernel will read before any thread starts (no throwing inside a parallel region).
     const int64_t num_blocks = num_slots / block_size;
     const int step = rows_per_item(P.G, D);
     std::vector<WorkItem> items;
@@ -296,7 +296,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
     // Longest first, handed out one at a time: balances a long prefill against many decodes.
     std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
-    auto run = [&](const WorkItem& it, Scratch& sc) {
+    auto run_one = [&](const WorkItem& it, Scratch& sc) {
         if (cache_type == CACHE_F32) run_item<CACHE_F32>(P, it, sc);
         else if (cache_type == CACHE_BF16) run_item<CACHE_BF16>(P, it, sc);
         else if (cache_type == CACHE_F16) run_item<CACHE_F16>(P, it, sc);
@@ -306,28 +306,25 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
     int threads = int(std::min<int64_t>(num_threads(), count));
     auto scratch = [&](Scratch& sc) { sc.kt.resize(size_t(D) * TILE); sc.vt.resize(size_t(D) * TILE); };
     if (threads <= 1) {
+        pool::count_inline();
         Scratch sc; scratch(sc);
-        for (const WorkItem& it : items) run(it, sc);
+        for (const WorkItem& it : items) run_one(it, sc);
     } else {
-#ifdef _OPENMP
-    std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(threads)
-    {
-        Scratch sc; scratch(sc);
-        // Handed out one at a time, but claimed one ahead: the next item's first tiles load while
-        // this one computes (at short contexts those are most of an item's tiles).
-        int64_t i = next.fetch_add(1);
-        while (i < count) {
-            const int64_t j = next.fetch_add(1);
-            if (j < count) ItemTiles(P, items[j]).prefetch_first();
-            run(items[i], sc);
-            i = j;
-        }
-    }
-#else
-    Scratch sc; scratch(sc);
-    for (const WorkItem& it : items) run(it, sc);
-#endif
+        // Items are claimed one at a time (an atomic counter), so a thread that drew short items takes
+        // more; any thread may run any item without changing a bit of the result.
+        std::atomic<int64_t> next{0};
+        tmk::run(threads, [&](int, int) {
+            Scratch sc; scratch(sc);
+            // Claimed one ahead: the next item's first tiles load while this one computes (at short
+            // contexts those are most of an item's tiles).
+            int64_t i = next.fetch_add(1);
+            while (i < count) {
+                const int64_t j = next.fetch_add(1);
+                if (j < count) ItemTiles(P, items[j]).prefetch_first();
+                run_one(items[i], sc);
+                i = j;
+            }
+        });
     }
     for (const SplitRow& sr : split_rows) fold_split_row(P, sr);
 }

@@ -15,7 +15,7 @@ import os
 from types import ModuleType
 from typing import Iterator
 
-import torch  # noqa: F401 - loaded first, so the extension shares torch's OpenMP runtime (libgomp.so.1)
+import torch
 
 log = logging.getLogger("tokenmill.kernels")
 
@@ -115,11 +115,27 @@ def describe() -> str:
 
 
 def set_num_threads(n: int) -> None:
-    """Threads the compiled kernels use (the engine passes torch's count, i.e. --threads)."""
+    """Threads the compiled kernels use (the engine passes torch's count, i.e. --threads). Each
+    variant's module has its own thread pool (csrc/thread_pool.h), started on its first parallel
+    region, so setting a count starts no threads."""
     for v in VARIANTS:
         mod = _import(v)
         if mod is not None:
             mod.set_num_threads(max(1, n))
+
+
+def pool_stats() -> dict[str, int] | None:
+    """The active module's thread pool counters since process start or reset_pool_stats(): regions
+    (parallel regions on more than one thread, one synchronisation each), inline (parallel calls run
+    on the calling thread alone), join_wait_ns, worker_sleeps, threads (the pool's, workers + caller)
+    and omp_regions (0: the compiled core has no OpenMP). None on the PyTorch path."""
+    return dict(_module.pool_stats()) if _module is not None else None
+
+
+def reset_pool_stats() -> None:
+    """Zero the active module's pool counters (threads is the pool's size, not a counter)."""
+    if _module is not None:
+        _module.reset_pool_stats()
 
 
 @contextlib.contextmanager
