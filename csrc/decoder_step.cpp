@@ -32,6 +32,8 @@ struct QuantizedPart {  // rows [col, col + N) of a projection's output, one GGU
     int64_t N, col;
 };
 
+constexpr int kMaxParts = 8;  // a projection's GGUF parts (q, k, v or gate, up: at most 3 in practice)
+
 struct Projection {
     std::vector<QuantizedPart> parts;
     int64_t N = 0, K = 0;
@@ -49,9 +51,10 @@ struct Layer {
     float *k_scale = nullptr, *v_scale = nullptr;
 };
 
-// What a step's time goes to, when profiling is on (bench/profile_step.py prints it).
-enum Phase { NORMS, QKV, ROPE, KV_WRITE, ATTENTION, O_PROJ, GATE_UP, ACTIVATION, DOWN, NUM_PHASES };
-constexpr const char* kPhaseNames[NUM_PHASES] = {"norms", "qkv", "rope", "kv_write", "attention",
+// What a step's time goes to, when profiling is on (bench/profile_step.py prints it). The norms and
+// the activation include quantizing the next matmul's input; o_proj includes quantizing attention's.
+enum Phase { NORMS, QKV, ROPE_KV_WRITE, ATTENTION, O_PROJ, GATE_UP, ACTIVATION, DOWN, NUM_PHASES };
+constexpr const char* kPhaseNames[NUM_PHASES] = {"norms", "qkv", "rope+kv_write", "attention",
                                                  "o_proj", "gate_up", "activation", "down"};
 
 // Per part: (ggml type, qs address, sc address, sup address, rows, columns).
@@ -102,60 +105,86 @@ public:
 
     // x [T, dim] fp32 (contiguous) is the residual stream: embeddings in, the last layer's output
     // (before the final norm) out. The batch arguments are PagedBatch's tensors (model/paged_batch.py).
+    //
+    // Synchronisations: each matmul (all of a projection's parts together) and the attention is one
+    // parallel region; the row-wise kernels between them are chained inside one region per gap (a
+    // norm and the quantization of the next matmul's input; the rotation and the KV write; the
+    // activation and its quantization), each row's arithmetic as the kernels run it alone. At one row
+    // the row-wise regions run inline: a decode step of one sequence synchronises at its five (or
+    // four) matmuls and attentions per layer.
     void forward(uintptr_t x_addr, int64_t T, uintptr_t positions, uintptr_t slot_mapping, uintptr_t cu_rows,
                  uintptr_t start_pos, int S, uintptr_t block_tables, int64_t table_width, int block_size) {
         if (T <= 0) return;
         for (const Layer& l : layers_)
             if (l.k_cache == nullptr || l.v_cache == nullptr) throw std::logic_error("set_cache before forward");
+        const int64_t* slots = ptr<const int64_t>(slot_mapping);
+        entry::check_kv_write(T, cache_type_, num_slots_, slots);  // what throws, before any region runs
+        for (const Layer& l : layers_) entry::check_rope_positions(rope_of(l, positions), T);
         reserve(T);
         float* x = ptr<float>(x_addr);
         const int64_t n_qkv = (H_ + 2 * Hkv_) * int64_t(D_);
         float *h = h_.data(), *qkv = qkv_.data(), *att = att_.data(), *o = o_.data(), *gu = gu_.data(),
               *act = act_.data();
+        uint8_t* acts = acts_.data();  // the next matmul's quantized input (reserve() sized it)
+        const int64_t norm_grain = std::min(entry::row_grain(dim_), entry::quantize_grain());
+        const int64_t act_grain = std::min(entry::row_grain(ffn_), entry::quantize_grain());
+        const int64_t rope_grain = std::min(entry::row_grain((H_ + Hkv_) * int64_t(D_)), entry::kv_write_grain(Hkv_));
         Clock clock(profiling_ ? &seconds_ : nullptr);
-        entry::rms_norm(x, dim_, layers_[0].attn_norm, h, dim_, T, dim_, eps_);
+        parallel_for(T, norm_grain, [&](int64_t b, int64_t e) {
+            entry::rms_norm_rows(x, dim_, layers_[0].attn_norm, h, dim_, dim_, eps_, b, e);
+            entry::quantize_row_range(h, dim_, dim_, acts, b, e);
+        });
         clock.lap(NORMS);
         for (size_t i = 0; i < layers_.size(); ++i) {
             const Layer& l = layers_[i];
-            project(l.qkv, h, T, qkv);
+            matmul(l.qkv, acts, T, qkv);
             clock.lap(QKV);
             const entry::Heads qk{qkv, n_qkv, D_, T, H_ + Hkv_, D_};
-            const entry::RopeTable rope{ptr<const int64_t>(positions), l.cos, l.sin, l.rope_stride, l.rope_rows,
-                                        l.rope_dim};
-            if (l.q_norm != nullptr)
-                entry::head_rms_norm_rope(qk, H_, l.q_norm, l.k_norm, eps_, rope);
-            else
-                entry::rope_qk(qk, rope);
-            clock.lap(ROPE);
+            const entry::RopeTable rope = rope_of(l, positions);
             const float* k = qkv + int64_t(H_) * D_;
             const float* v = k + int64_t(Hkv_) * D_;
-            entry::write_kv(k, n_qkv, D_, v, n_qkv, D_, T, Hkv_, D_, l.k_cache, l.v_cache, l.k_scale, l.v_scale,
-                            cache_type_, num_slots_, ptr<const int64_t>(slot_mapping));
-            clock.lap(KV_WRITE);
+            parallel_for(T, rope_grain, [&](int64_t b, int64_t e) {
+                if (l.q_norm != nullptr)
+                    entry::head_rms_norm_rope_rows(qk, H_, l.q_norm, l.k_norm, eps_, rope, b, e);
+                else
+                    entry::rope_rows(qk, rope, b, e);
+                entry::write_kv_tokens(k, n_qkv, D_, v, n_qkv, D_, Hkv_, D_, l.k_cache, l.v_cache, l.k_scale,
+                                       l.v_scale, cache_type_, num_slots_, slots, b, e);
+            });
+            clock.lap(ROPE_KV_WRITE);
             entry::paged_attention(qkv, n_qkv, D_, att, T, H_, D_, l.k_cache, l.v_cache, l.k_scale, l.v_scale,
                                    cache_type_, Hkv_, num_slots_, ptr<const int32_t>(cu_rows),
                                    ptr<const int32_t>(start_pos), S, ptr<const int32_t>(block_tables), table_width,
                                    block_size, scale_, l.window);
             clock.lap(ATTENTION);
-            project(l.o, att, T, o);
+            entry::quantize_rows(att, T, l.o.K, l.o.K, acts);
+            matmul(l.o, acts, T, o);
             clock.lap(O_PROJ);
-            if (l.post_attn_norm != nullptr) entry::rms_norm(o, dim_, l.post_attn_norm, o, dim_, T, dim_, eps_);
-            entry::add_rms_norm(o, dim_, x, dim_, l.ffn_norm, h, dim_, T, dim_, eps_);
+            parallel_for(T, norm_grain, [&](int64_t b, int64_t e) {
+                if (l.post_attn_norm != nullptr) entry::rms_norm_rows(o, dim_, l.post_attn_norm, o, dim_, dim_, eps_, b, e);
+                entry::add_rms_norm_rows(o, dim_, x, dim_, l.ffn_norm, h, dim_, dim_, eps_, b, e);
+                entry::quantize_row_range(h, dim_, dim_, acts, b, e);
+            });
             clock.lap(NORMS);
-            project(l.gate_up, h, T, gu);
+            matmul(l.gate_up, acts, T, gu);
             clock.lap(GATE_UP);
-            entry::gated(activation_, gu, 2 * ffn_, act, ffn_, T, ffn_);
+            parallel_for(T, act_grain, [&](int64_t b, int64_t e) {
+                entry::gated_rows(activation_, gu, 2 * ffn_, act, ffn_, ffn_, b, e);
+                entry::quantize_row_range(act, ffn_, ffn_, acts, b, e);
+            });
             clock.lap(ACTIVATION);
-            project(l.down, act, T, o);
+            matmul(l.down, acts, T, o);
             clock.lap(DOWN);
-            if (l.post_ffn_norm != nullptr) entry::rms_norm(o, dim_, l.post_ffn_norm, o, dim_, T, dim_, eps_);
-            if (i + 1 < layers_.size()) {
-                entry::add_rms_norm(o, dim_, x, dim_, layers_[i + 1].attn_norm, h, dim_, T, dim_, eps_);
-            } else {
-                parallel_for(T * dim_, 1 << 14, [&](int64_t b, int64_t e) {
-                    for (int64_t j = b; j < e; ++j) x[j] += o[j];
-                });
-            }
+            const Layer* next = i + 1 < layers_.size() ? &layers_[i + 1] : nullptr;
+            parallel_for(T, norm_grain, [&](int64_t b, int64_t e) {
+                if (l.post_ffn_norm != nullptr) entry::rms_norm_rows(o, dim_, l.post_ffn_norm, o, dim_, dim_, eps_, b, e);
+                if (next != nullptr) {
+                    entry::add_rms_norm_rows(o, dim_, x, dim_, next->attn_norm, h, dim_, dim_, eps_, b, e);
+                    entry::quantize_row_range(h, dim_, dim_, acts, b, e);
+                } else {
+                    for (int64_t j = b * dim_; j < e * dim_; ++j) x[j] += o[j];
+                }
+            });
             clock.lap(NORMS);
         }
     }
@@ -191,17 +220,27 @@ private:
             p.parts.push_back({type, ptr<const uint8_t>(qs), ptr<const uint8_t>(sc), ptr<const uint8_t>(sup), n, p.N});
             p.N += n;
         }
+        if (p.parts.empty() || p.parts.size() > size_t(kMaxParts))
+            throw std::invalid_argument(std::string(name) + ": a projection needs 1 to " + std::to_string(kMaxParts) +
+                                        " parts");
         if (p.N != N) throw std::invalid_argument(std::string(name) + ": parts have " + std::to_string(p.N) +
                                                   " rows, the layer needs " + std::to_string(N));
         return p;
     }
 
-    // One quantization of the input serves every part (model/quantized.py QuantizedParts.matmul).
-    void project(const Projection& p, const float* in, int64_t T, float* out) {
-        uint8_t* acts = acts_.data();  // reserve() sized it
-        entry::quantize_rows(in, T, p.K, p.K, acts);
-        for (const QuantizedPart& part : p.parts)
-            entry::qmatmul(part.type, acts, T, p.K, part.qs, part.sc, part.sup, part.N, out + part.col, p.N);
+    // y = acts @ W^T for every part of a projection, in one region. One quantization of the input
+    // serves every part (model/quantized.py QuantizedParts.matmul).
+    void matmul(const Projection& p, const uint8_t* acts, int64_t T, float* out) {
+        entry::MatmulPart parts[kMaxParts];
+        for (size_t i = 0; i < p.parts.size(); ++i) {
+            const QuantizedPart& q = p.parts[i];
+            parts[i] = {q.type, q.qs, q.sc, q.sup, q.N, out + q.col};
+        }
+        entry::qmatmul_parts(parts, int(p.parts.size()), acts, T, p.K, p.N);
+    }
+
+    entry::RopeTable rope_of(const Layer& l, uintptr_t positions) const {
+        return {ptr<const int64_t>(positions), l.cos, l.sin, l.rope_stride, l.rope_rows, l.rope_dim};
     }
 
     void reserve(int64_t T) {

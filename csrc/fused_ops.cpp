@@ -177,21 +177,37 @@ inline int64_t grain_rows(int64_t elements_per_row) {
     return g > 0 ? g : 1;
 }
 
+void rms_norm_rows(const float* x, int64_t x_stride, const float* w, float* y, int64_t y_stride, int64_t dim, float eps,
+                   int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+        const float* xr = x + t * x_stride;
+        scale_row(xr, inv_rms(sum_squares(xr, dim), dim, eps), w, y + t * y_stride, dim);
+    }
+}
+
 void rms_norm(uintptr_t x_addr, int64_t x_stride, uintptr_t w_addr, uintptr_t y_addr, int64_t y_stride,
               int64_t rows, int64_t dim, double eps) {
     const float* x = ptr<const float>(x_addr);
     const float* w = ptr<const float>(w_addr);
     float* y = ptr<float>(y_addr);
-    parallel_for(rows, grain_rows(dim), [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-            const float* xr = x + t * x_stride;
-            scale_row(xr, inv_rms(sum_squares(xr, dim), dim, float(eps)), w, y + t * y_stride, dim);
-        }
-    });
+    parallel_for(rows, grain_rows(dim),
+                 [&](int64_t b, int64_t e) { rms_norm_rows(x, x_stride, w, y, y_stride, dim, float(eps), b, e); });
 }
 
 // residual += x, then y = rms_norm(residual): the sum of squares is taken in the same order as
 // rms_norm's, so y is bitwise what rms_norm would give on the updated residual.
+void add_rms_norm_rows(const float* x, int64_t x_stride, float* res, int64_t res_stride, const float* w, float* y,
+                       int64_t y_stride, int64_t dim, float eps, int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+        const float* xr = x + t * x_stride;
+        float* rr = res + t * res_stride;
+        int64_t i = 0;
+        for (; i + W <= dim; i += W) vstore(rr + i, vadd(vload(rr + i), vload(xr + i)));
+        if (i < dim) vstore_n(rr + i, vadd(vload_n(rr + i, dim - i), vload_n(xr + i, dim - i)), dim - i);
+        scale_row(rr, inv_rms(sum_squares(rr, dim), dim, eps), w, y + t * y_stride, dim);
+    }
+}
+
 void add_rms_norm(uintptr_t x_addr, int64_t x_stride, uintptr_t res_addr, int64_t res_stride, uintptr_t w_addr,
                   uintptr_t y_addr, int64_t y_stride, int64_t rows, int64_t dim, double eps) {
     const float* x = ptr<const float>(x_addr);
@@ -199,14 +215,7 @@ void add_rms_norm(uintptr_t x_addr, int64_t x_stride, uintptr_t res_addr, int64_
     const float* w = ptr<const float>(w_addr);
     float* y = ptr<float>(y_addr);
     parallel_for(rows, grain_rows(dim), [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-            const float* xr = x + t * x_stride;
-            float* rr = res + t * res_stride;
-            int64_t i = 0;
-            for (; i + W <= dim; i += W) vstore(rr + i, vadd(vload(rr + i), vload(xr + i)));
-            if (i < dim) vstore_n(rr + i, vadd(vload_n(rr + i, dim - i), vload_n(xr + i, dim - i)), dim - i);
-            scale_row(rr, inv_rms(sum_squares(rr, dim), dim, float(eps)), w, y + t * y_stride, dim);
-        }
+        add_rms_norm_rows(x, x_stride, res, res_stride, w, y, y_stride, dim, float(eps), b, e);
     });
 }
 
@@ -247,32 +256,38 @@ struct RopeTables {  // cos / sin [table_rows, rope_dim] rows picked by position
     int64_t stride, rows, rope_dim;
 };
 
+void rope_rows(const HeadsView& qk, const RopeTables& rope, int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+        const int64_t row = rope.positions[t] * rope.stride;
+        for (int64_t h = 0; h < qk.heads; ++h) rotate_head(qk.head(t, h), rope.cos + row, rope.sin + row, rope.rope_dim);
+    }
+}
+
 void rope_qk(const HeadsView& qk, const RopeTables& rope) {
     check_positions(rope.positions, qk.tokens, rope.rows);
-    parallel_for(qk.tokens, grain_rows(qk.heads * qk.head_dim), [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-            const int64_t row = rope.positions[t] * rope.stride;
-            for (int64_t h = 0; h < qk.heads; ++h)
-                rotate_head(qk.head(t, h), rope.cos + row, rope.sin + row, rope.rope_dim);
-        }
-    });
+    parallel_for(qk.tokens, grain_rows(qk.heads * qk.head_dim), [&](int64_t b, int64_t e) { rope_rows(qk, rope, b, e); });
 }
 
 // Gemma 3: RMSNorm over each head (q heads with q_weight, k heads with k_weight), written back in
 // place, then the rotation, while the head is still in L1.
+void head_norm_rope_rows(const HeadsView& qk, int64_t n_q_heads, const float* q_weight, const float* k_weight,
+                         float eps, const RopeTables& rope, int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+        const int64_t row = rope.positions[t] * rope.stride;
+        for (int64_t h = 0; h < qk.heads; ++h) {
+            float* x = qk.head(t, h);
+            const float r = inv_rms(sum_squares(x, qk.head_dim), qk.head_dim, eps);
+            scale_row(x, r, h < n_q_heads ? q_weight : k_weight, x, qk.head_dim);
+            rotate_head(x, rope.cos + row, rope.sin + row, rope.rope_dim);
+        }
+    }
+}
+
 void head_rms_norm_rope(const HeadsView& qk, int64_t n_q_heads, const float* q_weight, const float* k_weight,
                         float eps, const RopeTables& rope) {
     check_positions(rope.positions, qk.tokens, rope.rows);
     parallel_for(qk.tokens, grain_rows(qk.heads * qk.head_dim), [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-            const int64_t row = rope.positions[t] * rope.stride;
-            for (int64_t h = 0; h < qk.heads; ++h) {
-                float* x = qk.head(t, h);
-                const float r = inv_rms(sum_squares(x, qk.head_dim), qk.head_dim, eps);
-                scale_row(x, r, h < n_q_heads ? q_weight : k_weight, x, qk.head_dim);
-                rotate_head(x, rope.cos + row, rope.sin + row, rope.rope_dim);
-            }
-        }
+        head_norm_rope_rows(qk, n_q_heads, q_weight, k_weight, eps, rope, b, e);
     });
 }
 
@@ -296,23 +311,28 @@ struct GeluTanh {
 
 // out[t, :] = act(gate_up[t, :F]) * gate_up[t, F:2F]
 template <typename Act>
+void gated_rows(const float* gu, int64_t gu_stride, float* out, int64_t out_stride, int64_t features, int64_t b,
+                int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+        const float* g = gu + t * gu_stride;
+        const float* u = g + features;
+        float* o = out + t * out_stride;
+        int64_t i = 0;
+        for (; i + W <= features; i += W) vstore(o + i, vmul(Act::apply(vload(g + i)), vload(u + i)));
+        if (i < features) {
+            const int64_t n = features - i;
+            vstore_n(o + i, vmul(Act::apply(vload_n(g + i, n)), vload_n(u + i, n)), n);
+        }
+    }
+}
+
+template <typename Act>
 void gated(uintptr_t gu_addr, int64_t gu_stride, uintptr_t out_addr, int64_t out_stride, int64_t rows,
            int64_t features) {
     const float* gu = ptr<const float>(gu_addr);
     float* out = ptr<float>(out_addr);
-    parallel_for(rows, grain_rows(features), [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-            const float* g = gu + t * gu_stride;
-            const float* u = g + features;
-            float* o = out + t * out_stride;
-            int64_t i = 0;
-            for (; i + W <= features; i += W) vstore(o + i, vmul(Act::apply(vload(g + i)), vload(u + i)));
-            if (i < features) {
-                const int64_t n = features - i;
-                vstore_n(o + i, vmul(Act::apply(vload_n(g + i, n)), vload_n(u + i, n)), n);
-            }
-        }
-    });
+    parallel_for(rows, grain_rows(features),
+                 [&](int64_t b, int64_t e) { gated_rows<Act>(gu, gu_stride, out, out_stride, features, b, e); });
 }
 
 // The vector exp on its own, so the tests can measure its error.
@@ -327,14 +347,23 @@ void exp_f32(uintptr_t x_addr, uintptr_t y_addr, int64_t n) {
 }  // namespace
 
 namespace entry {
+int64_t row_grain(int64_t elements_per_row) { return grain_rows(elements_per_row); }
 void rms_norm(const float* x, int64_t x_stride, const float* w, float* y, int64_t y_stride, int64_t rows,
               int64_t dim, float eps) {
     tmk::rms_norm(uintptr_t(x), x_stride, uintptr_t(w), uintptr_t(y), y_stride, rows, dim, eps);
+}
+void rms_norm_rows(const float* x, int64_t x_stride, const float* w, float* y, int64_t y_stride, int64_t dim,
+                   float eps, int64_t b, int64_t e) {
+    tmk::rms_norm_rows(x, x_stride, w, y, y_stride, dim, eps, b, e);
 }
 void add_rms_norm(const float* x, int64_t x_stride, float* residual, int64_t res_stride, const float* w, float* y,
                   int64_t y_stride, int64_t rows, int64_t dim, float eps) {
     tmk::add_rms_norm(uintptr_t(x), x_stride, uintptr_t(residual), res_stride, uintptr_t(w), uintptr_t(y), y_stride,
                       rows, dim, eps);
+}
+void add_rms_norm_rows(const float* x, int64_t x_stride, float* residual, int64_t res_stride, const float* w, float* y,
+                       int64_t y_stride, int64_t dim, float eps, int64_t b, int64_t e) {
+    tmk::add_rms_norm_rows(x, x_stride, residual, res_stride, w, y, y_stride, dim, eps, b, e);
 }
 static HeadsView heads_view(const Heads& h) {
     return {h.base, h.token_stride, h.head_stride, h.tokens, h.heads, h.head_dim};
@@ -345,10 +374,23 @@ void head_rms_norm_rope(const Heads& qk, int64_t n_q_heads, const float* q_weigh
                         const RopeTable& rope) {
     tmk::head_rms_norm_rope(heads_view(qk), n_q_heads, q_weight, k_weight, eps, rope_tables(rope));
 }
+void check_rope_positions(const RopeTable& rope, int64_t tokens) { check_positions(rope.positions, tokens, rope.rows); }
+void rope_rows(const Heads& qk, const RopeTable& rope, int64_t b, int64_t e) {
+    tmk::rope_rows(heads_view(qk), rope_tables(rope), b, e);
+}
+void head_rms_norm_rope_rows(const Heads& qk, int64_t n_q_heads, const float* q_weight, const float* k_weight,
+                             float eps, const RopeTable& rope, int64_t b, int64_t e) {
+    tmk::head_norm_rope_rows(heads_view(qk), n_q_heads, q_weight, k_weight, eps, rope_tables(rope), b, e);
+}
 void gated(int activation, const float* gate_up, int64_t gu_stride, float* out, int64_t out_stride, int64_t rows,
            int64_t features) {
     if (activation == SILU) tmk::gated<Silu>(uintptr_t(gate_up), gu_stride, uintptr_t(out), out_stride, rows, features);
     else tmk::gated<GeluTanh>(uintptr_t(gate_up), gu_stride, uintptr_t(out), out_stride, rows, features);
+}
+void gated_rows(int activation, const float* gate_up, int64_t gu_stride, float* out, int64_t out_stride,
+                int64_t features, int64_t b, int64_t e) {
+    if (activation == SILU) tmk::gated_rows<Silu>(gate_up, gu_stride, out, out_stride, features, b, e);
+    else tmk::gated_rows<GeluTanh>(gate_up, gu_stride, out, out_stride, features, b, e);
 }
 }  // namespace entry
 }  // namespace tmk

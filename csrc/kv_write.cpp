@@ -4,6 +4,7 @@
 // Written to match kernels/attention.py's write_kv_reference bit for bit.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -48,26 +49,35 @@ void write_row(const float* x, int D, int cache_type, void* cache, float* scale,
     }
 }
 
+void check_kv_write(int64_t T, int cache_type, int64_t num_slots, const int64_t* slots) {
+    if (cache_type < 0 || cache_type > 3) throw std::invalid_argument("bad cache type");
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] >= num_slots) throw std::out_of_range("slot " + std::to_string(slots[t]) + " out of range");
+}
+
+// Items [begin, end) of the flat (token, head) list: item i is token i / Hkv, head i % Hkv.
+void write_items(const Source& ks, const Source& vs, int Hkv, int D, void* kc, void* vc, float* kscale, float* vscale,
+                 int cache_type, int64_t num_slots, const int64_t* slots, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / Hkv, h = i % Hkv;
+        if (slots[t] < 0) continue;  // a padding token: nothing to store
+        const int64_t row = h * num_slots + slots[t];
+        write_row(ks.data + t * ks.row_stride + h * ks.head_stride, D, cache_type, kc, kscale, row);
+        write_row(vs.data + t * vs.row_stride + h * vs.head_stride, D, cache_type, vc, vscale, row);
+    }
+}
+
+constexpr int64_t kItemGrain = 64;  // (token, head) rows of K and V
+
 void write_kv(uintptr_t k, int64_t k_row_stride, int64_t k_head_stride, uintptr_t v, int64_t v_row_stride,
               int64_t v_head_stride, int64_t T, int Hkv, int D, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scale,
               uintptr_t v_scale, int cache_type, int64_t num_slots, uintptr_t slot_mapping) {
-    if (cache_type < 0 || cache_type > 3) throw std::invalid_argument("bad cache type");
     const int64_t* slots = ptr<const int64_t>(slot_mapping);
-    for (int64_t t = 0; t < T; ++t)
-        if (slots[t] >= num_slots) throw std::out_of_range("slot " + std::to_string(slots[t]) + " out of range");
-    Source ks{ptr<const float>(k), k_row_stride, k_head_stride}, vs{ptr<const float>(v), v_row_stride, v_head_stride};
-    void* kc = ptr<void>(k_cache);
-    void* vc = ptr<void>(v_cache);
-    float* kscale = ptr<float>(k_scale);
-    float* vscale = ptr<float>(v_scale);
-    parallel_for(T * Hkv, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-            const int64_t t = i / Hkv, h = i % Hkv;
-            if (slots[t] < 0) continue;  // a padding token: nothing to store
-            const int64_t row = h * num_slots + slots[t];
-            write_row(ks.data + t * ks.row_stride + h * ks.head_stride, D, cache_type, kc, kscale, row);
-            write_row(vs.data + t * vs.row_stride + h * vs.head_stride, D, cache_type, vc, vscale, row);
-        }
+    check_kv_write(T, cache_type, num_slots, slots);
+    const Source ks{ptr<const float>(k), k_row_stride, k_head_stride}, vs{ptr<const float>(v), v_row_stride, v_head_stride};
+    parallel_for(T * Hkv, kItemGrain, [&](int64_t begin, int64_t end) {
+        write_items(ks, vs, Hkv, D, ptr<void>(k_cache), ptr<void>(v_cache), ptr<float>(k_scale), ptr<float>(v_scale),
+                    cache_type, num_slots, slots, begin, end);
     });
 }
 
@@ -80,6 +90,17 @@ void entry::write_kv(const float* k, int64_t k_row_stride, int64_t k_head_stride
                   uintptr_t(k_cache), uintptr_t(v_cache), uintptr_t(k_scale), uintptr_t(v_scale), cache_type, num_slots,
                   uintptr_t(slot_mapping));
 }
+void entry::check_kv_write(int64_t T, int cache_type, int64_t num_slots, const int64_t* slot_mapping) {
+    tmk::check_kv_write(T, cache_type, num_slots, slot_mapping);
+}
+void entry::write_kv_tokens(const float* k, int64_t k_row_stride, int64_t k_head_stride, const float* v,
+                            int64_t v_row_stride, int64_t v_head_stride, int Hkv, int D, void* k_cache, void* v_cache,
+                            float* k_scale, float* v_scale, int cache_type, int64_t num_slots,
+                            const int64_t* slot_mapping, int64_t b, int64_t e) {
+    write_items({k, k_row_stride, k_head_stride}, {v, v_row_stride, v_head_stride}, Hkv, D, k_cache, v_cache, k_scale,
+                v_scale, cache_type, num_slots, slot_mapping, b * Hkv, e * Hkv);
+}
+int64_t entry::kv_write_grain(int Hkv) { return std::max<int64_t>(1, kItemGrain / std::max(1, Hkv)); }
 }  // namespace tmk
 
 void register_kv_write(py::module_& m) {

@@ -227,6 +227,13 @@ void split_into_segments(const Problem& P, std::vector<WorkItem>& items, std::ve
     items.swap(out);
 }
 
+// A thread's least share of a call, in WorkItem cost x query heads x head dim (a decode row: 5 x G x D
+// a key and kv head), which tracks time across shapes: one thread took ~0.022 ns a unit for SmolLM2's
+// and Gemma 3's decode from an f16 cache (bench/paged_attention.py --threads 1, 100 against 1000
+// keys, this 2-core Sapphire Rapids under load), so this is ~3 us: a SmolLM2 row of 100 keys takes 2
+// threads, of 500 keys 11.
+constexpr int64_t kMinWorkPerThread = int64_t(1) << 17;
+
 // Query rows per work item: enough to amortise each tile's conversion and transposition, few
 // enough that the rows' accumulators (rows * G * D floats, <= 64 KB) stay in L2.
 int rows_per_item(int G, int D) { return std::max(1, std::min(32, 16384 / (G * D))); }
@@ -270,11 +277,16 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
             for (int h = 0; h < Hkv; ++h) items.push_back({s, h, r, n, 0, P.G, keys * (n + 4)});
         }
     }
-    // Too few items to keep every thread busy (one sequence decoding, few kv heads): split each long
+    // Threads the work can feed: each must get a few microseconds of it (kMinWorkPerThread), so a
+    // short decode row is not cut into slivers for 16 threads, each woken for about as long as its
+    // wake-up costs.
+    int64_t work = 0;
+    for (const WorkItem& it : items) work += it.cost * it.num_heads * D;
+    const int threads_wanted = int(std::max<int64_t>(1, std::min<int64_t>(num_threads(), work / kMinWorkPerThread)));
+    // Too few items to keep those threads busy (one sequence decoding, few kv heads): split each long
     // decode row into its segments, then the items' query heads. Neither changes a bit of the
     // result (segments fold in order, fold_split_row; heads never interact), only who loads the
     // tiles: split by heads alone, every thread read all of the row's keys.
-    const int threads_wanted = num_threads();
     std::vector<SplitRow> split_rows;
     std::vector<float> split_states;
     if (threads_wanted > 1 && int64_t(items.size()) < 2 * threads_wanted)
@@ -303,7 +315,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
         else run_item<CACHE_I8>(P, it, sc);
     };
     const int64_t count = int64_t(items.size());
-    int threads = int(std::min<int64_t>(num_threads(), count));
+    const int threads = int(std::min<int64_t>(threads_wanted, count));
     auto scratch = [&](Scratch& sc) { sc.kt.resize(size_t(D) * TILE); sc.vt.resize(size_t(D) * TILE); };
     if (threads <= 1) {
         pool::count_inline();

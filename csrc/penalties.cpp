@@ -46,7 +46,10 @@ void apply_penalties(uintptr_t logits, int64_t rows, int64_t cols, int64_t row_s
     const int64_t* t = ptr<const int64_t>(ids);
     const int64_t* off = ptr<const int64_t>(offsets);
     const float *rep = ptr<const float>(repeat), *freq = ptr<const float>(frequency), *pres = ptr<const float>(presence);
-    parallel_for(rows, 8, [&](int64_t begin, int64_t end) {
+    // A row's work is its ids (a sort, then one logit each), not its logits: ~512 ids a thread, so a
+    // batch of short histories stays on one thread rather than waking 16 for a microsecond each.
+    const int64_t ids_per_row = std::max<int64_t>(1, (off[rows] - off[0]) / rows);
+    parallel_for(rows, std::max<int64_t>(1, 512 / ids_per_row), [&](int64_t begin, int64_t end) {
         std::vector<int64_t> window;
         for (int64_t r = begin; r < end; ++r)
             if (off[r + 1] > off[r])

@@ -87,24 +87,28 @@ static inline float quantize_block(const float* x, int8_t* q1, int8_t* q2, int32
 }
 
 // x [M, K] fp32 (row stride ldx) -> Acts rows (qmatmul_layout.h): per 32, q1, q2, dc = d1 / 128 and
-// ds = dc * S; per 16, S.
-static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out) {
+// ds = dc * S; per 16, S. Rows [m0, m1) on the calling thread.
+static void quantize_row_range(const float* x, int64_t K, int64_t ldx, uint8_t* out, int64_t m0, int64_t m1) {
     const int64_t nb = K / kBlock, row_bytes = Acts::row_bytes(K);
-    parallel_for(M, 16, [&](int64_t m0, int64_t m1) {
-        for (int64_t m = m0; m < m1; ++m) {
-            const float* xr = x + m * ldx;
-            uint8_t* o = out + m * row_bytes;
-            int8_t* q = reinterpret_cast<int8_t*>(o);
-            for (int64_t b = 0; b < nb; ++b) {
-                int32_t S[2];
-                const float d1 = quantize_block(xr + b * kBlock, q + b * kBlock, q + K + b * kBlock, S);
-                const float dc = d1 * (1.f / float(1 << kFine)), dsum = dc * float(S[0] + S[1]);
-                std::memcpy(o + 2 * K + 4 * b, &dc, 4);
-                std::memcpy(o + 2 * K + 4 * (nb + b), &dsum, 4);
-                std::memcpy(o + 2 * K + 8 * nb + 8 * b, S, 8);
-            }
+    for (int64_t m = m0; m < m1; ++m) {
+        const float* xr = x + m * ldx;
+        uint8_t* o = out + m * row_bytes;
+        int8_t* q = reinterpret_cast<int8_t*>(o);
+        for (int64_t b = 0; b < nb; ++b) {
+            int32_t S[2];
+            const float d1 = quantize_block(xr + b * kBlock, q + b * kBlock, q + K + b * kBlock, S);
+            const float dc = d1 * (1.f / float(1 << kFine)), dsum = dc * float(S[0] + S[1]);
+            std::memcpy(o + 2 * K + 4 * b, &dc, 4);
+            std::memcpy(o + 2 * K + 4 * (nb + b), &dsum, 4);
+            std::memcpy(o + 2 * K + 8 * nb + 8 * b, S, 8);
         }
-    });
+    }
+}
+
+constexpr int64_t kQuantizeGrain = 16;  // rows
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out) {
+    parallel_for(M, kQuantizeGrain, [&](int64_t m0, int64_t m1) { quantize_row_range(x, K, ldx, out, m0, m1); });
 }
 
 // X: the AVX2 Q8_0 kernel's joined activations of rows [m0, m1) (null elsewhere).
@@ -174,55 +178,93 @@ static void tiles_amx(const Weight& w, const Acts& a, int64_t M, int64_t t0, int
 }
 #endif
 
+// Tiles [t0, t1) of a call: what one thread runs of it. X: see rows().
 template <int T>
-static void run(const Weight& w, const Acts& a, int64_t M, float* out, int64_t ldo) {
-    // Enough tiles per thread that a small GEMV is not all fork/join; the split never changes results.
-    const int64_t work_per_tile = M * w.K * kTile;
-    const int64_t grain = work_per_tile >= (1 << 16) ? 1 : (1 << 16) / work_per_tile;
-    const int16_t* X = nullptr;
-#if defined(TM_AVX2)
-    if constexpr (T == Q8_0) {
-        // The calling thread's buffer, grown to the largest call and reused. Worker threads must get
-        // its address: naming a thread_local inside the parallel region would give them their own.
-        thread_local std::vector<int16_t> joined;
-        if (joined.size() < size_t(M * w.K)) joined.resize(size_t(M * w.K));
-        int16_t* dst = joined.data();
-        parallel_for(M, 16, [&](int64_t m0, int64_t m1) { joined_rows(a, m0, m1, dst + m0 * w.K); });
-        X = dst;
+static void tile_range(const Weight& w, const Acts& a, int64_t M, [[maybe_unused]] const int16_t* X, int64_t t0,
+                       int64_t t1, float* out, int64_t ldo) {
+#if defined(TM_AMX)
+    if constexpr (kAmxType<T>) {
+        if (M >= kAmxRows && amx_enabled()) {
+            tiles_amx<T>(w, a, M, t0, t1, out, ldo);
+            if (w.stream_out) _mm_sfence();
+            return;
+        }
     }
 #endif
-    parallel_for(w.tiles(), grain, [&](int64_t t0, int64_t t1) {
-#if defined(TM_AMX)
-        if constexpr (kAmxType<T>) {
-            if (M >= kAmxRows && amx_enabled()) {
-                tiles_amx<T>(w, a, M, t0, t1, out, ldo);
-                if (w.stream_out) _mm_sfence();
-                return;
-            }
-        }
-#endif
-        for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-            const int64_t m1 = std::min(M, m0 + kRowChunk);
-            for (int64_t t = t0; t < t1;) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+        const int64_t m1 = std::min(M, m0 + kRowChunk);
+        for (int64_t t = t0; t < t1;) {
 #if defined(TM_AVX512)
-                if constexpr (kGrouped<T>) {
-                    if (takes_group(w, t, t1, m1 - m0)) {
-                        for (int64_t next = t + kGroupTiles; m0 == 0 && next < std::min(t + 2 * kGroupTiles, t1); ++next)
-                            prefetch_tile(w, next);
-                        rows_group_avx512<T>(w, t, a, m0, m1, out + t * kTile, ldo);
-                        t += kGroupTiles;
-                        continue;
-                    }
+            if constexpr (kGrouped<T>) {
+                if (takes_group(w, t, t1, m1 - m0)) {
+                    for (int64_t next = t + kGroupTiles; m0 == 0 && next < std::min(t + 2 * kGroupTiles, t1); ++next)
+                        prefetch_tile(w, next);
+                    rows_group_avx512<T>(w, t, a, m0, m1, out + t * kTile, ldo);
+                    t += kGroupTiles;
+                    continue;
                 }
-#endif
-                if (m0 == 0 && t + 1 < t1 && M > 2) prefetch_tile(w, t + 1);
-                rows<T>(w, t, a, X == nullptr ? nullptr : X + m0 * w.K, m0, m1, out + t * kTile, ldo);
-                ++t;
             }
-        }
-#if defined(TM_AVX512)
-        if (w.stream_out) _mm_sfence();  // streaming stores are weakly ordered: visible before the join
 #endif
+            if (m0 == 0 && t + 1 < t1 && M > 2) prefetch_tile(w, t + 1);
+            rows<T>(w, t, a, X == nullptr ? nullptr : X + m0 * w.K, m0, m1, out + t * kTile, ldo);
+            ++t;
+        }
+    }
+#if defined(TM_AVX512)
+    if (w.stream_out) _mm_sfence();  // streaming stores are weakly ordered: visible before the join
+#endif
+}
+
+static void tile_range_of(const Weight& w, const Acts& a, int64_t M, const int16_t* X, int64_t t0, int64_t t1,
+                          float* out, int64_t ldo) {
+    switch (w.type) {
+        case Q4_0: tile_range<Q4_0>(w, a, M, X, t0, t1, out, ldo); break;
+        case Q4_1: tile_range<Q4_1>(w, a, M, X, t0, t1, out, ldo); break;
+        case Q5_0: tile_range<Q5_0>(w, a, M, X, t0, t1, out, ldo); break;
+        case Q8_0: tile_range<Q8_0>(w, a, M, X, t0, t1, out, ldo); break;
+        case Q4_K: tile_range<Q4_K>(w, a, M, X, t0, t1, out, ldo); break;
+        case Q6_K: tile_range<Q6_K>(w, a, M, X, t0, t1, out, ldo); break;
+        default: break;  // Python only passes SUPPORTED_TYPES
+    }
+}
+
+// Tiles per part of a region: enough work that a small GEMV is not all synchronisation, and a matrix
+// is cut into no more pieces than its work can feed. The split never changes results.
+static int64_t tile_grain(int64_t M, int64_t K) {
+    const int64_t work_per_tile = M * K * kTile;
+    return work_per_tile >= (1 << 16) ? 1 : (1 << 16) / work_per_tile;
+}
+
+// The AVX2 Q8_0 kernel's joined activations (joined_rows), in the calling thread's buffer, grown to
+// the largest call and reused; null on the other variants. Worker threads get its address: naming a
+// thread_local inside the parallel region would give them their own.
+static const int16_t* joined_activations([[maybe_unused]] const Acts& a, [[maybe_unused]] int64_t M) {
+#if defined(TM_AVX2)
+    thread_local std::vector<int16_t> joined;
+    if (joined.size() < size_t(M * a.K)) joined.resize(size_t(M * a.K));
+    int16_t* dst = joined.data();
+    parallel_for(M, 16, [&](int64_t m0, int64_t m1) { joined_rows(a, m0, m1, dst + m0 * a.K); });
+    return dst;
+#else
+    return nullptr;
+#endif
+}
+
+// One weight's tiles, or several weights' (the parts of one projection, each with its own output
+// columns) in one region: a range of the concatenated tiles runs each part's share of it.
+static void run_parts(const Weight* w, float* const* out, int n, const Acts& a, int64_t M, int64_t ldo) {
+    const int16_t* X = nullptr;
+    int64_t total = 0;
+    for (int p = 0; p < n; ++p) {
+        total += w[p].tiles();
+        if (w[p].type == Q8_0 && X == nullptr) X = joined_activations(a, M);
+    }
+    parallel_for(total, tile_grain(M, a.K), [&](int64_t b, int64_t e) {
+        int64_t first = 0;
+        for (int p = 0; p < n && first < e; first += w[p].tiles(), ++p) {
+            const int64_t t0 = std::max(b, first) - first, t1 = std::min(e, first + w[p].tiles()) - first;
+            if (t0 < t1) tile_range_of(w[p], a, M, w[p].type == Q8_0 ? X : nullptr, t0, t1, out[p], ldo);
+        }
     });
 }
 
@@ -232,15 +274,7 @@ static void qmatmul(int type, uintptr_t acts, int64_t M, int64_t K, uintptr_t qs
     const Weight w{type, ptr<const uint8_t>(qs), ptr<const uint8_t>(sc), ptr<const uint8_t>(sup), N, K,
                    N >= kStreamColumns};
     float* y = ptr<float>(out);
-    switch (type) {
-        case Q4_0: run<Q4_0>(w, a, M, y, ldo); break;
-        case Q4_1: run<Q4_1>(w, a, M, y, ldo); break;
-        case Q5_0: run<Q5_0>(w, a, M, y, ldo); break;
-        case Q8_0: run<Q8_0>(w, a, M, y, ldo); break;
-        case Q4_K: run<Q4_K>(w, a, M, y, ldo); break;
-        case Q6_K: run<Q6_K>(w, a, M, y, ldo); break;
-        default: break;  // Python only passes SUPPORTED_TYPES
-    }
+    run_parts(&w, &y, 1, a, M, ldo);
 }
 
 }  // namespace tmk::qmm
@@ -250,9 +284,29 @@ int64_t act_row_bytes(int64_t K) { return qmm::Acts::row_bytes(K); }
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out) {
     qmm::quantize_rows(x, M, K, ldx, out);
 }
+void quantize_row_range(const float* x, int64_t K, int64_t ldx, uint8_t* out, int64_t m0, int64_t m1) {
+    qmm::quantize_row_range(x, K, ldx, out, m0, m1);
+}
+int64_t quantize_grain() { return qmm::kQuantizeGrain; }
 void qmatmul(int type, const uint8_t* acts, int64_t M, int64_t K, const uint8_t* qs, const uint8_t* sc,
              const uint8_t* sup, int64_t N, float* out, int64_t ldo) {
     qmm::qmatmul(type, uintptr_t(acts), M, K, uintptr_t(qs), uintptr_t(sc), uintptr_t(sup), N, uintptr_t(out), ldo);
+}
+void qmatmul_parts(const MatmulPart* parts, int n, const uint8_t* acts, int64_t M, int64_t K, int64_t ldo) {
+    constexpr int kMaxParts = 8;
+    if (n > kMaxParts) {  // never for a projection's parts (q, k, v or gate, up), but stay correct
+        for (int p = 0; p < n; ++p)
+            qmatmul(parts[p].type, acts, M, K, parts[p].qs, parts[p].sc, parts[p].sup, parts[p].N, parts[p].out, ldo);
+        return;
+    }
+    qmm::Weight w[kMaxParts];
+    float* out[kMaxParts];
+    for (int p = 0; p < n; ++p) {
+        const MatmulPart& q = parts[p];
+        w[p] = qmm::Weight{q.type, q.qs, q.sc, q.sup, q.N, K, q.N >= qmm::kStreamColumns};
+        out[p] = q.out;
+    }
+    qmm::run_parts(w, out, n, qmm::Acts{acts, K}, M, ldo);
 }
 }  // namespace tmk::entry
 
