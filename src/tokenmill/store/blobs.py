@@ -20,7 +20,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tokenmill.store.catalog import StoreError
-from tokenmill.store.local import CHUNK, default_file_mode, manifest_path, models_dir, read_manifest, update_manifest
+from tokenmill.store.local import (
+    CHUNK,
+    default_file_mode,
+    manifest_path,
+    models_dir,
+    read_manifest,
+    sha256_file,
+    update_manifest,
+)
 
 # Ollama's forms: `sha256:<hex>` in URLs and requests, `sha256-<hex>` on disk, `@sha256:<hex>` in a
 # Modelfile's FROM after its CLI pushed the file.
@@ -181,13 +189,8 @@ def model_blob(hexdigest: str) -> Path:
     return path
 
 
-def file_digest(path: Path) -> str:
-    """The hex sha256 of a file, read in pieces."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+# The hex sha256 of a file, read in pieces: the store's own (manifests verify pulled files with it).
+file_digest = sha256_file
 
 
 def import_file(path: Path, digest: str | None = None, max_bytes: int | None = None) -> str:
