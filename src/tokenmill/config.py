@@ -139,11 +139,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("speculative", str, "ngram", "speculative decoding for requests that do not choose: ngram (prompt "
            "lookup: a sequence proposes what followed its last few tokens earlier in its context, verified in the "
            "same step; greedy and seeded output unchanged) or off", ("--speculative",), choices=("off", "ngram")),
-    Option("num_speculative_tokens", int, 4, "most tokens a sequence proposes per step (fewer when its proposals "
+    Option("num_speculative_tokens", int, 8, "most tokens a sequence proposes per step (fewer when its proposals "
            "are seldom accepted or the batch is large)", ("--num-speculative-tokens",), lo=1, hi=16),
-    Option("spec_ngram_min", int, 2, "prompt lookup: the shortest suffix looked up", ("--spec-ngram-min",), lo=1,
-           hi=16),
-    Option("spec_ngram_max", int, 4, "prompt lookup: the longest suffix looked up (tried first)",
+    Option("spec_ngram_min", int, 1, "prompt lookup: the shortest suffix looked up (a 1-token match proposes "
+           "less: its tokens are accepted less often)", ("--spec-ngram-min",), lo=1, hi=16),
+    Option("spec_ngram_max", int, 8, "prompt lookup: the longest suffix looked up (tried first)",
            ("--spec-ngram-max",), lo=1, hi=16),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
@@ -191,9 +191,9 @@ class Config:
     device: str = "auto"
     gpu_memory_utilization: float = 0.9
     speculative: str = "ngram"
-    num_speculative_tokens: int = 4
-    spec_ngram_min: int = 2
-    spec_ngram_max: int = 4
+    num_speculative_tokens: int = 8
+    spec_ngram_min: int = 1
+    spec_ngram_max: int = 8
     # Where each value came from: "default", "config file PATH", "env NAME", "flag --name", "argument MODEL".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     config_file: Path | None = field(default=None, compare=False, repr=False)

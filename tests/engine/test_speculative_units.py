@@ -10,6 +10,7 @@ from tokenmill.engine.config import ConfigError
 from tokenmill.engine.sampling_params import InvalidSamplingParams
 from tokenmill.engine.speculative import (NgramIndex, NgramProposer, SpecConfig, SpecConfigError, SpecCounters,
                                           num_accepted, row_generators, settle_generator)
+from tokenmill.engine.speculative.ngram import Match, continuation
 from tokenmill.engine.speculative.policy import AcceptanceRate, best_num_tokens, expected_tokens
 from tokenmill.kvcache import BlockManager
 
@@ -53,6 +54,28 @@ def test_growing_index_agrees_with_a_fresh_one_at_every_length():
     for n in range(1, len(ids) + 1):
         assert grown.propose(ids[:n], 4) == NgramIndex(1, 4).propose(ids[:n], 4)
     assert grown.num_indexed == len(ids) - 1
+
+
+def test_find_says_how_long_the_match_is():
+    index = NgramIndex(1, 4)
+    ids = [1, 2, 3, 4, 9, 2, 3]
+    assert index.find(ids) == Match(3, 2) and continuation(ids, index.find(ids), 2) == [4, 9]
+    assert NgramIndex(3, 4).find(ids) is None
+
+
+def test_longer_matches_earn_more_proposals_and_the_engine_learns_per_length():
+    p = NgramProposer(SpecConfig())
+    short = [7, 1, 2, 3, 8, 9, 1]  # "1" matches: a 1-token match
+    long = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5]  # a 5-token match
+    _, d_short = p.propose(None, short, 0, 8)
+    state, d_long = p.propose(None, long, 0, 8)
+    assert len(d_short) < len(d_long)
+    before = p.by_length[5].value
+    for _ in range(20):
+        state, d = p.propose(state, long, 0, 8)
+        p.observe(state, len(d), 0)
+        state.cooldown = 0
+    assert p.by_length[5].value < before and p.by_length[1].value == p.by_length[1].prior
 
 
 def test_a_shrinking_list_is_refused():

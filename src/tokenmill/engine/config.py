@@ -53,9 +53,9 @@ class EngineConfig:
     # Speculative decoding (engine/speculative/): "ngram" (prompt lookup) or "off", the default for
     # requests that do not choose; tokens proposed per step and sequence; the n-gram sizes looked up.
     speculative: str = "ngram"
-    num_speculative_tokens: int = 4
-    spec_ngram_min: int = 2
-    spec_ngram_max: int = 4
+    num_speculative_tokens: int = 8
+    spec_ngram_min: int = 1
+    spec_ngram_max: int = 8
     # Where the model runs (engine/device.py): "cpu", "cuda" (bf16 weights, KV cache and sampling on the
     # GPU) or "auto" (cuda when torch sees one). The CLI's default is auto; here cpu, so library users
     # and tests get the same engine on every machine unless they ask.

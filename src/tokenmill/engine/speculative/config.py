@@ -17,13 +17,13 @@ class SpecConfigError(ValueError):
 class SpecConfig:
     # "ngram": prompt lookup (speculative/ngram.py); "off": none unless a request asks for it.
     method: str = "ngram"
-    num_tokens: int = 4               # proposals per step and sequence (k)
-    ngram_min: int = 2                # shortest suffix looked up
-    ngram_max: int = 4                # longest suffix looked up (tried first)
+    num_tokens: int = 8               # most proposals per step and sequence (k)
+    ngram_min: int = 1                # shortest suffix looked up
+    ngram_max: int = 8                # longest suffix looked up (tried first)
     # Back-off: after `max_misses` verifications in a row that accepted nothing, a sequence stops
     # proposing for `cooldown_steps` steps, doubled after every further failed retry (up to
     # max_cooldown_steps) and reset by an accepted token.
-    max_misses: int = 2
+    max_misses: int = 6
     cooldown_steps: int = 4
     max_cooldown_steps: int = 64
     # The cost of one more row in a step, as a share of a step's fixed cost, and the acceptance rate

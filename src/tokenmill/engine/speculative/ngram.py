@@ -12,6 +12,13 @@ is likelier to be what is being copied now)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Match:
+    start: int  # where the tokens after the earlier occurrence begin
+    n: int      # the length of the suffix that matched
 
 
 class NgramIndex:
@@ -37,17 +44,21 @@ class NgramIndex:
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest (up to max_n) suffix of token_ids at its latest
         earlier occurrence; [] when no suffix of at least min_n tokens occurred before."""
+        match = self.find(token_ids)
+        return continuation(token_ids, match, k) if match is not None and k > 0 else []
+
+    def find(self, token_ids: Sequence[int]) -> Match | None:
+        """The longest suffix of token_ids (min_n..max_n tokens) that occurred earlier, at its latest
+        occurrence; None when there is none. Indexes what was appended since the last call."""
         n_ids = len(token_ids)
         if n_ids < self._indexed_end:
             raise ValueError("the token list shrank; an NgramIndex only follows a list that grows")
         self._index_until(token_ids, n_ids - 1)
-        if k <= 0:
-            return []
         for n in range(min(self.max_n, n_ids - 1), self.min_n - 1, -1):
             start = self._follows.get(tuple(token_ids[n_ids - n:]))
             if start is not None:
-                return _continue(token_ids, start, k)
-        return []
+                return Match(start, n)
+        return None
 
     def _index_until(self, token_ids: Sequence[int], end: int) -> None:
         """Index the n-grams that end at positions [indexed_end, end): a later occurrence overwrites an
@@ -59,10 +70,11 @@ class NgramIndex:
         self._indexed_end = max(self._indexed_end, end)
 
 
-def _continue(token_ids: Sequence[int], start: int, k: int) -> list[int]:
-    """k tokens from `start` on, as if the text went on repeating with the period the match implies
-    (len(token_ids) - start): a match close to the end, in a loop like "ab ab ab", runs into the end
-    of the context, and its continuation is the proposal's own beginning."""
+def continuation(token_ids: Sequence[int], match: Match, k: int) -> list[int]:
+    """k tokens from the match's `start` on, as if the text went on repeating with the period the
+    match implies (len(token_ids) - start): a match close to the end, in a loop like "ab ab ab", runs
+    into the end of the context, and its continuation is the proposal's own beginning."""
+    start = match.start
     n_ids = len(token_ids)
     out: list[int] = []
     for pos in range(start, start + k):
