@@ -20,6 +20,8 @@ BENCHMARKS = {
     "structured": ("tokenmill.bench.structured", "a batch of JSON-schema requests vs the same batch unconstrained"),
     "ray": ("tokenmill.bench.ray_routing", "N Ray replicas (prefix vs default router) vs 1 process of N threads"),
     "ray-sim": ("tokenmill.bench.ray_sim", "simulated R-replica cluster: prefix router vs power of two choices"),
+    "speculative": ("tokenmill.bench.speculative", "prompt-lookup speculative decoding on vs off: tok/s, acceptance, "
+                    "same tokens"),
     "scaling": ("tokenmill.bench.scaling", "decode, prefill and 64-sequence decode at 1..N threads vs llama.cpp"),
 }
 
