@@ -154,6 +154,19 @@ def llama_cpp_rates(path: str, prompts: list[tuple[str, list[int]]], n: int, k: 
         return f"n/a (llama_cpp not importable: {exc})"
     import os
 
+    # Without llama.cpp's extra buffer types (weight repacking, its AMX matmul): the AMX path crashes
+    # a build with AMX on this kind of CPU (README, llama.cpp as the peer); SmolLM2's Q4_1 weights are
+    # not repacked on AVX-512 anyway.
+    low_level = llama_cpp.llama_cpp  # the module the high-level Llama takes its defaults from
+    defaults = low_level.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        if hasattr(params, "use_extra_bufts"):
+            params.use_extra_bufts = False
+        return params
+
+    low_level.llama_model_default_params = without_extra_buffers
     threads = threads or os.cpu_count() or 1
     n_ctx = max(len(ids) for _, ids in prompts) + n + 64
     common = dict(model_path=path, n_ctx=-(-n_ctx // 256) * 256, n_threads=threads, n_threads_batch=threads,
