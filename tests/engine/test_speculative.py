@@ -223,12 +223,43 @@ def test_gemma3_sliding_window(gemma):
     same_with_and_without(gemma, requests, max_total_tokens=8192)
 
 
-def test_no_proposals_for_constrained_requests_nor_on_the_torch_path(llama, loaded):
+@pytest.mark.parametrize("pattern", [r"(ab ){12}", r"[a-c]{40}", r"(xy|xz){6}", r"(hello world, )+"])
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
+def test_grammar_constrained_proposals(llama, pattern, temperature):
+    # Proposals are cut where the grammar refuses a token or would complete, and every proposed row
+    # samples under its own mask: the output is the one without speculation, and it matches.
+    import re
+
     from tokenmill.structured import GrammarCompiler, GrammarSpec
 
     e = engine(llama, True)
-    grammar = GrammarCompiler(e.tokenizer).compile_now(GrammarSpec("regex", r"[a-c]{30}"))
-    run(e, [(repetitive(80), replace(GREEDY, ignore_eos=False, constraint=grammar))])
-    assert e.stats.spec.num_drafts == 0
+    grammar = GrammarCompiler(e.tokenizer).compile_now(GrammarSpec("regex", pattern))
+    prompt = e.tokenizer.encode("abcd ab ab xy xz hello world, hello world, " * 3)
+    params = SamplingParams(max_tokens=50, temperature=temperature, seed=4, constraint=grammar)
+    off = run(engine(llama, False), [(prompt, params)])
+    on = run(e, [(prompt, params)])
+    assert on == off
+    text = e.tokenizer.decode(on[0, 0]["ids"], skip_special_tokens=True)
+    assert re.fullmatch(pattern, text) or on[0, 0]["end"] is FinishReason.LENGTH
+    if pattern == r"(ab ){12}":
+        assert e.stats.spec.num_accepted_tokens > 5  # the grammar forces a repeating answer
+
+
+def test_no_proposals_on_the_torch_path(loaded):
     # fp32 weights on torch: rows are not computed the same whatever the batch, so nobody proposes.
     assert make_engine(loaded).scheduler.speculator is None
+
+
+def test_grammar_rows_cut_a_proposal_where_the_grammar_refuses_or_completes(llama):
+    from tokenmill.engine.speculative import Speculator
+    from tokenmill.structured import GrammarCompiler, GrammarSpec
+
+    tok = make_engine(llama).tokenizer
+    grammar = GrammarCompiler(tok).compile_now(GrammarSpec("regex", r"ab{0,3}c"))
+    a, b, c, d = (tok.encode(x, add_special_tokens=False)[0] for x in "abcd")
+    constraint = grammar.new_constraint()
+    draft, rows = Speculator.grammar_rows(constraint, [a, b, b, d, b])
+    assert draft == [a, b, b] and len(rows) == 3  # d is refused
+    assert Speculator.grammar_rows(constraint, [a, b, c, a])[0] == [a, b]  # c completes: nothing may follow
+    assert Speculator.grammar_rows(constraint, [b])[0] == []
+    assert constraint.accept(a)  # the sequence's own state was not advanced by any of this

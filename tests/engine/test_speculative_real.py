@@ -102,3 +102,18 @@ def test_gemma3_across_its_sliding_window(gemma3_path):
     assert len(prompt) > window  # proposals are verified by local layers that no longer see the start
     out, on = both(loaded, [(prompt, replace(GREEDY, max_tokens=120))], max_total_tokens=8192)
     assert on.stats.spec.num_accepted_tokens > 20
+
+
+def test_json_schema_constrained_extraction(smollm2):
+    from tokenmill.structured import GrammarCompiler, GrammarSpec
+
+    e = make_engine(smollm2, max_total_tokens=8192)
+    schema = {"type": "object", "properties": {"people": {"type": "array", "items": {"type": "string"}},
+                                               "next_meeting": {"type": "string"}},
+              "required": ["people", "next_meeting"]}
+    grammar = GrammarCompiler(e.tokenizer).compile_now(GrammarSpec("json_schema", schema))
+    prompt = chat(e, "Extract the people present and the date of the next meeting as JSON.\n\n"
+                  + GROUNDED["extract-actions"].split("\n\n", 1)[1])
+    params = SamplingParams(max_tokens=96, temperature=0, constraint=grammar)
+    out, on = both(smollm2, [(prompt, params)], max_total_tokens=8192)
+    assert on.stats.spec.num_drafts > 0

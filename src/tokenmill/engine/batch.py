@@ -25,6 +25,22 @@ class ScheduledChunk:
     draft_ids: list[int] = field(default_factory=list)
     # Seeded requests: a generator per sampled row (speculative/verify.py), set when sampling.
     row_generators: list | None = None
+    # Constrained requests: the grammar's state after each proposal (row j + 1 samples under the mask
+    # of row_constraints[j]; the first row under the sequence's own).
+    row_constraints: list | None = None
+
+    def mask_keys(self) -> list:
+        """For each sampled row, the key its grammar mask is computed under (engine.step): the
+        sequence's id for its own state (a forked sample's parent's, whose state it copies), (id, j)
+        for the state after proposal j; None without a grammar."""
+        if self.seq.constraint is None:
+            return [None] * self.num_sample_rows
+        own = (self.forked_from.seq if self.forked_from else self.seq).seq_id
+        return [own] + [(own, j) for j in range(1, self.num_sample_rows)]
+
+    def mask_states(self) -> list:
+        """(key, grammar state) of the masks this chunk's rows need beyond the sequence's own."""
+        return [((self.seq.seq_id, j), c) for j, c in enumerate(self.row_constraints or (), 1)]
 
     @property
     def token_ids(self) -> list[int]:

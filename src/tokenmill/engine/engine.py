@@ -269,7 +269,8 @@ class LLMEngine:
                 self.step_hook(batch)
             # Grammar masks are built on a worker thread while the model runs.
             masks = self.masks.start([(c.seq.seq_id, c.seq.constraint) for c in batch.sampling_chunks
-                                      if c.seq.constraint is not None])
+                                      if c.seq.constraint is not None]
+                                     + [state for c in batch.sampling_chunks for state in c.mask_states()])
             self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
             out = self.runner.run(batch)
             logits = out.logits
@@ -324,11 +325,10 @@ class LLMEngine:
             recent_token_ids=recent,
             num_output_tokens=[len(c.seq.output_ids) + j for c, j in rows],
             stop_token_ids=[self.scheduler.stop_ids] * len(rows),
-            # A forked sample has its parent's grammar state, hence its parent's mask. Constrained
-            # sequences propose nothing, so they have one row each.
+            # A forked sample has its parent's grammar state, hence its parent's mask; a proposed row
+            # the state after the proposals before it.
             token_masks=None if masks is None else masks.for_rows(
-                [(c.forked_from.seq if c.forked_from else c.seq).seq_id if c.seq.constraint else None
-                 for c, _ in rows]),
+                [key for c in chunks for key in c.mask_keys()]),
         )
 
     def _fail(self, batch: ScheduledBatch, message: str) -> list[TokenEvent]:

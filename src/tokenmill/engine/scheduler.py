@@ -109,6 +109,9 @@ class Scheduler:
         if spec is None or seq.num_uncomputed != 1:
             return None
         draft = spec.propose(seq, min(spec.num_wanted(seq), budget - 1), num_rows=len(self.running))
+        row_constraints = None
+        if draft and seq.constraint is not None:
+            draft, row_constraints = spec.grammar_rows(seq.constraint, draft)
         if not draft:
             return None
         start = seq.num_computed_tokens
@@ -122,7 +125,8 @@ class Scheduler:
             self.blocks.trim(seq.seq_id, had * self.blocks.block_size)
             return None
         copies = self.blocks.prepare_write(seq.seq_id, start)
-        return ScheduledChunk(seq, start, 1 + len(draft), True, copies, draft_ids=draft)
+        return ScheduledChunk(seq, start, 1 + len(draft), True, copies, draft_ids=draft,
+                              row_constraints=row_constraints)
 
     def _reserve(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> list[tuple[int, int]] | None:
         """Make room for `seq` to hold num_tokens and to write its new tokens into blocks of its own,

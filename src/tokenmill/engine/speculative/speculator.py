@@ -2,8 +2,9 @@
 request's wishes, what is left of its max_tokens and context, the step's budget), the proposals, and
 the acceptance counters for /metrics.
 
-Only unconstrained sequences propose for now: a grammar's mask would have to be built for every
-proposed row (the matcher advanced through the proposals before them)."""
+A grammar-constrained sequence's proposals are cut at the first token its grammar does not allow
+(and before one that completes it: nothing may follow that); each proposed row then samples under the
+mask of the grammar advanced through the proposals before it (`grammar_rows`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ from tokenmill.engine.speculative.proposer import NgramProposer, SpecCounters
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Sequence
+    from tokenmill.structured import Constraint
 
 
 class Speculator:
@@ -28,7 +30,7 @@ class Speculator:
         must not (a grammar constrains it) or would gain nothing."""
         p = seq.params
         on = p.speculative if p.speculative is not None else self.cfg.method != "off"
-        if not on or seq.constraint is not None:
+        if not on:
             return 0
         k = p.num_speculative_tokens if p.num_speculative_tokens is not None else self.cfg.num_tokens
         # Never propose past max_tokens or the context: the last row would be computed for nothing,
@@ -46,6 +48,18 @@ class Speculator:
         seq.spec, draft = self.proposer.propose(seq.spec, seq.all_token_ids, seq.num_shifted_tokens, max(cap, 0),
                                                 num_rows)
         return draft
+
+    @staticmethod
+    def grammar_rows(constraint: "Constraint", draft: list[int]) -> tuple[list[int], list["Constraint"]]:
+        """The longest head of draft the grammar allows, stopping before a token that would complete
+        it, and for each kept proposal d_j the grammar's state after d_1..d_j (the mask of row j)."""
+        state = constraint.fork()
+        rows: list["Constraint"] = []
+        for token in draft:
+            if not state.accept(token) or state.is_complete:
+                break
+            rows.append(state.fork())
+        return draft[:len(rows)], rows
 
     def observe(self, seq: "Sequence", num_draft_tokens: int, num_accepted: int) -> None:
         self.counters.record(num_draft_tokens, num_accepted)
