@@ -47,13 +47,25 @@ def test_a_match_running_into_the_end_continues_with_its_period():
     assert NgramIndex(2, 4).propose([0, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
 
 
-def test_growing_index_agrees_with_a_fresh_one_at_every_length():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 6, (300,), generator=g).tolist()
-    grown = NgramIndex(1, 4)
+def _naive_find(ids: list[int], min_n: int, max_n: int) -> Match | None:
+    """The definition, by brute force: the longest suffix (max_n down to min_n) found ending earlier,
+    at its latest occurrence."""
+    n_ids = len(ids)
+    for n in range(min(max_n, n_ids - 1), min_n - 1, -1):
+        for end in range(n_ids - 2, n - 2, -1):
+            if ids[end - n + 1:end + 1] == ids[n_ids - n:]:
+                return Match(end + 1, n)
+    return None
+
+
+@pytest.mark.parametrize("vocab,min_n,max_n", [(3, 1, 4), (6, 1, 8), (6, 2, 3), (40, 1, 2)])
+def test_growing_index_agrees_with_the_definition_at_every_length(vocab, min_n, max_n):
+    g = torch.Generator().manual_seed(vocab)
+    ids = torch.randint(0, vocab, (300,), generator=g).tolist()
+    grown = NgramIndex(min_n, max_n)
     for n in range(1, len(ids) + 1):
-        assert grown.propose(ids[:n], 4) == NgramIndex(1, 4).propose(ids[:n], 4)
-    assert grown.num_indexed == len(ids) - 1
+        assert grown.find(ids[:n]) == _naive_find(ids[:n], min_n, max_n)
+    assert grown.num_indexed == len(ids)
 
 
 def test_find_says_how_long_the_match_is():
