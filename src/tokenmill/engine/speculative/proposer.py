@@ -85,7 +85,8 @@ class NgramProposer:
         if state.cooldown > 0:
             state.cooldown -= 1
         elif cap > 0 and match is not None:
-            k = best_num_tokens(self.acceptance(state, match.n), num_rows, self.cfg.row_cost, cap)
+            row_cost = self.cfg.row_cost * (1 + len(token_ids) / self.cfg.row_cost_context)
+            k = best_num_tokens(self.acceptance(state, match.n), num_rows, row_cost, cap)
         draft = continuation(token_ids, match, k) if k else []
         state.match_len = match.n if draft else 0
         if not draft:
