@@ -224,7 +224,10 @@ def test_cli_create_pushes_the_modelfiles_file_to_the_server(store, own_model, m
         assert (store / "blobs" / f"sha256-{digest}").read_bytes() == own_model.read_bytes()
         with httpx.Client(base_url=server.url, timeout=60) as c:
             r = c.post("/api/generate", json={"model": "cli-made", "prompt": "hi", "stream": False})
-            assert r.status_code == 200 and r.json()["eval_count"] == 2
+            # The created model's PARAMETER num_predict 2 holds: two tokens, or fewer only when a sampled
+            # end of sequence came first (the tiny model's draws vary).
+            assert r.status_code == 200 and r.json()["eval_count"] <= 2
+            assert (r.json()["eval_count"] == 2) == (r.json()["done_reason"] == "length")
         assert main(["create", "cli-made-2", "-f", str(modelfile)]) == 0
         assert "transferring" not in capsys.readouterr().err  # the server holds it: not sent again
         assert main(["rm", "cli-made", "cli-made-2"]) == 0

@@ -45,6 +45,6 @@ def test_deadline_ends_a_request_with_length(client, tiny, engine, monkeypatch):
     assert 0 < r.json()["usage"]["completion_tokens"] < 5000
     assert time.monotonic() - start < 5
     with client.stream("POST", "/api/generate", json={"model": model_name(tiny[1]), "prompt": "hi", "raw": True,
-                                                      "options": {"num_predict": 5000}}) as s:
+                                                      "options": {"num_predict": 5000, "speculative": False}}) as s:
         lines = list(s.iter_lines())
     assert '"done_reason": "length"' in lines[-1]
