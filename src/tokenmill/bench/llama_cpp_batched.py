@@ -39,7 +39,7 @@ class LlamaCppBatched:
         if not self.model:
             raise RuntimeError("llama.cpp could not load the model")
         params = lib.llama_context_default_params()
-        params.n_ctx = -(-num_seqs * max_len // 256) * 256
+        params.n_ctx = num_seqs * (-(-max_len // 256) * 256)  # each sequence gets n_ctx / n_seq_max cells
         params.n_batch, params.n_ubatch, params.n_seq_max = n_batch, min(n_batch, n_ubatch), num_seqs
         params.n_threads = params.n_threads_batch = threads
         self.ctx = lib.llama_init_from_model(self.model, params)

@@ -120,8 +120,9 @@ def parse_batched_bench(text: str) -> list[BatchedFigure]:
 
 def batched_bench_command(binary: str, model: str, threads: int, num_seqs: int, prompt_len: int,
                           gen_tokens: int) -> list[str]:
-    # It skips a row silently when B*(PP+TG) exceeds the context: size -c for exactly that row.
-    n_ctx = -(-num_seqs * (prompt_len + gen_tokens) // 256) * 256
+    # It skips a row silently when B*(PP+TG) exceeds the context, and each of the B sequences gets
+    # n_ctx / B cells: a multiple of B, each sequence's share rounded up to 256.
+    n_ctx = num_seqs * (-(-(prompt_len + gen_tokens) // 256) * 256)
     return [binary, "-m", model, "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "-b", "2048",
             "-ub", "512", "-npp", str(prompt_len), "-ntg", str(gen_tokens), "-npl", str(num_seqs)]
 
