@@ -22,7 +22,8 @@
 # LLAMA_PREBUILT (a llama.cpp build folder with bin/ from an earlier run: no rebuild), NATIVE_PREBUILT
 # (a folder with tokenmill's _native_*.so for this python: no compile; for checks elsewhere), the steps'
 # limits T_SETUP (60), T_BUILD (200), T_MODELS (60), T_SMOLLM2 (400), T_GEMMA3 (120) and
-# GEMMA_RESERVE (50: seconds of the budget the SmolLM2 run leaves to Gemma 3).
+# GEMMA_RESERVE (50: seconds of the budget the SmolLM2 run leaves to Gemma 3), LLAMA_AMX=1 (build
+# llama.cpp with -march=native on an AMX CPU too; by default its AMX code is left out there).
 set -uo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -117,8 +118,19 @@ build_llama() {
     src=$(ls -d "$WORK"/llama/llama_cpp_python-*/)
     build=${LLAMA_PREBUILT:-$WORK/llama/build}
     if [[ -z "${LLAMA_PREBUILT:-}" ]]; then
-        cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
-            -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        # -march=native, except on an AMX CPU: there ggml's AMX matmul died on its first tile load
+        # (SIGILL at tileloadd here, a GPF at ldtilecfg before: README, gcc 12, Sapphire Rapids), so
+        # the AVX-512 code without AMX, as the README's peer build; LLAMA_AMX=1 tries AMX anyway.
+        local isa="-DGGML_NATIVE=ON"
+        if grep -qw amx_int8 /proc/cpuinfo && [[ "${LLAMA_AMX:-0}" != 1 ]]; then
+            isa="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON
+                 -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AMX_TILE=OFF
+                 -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+            echo "llama.cpp: AVX-512 without AMX"
+        fi
+        # shellcheck disable=SC2086
+        cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON $isa \
+            -DGGML_CUDA=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
             -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
         CMAKE_BUILD_PARALLEL_LEVEL=$JOBS cmake --build "$build" --target llama llama-bench llama-batched-bench
     fi
@@ -195,6 +207,7 @@ fi
 {
     echo "== tokenmill many-core scaling: $(date -u +%FT%TZ), $(nproc) CPUs, $(($(date +%s) - START)) s"
     if [[ -s "$OUT/failed.txt" ]]; then echo "failed steps:"; sed 's/^/  /' "$OUT/failed.txt"; else echo "every step ok"; fi
+    grep -h "^llama.cpp: \|^native core: \|^torch " "$OUT"/logs/setup.log "$OUT"/logs/build-*.log 2>/dev/null
     for m in smollm2 gemma3; do
         if [[ -s "$OUT/$m.txt" ]]; then echo; echo "== $m"; cat "$OUT/$m.txt"; fi
     done

@@ -41,8 +41,8 @@ TESTS = ("tg", "pp", "batch")
 def build_parser(prog: str = "tokenmill bench scaling") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="model name or .gguf path (default: smollm2)")
-    p.add_argument("--threads", default=None, help="comma-separated thread counts (default: powers of two up "
-                   "to the default thread count, and that count)")
+    p.add_argument("--threads", default=None, help="comma-separated thread counts, run in this order; 'default' "
+                   "is the count tokenmill would choose (default: powers of two up to it, and it)")
     p.add_argument("--tests", default=",".join(TESTS), help="comma-separated, from tg,pp,batch (default: all)")
     p.add_argument("--tg-tokens", type=int, default=128, help="new tokens of the single-stream decode (tg128)")
     p.add_argument("--tg-prompt-len", type=int, default=16, help="prompt of the single-stream decode")
@@ -58,7 +58,8 @@ def build_parser(prog: str = "tokenmill bench scaling") -> argparse.ArgumentPars
     p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary for tg and pp")
     p.add_argument("--llama-batched-bench", metavar="PATH", help="llama.cpp's llama-batched-bench for the batch")
     p.add_argument("--no-gomp-count", action="store_true", help="do not preload the OpenMP fork-join counter")
-    p.add_argument("--json", metavar="PATH", help="write everything as JSON")
+    p.add_argument("--json", metavar="PATH", help="write everything as JSON (rewritten after each thread count)")
+    p.add_argument("--from-json", metavar="PATH", help="print the report of a saved --json result, run nothing")
     return p
 
 
@@ -89,11 +90,11 @@ def default_thread_counts(default: int) -> list[int]:
     return counts + [max(1, default)]
 
 
-def parse_counts(text: str) -> list[int]:
+def parse_counts(text: str, default: int) -> list[int]:
     try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
+        counts = [default if x.strip() == "default" else int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"--threads wants comma-separated integers, got {text!r}") from None
+        raise SystemExit(f"--threads wants comma-separated integers or 'default', got {text!r}") from None
     if not counts or min(counts) < 1:
         raise SystemExit("--threads wants at least one count, each >= 1")
     return list(dict.fromkeys(counts))
@@ -173,8 +174,9 @@ def llama_side(args: argparse.Namespace, spec: dict[str, Any], plan: dict[str, A
         out.update({k: r[k] for k in ("tg", "pp", "batch", "llama_cpp_python", "system_info") if k in r})
     try:
         if plan["tg_pp"] == "llama-bench":
-            r = run_llama_bench(args.llama_bench, spec["model"], threads, args.pp_tokens, args.tg_tokens,
-                                args.repeats, args.timeout)
+            # 0 tokens: llama-bench leaves that test out
+            r = run_llama_bench(args.llama_bench, spec["model"], threads, args.pp_tokens if "pp" in tests else 0,
+                                args.tg_tokens if "tg" in tests else 0, args.repeats, args.timeout)
             out["llama_bench_command"] = r["command"]
             if "tg" in tests and r["tg_tok_s"] is not None:
                 out["tg"] = {"decode_tok_s": r["tg_tok_s"], "stddev": r["tg_stddev"]}
@@ -250,13 +252,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _check(args)
     tests = parse_tests(args.tests)
     box = machine()
-    counts = parse_counts(args.threads) if args.threads else default_thread_counts(box["default_threads"])
+    default = box["default_threads"]
+    counts = parse_counts(args.threads, default) if args.threads else default_thread_counts(default)
     gguf_path = str(resolve_model(args.model))
     plan = llama_plan(args, tests)
     spec = make_spec(args, gguf_path)
-    rows = []
+    result: dict[str, Any] = {
+        "benchmark": "scaling", "model": gguf_path, "machine": box, "tests": tests, "thread_counts": counts,
+        "config": {k: getattr(args, k) for k in ("tg_tokens", "tg_prompt_len", "pp_tokens", "batch",
+                                                 "batch_prompt_len", "batch_tokens", "repeats", "timeout",
+                                                 "dtype", "compile")},
+        "llama_cpp": plan, "gomp_shim": None, "rows": []}
     with tempfile.TemporaryDirectory(prefix="tm-gomp-") as tmp:
         shim = Shim(None, "off (--no-gomp-count)") if args.no_gomp_count else build_shim(tmp)
+        result["gomp_shim"] = shim.reason
         for n in counts:
             progress(f"tokenmill, {n} threads")
             tm = tokenmill_side(args, spec, n, tests, shim)
@@ -264,19 +273,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if plan["tg_pp"] or plan["batch"]:
                 progress(f"llama.cpp, {n} threads")
                 lc = llama_side(args, spec, plan, n, tests)
-            rows.append({"threads": n, "tokenmill": tm, "llama_cpp": lc, "ratio": ratios(tm, lc),
-                         "loadavg": loadavg()})
-    return {"benchmark": "scaling", "model": gguf_path, "machine": box, "tests": tests,
-            "config": {k: getattr(args, k) for k in ("tg_tokens", "tg_prompt_len", "pp_tokens", "batch",
-                                                     "batch_prompt_len", "batch_tokens", "repeats", "timeout",
-                                                     "dtype", "compile")},
-            "llama_cpp": plan, "gomp_shim": shim.reason, "rows": rows}
+            result["rows"].append({"threads": n, "tokenmill": tm, "llama_cpp": lc, "ratio": ratios(tm, lc),
+                                   "loadavg": loadavg()})
+            write_json(args.json, result)  # so far: a run cut short still leaves what it measured
+    return result
 
 
 def main(argv: list[str] | None = None, prog: str = "tokenmill bench scaling") -> int:
     from tokenmill.bench.scaling_report import report
 
     args = build_parser(prog).parse_args(argv)
+    if args.from_json:
+        print(report(json.loads(Path(args.from_json).read_text())))
+        return 0
     result = run(args)
     print(report(result), flush=True)
     write_json(args.json, result)
