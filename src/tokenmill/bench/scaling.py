@@ -8,7 +8,8 @@ process-wide; a crash or a hang stays there, under --timeout):
                         of the steps in which all of them decode (batched-bench's S_TG)
 llama.cpp runs through llama-cpp-python (tg/pp through `eval`, the batch through `llama_decode` of a
 64-sequence llama_batch), or through llama.cpp's own binaries when given: --llama-bench (tg/pp,
-`-o json`), --llama-batched-bench (S_TG of -npl BATCH). Ratios are tokenmill / llama.cpp.
+`-o json`), --llama-batched-bench (S_TG of -npl BATCH). Ratios are tokenmill / llama.cpp. tokenmill's
+speculative decoding is off unless --speculative ngram: one token per sequence and step on both sides.
 
 Also the proxy that a machine with few cores can show: per decoded token, what the compiled core's
 thread pool did (synchronisations, inline calls, time waiting at joins; kernels.native.pool_stats,
@@ -54,6 +55,8 @@ def build_parser(prog: str = "tokenmill bench scaling") -> argparse.ArgumentPars
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per step: one side at one thread count")
     p.add_argument("--dtype", choices=["auto", "gguf", "bf16", "fp32"], default="auto", help="tokenmill's weights")
     p.add_argument("--compile", action="store_true", help="tokenmill: compiled model steps (the server default)")
+    p.add_argument("--speculative", choices=["off", "ngram"], default="off", help="tokenmill's speculative "
+                   "decoding (default off: one token per sequence and step, as llama-bench and batched-bench)")
     p.add_argument("--skip-llama-cpp", action="store_true", help="tokenmill alone")
     p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary for tg and pp")
     p.add_argument("--llama-batched-bench", metavar="PATH", help="llama.cpp's llama-batched-bench for the batch")
@@ -220,7 +223,7 @@ def make_spec(args: argparse.Namespace, gguf_path: str) -> dict[str, Any]:
     tok = Tokenizer.from_gguf_metadata(meta)
     vocab = tok.vocab_size
     prompts = lambda n, length: corpus_prompts(tok.encode, n, length)  # noqa: E731
-    return {"model": gguf_path, "dtype": args.dtype, "compile": args.compile,
+    return {"model": gguf_path, "dtype": args.dtype, "compile": args.compile, "speculative": args.speculative,
             "tg_tokens": args.tg_tokens, "pp_tokens": args.pp_tokens, "batch": args.batch,
             "batch_prompt_len": args.batch_prompt_len, "batch_tokens": args.batch_tokens,
             "warmup_prompt": random_prompt(vocab, args.tg_prompt_len, seed=99),
@@ -261,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "scaling", "model": gguf_path, "machine": box, "tests": tests, "thread_counts": counts,
         "config": {k: getattr(args, k) for k in ("tg_tokens", "tg_prompt_len", "pp_tokens", "batch",
                                                  "batch_prompt_len", "batch_tokens", "repeats", "timeout",
-                                                 "dtype", "compile")},
+                                                 "dtype", "compile", "speculative")},
         "llama_cpp": plan, "gomp_shim": None, "rows": []}
     with tempfile.TemporaryDirectory(prefix="tm-gomp-") as tmp:
         shim = Shim(None, "off (--no-gomp-count)") if args.no_gomp_count else build_shim(tmp)

@@ -30,7 +30,8 @@ def _header(r: dict[str, Any]) -> list[str]:
             f"default threads: {m['default_threads']} ({m['default_threads_reason']})",
             f"cpu flags: {m['flags'] or 'none of ' + 'avx2/avx512f/vnni/bf16/amx'}",
             f"llama.cpp: {'; '.join(sources + plan.get('notes', [])) or 'n/a'}",
-            "tests: " + "; ".join(_TEST_TEXT[t].format(**c) for t in r["tests"])]
+            "tests: " + "; ".join(_TEST_TEXT[t].format(**c) for t in r["tests"])
+            + ("; tokenmill with speculative decoding (ngram)" if c.get("speculative") == "ngram" else "")]
 
 
 _TEST_TEXT = {"tg": "tg = {tg_prompt_len}-token prompt, {tg_tokens} new tokens, greedy, EOS ignored, median of {repeats}",

@@ -90,10 +90,12 @@ def tokenmill_side(spec: dict[str, Any]) -> dict[str, Any]:
     from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
 
     need = max(len(spec["tg_prompts"][0]) + spec["tg_tokens"], spec["pp_tokens"] + 1,
-               spec["batch"] * (spec["batch_prompt_len"] + spec["batch_tokens"] + _prefill_steps(spec) + 2))
+               spec["batch"] * (spec["batch_prompt_len"] + spec["batch_tokens"] + _prefill_steps(spec) + 10))
     cfg = EngineConfig(dtype=spec["dtype"], n_batch=N_BATCH, n_ubatch=N_BATCH, parallel=max(64, spec["batch"]),
-                       compile=spec["compile"],
-                       max_total_tokens=-(-(need + 256) // 1024) * 1024, enable_prefix_caching=False)
+                       compile=spec["compile"], speculative=spec.get("speculative", "off"),
+                       # twice what the sequences hold: the scheduler keeps headroom (watermark,
+                       # lookahead blocks), and a preempted sequence would spoil the batch figure
+                       max_total_tokens=-(-2 * need // 1024) * 1024, enable_prefix_caching=False)
     start = time.perf_counter()
     engine = LLMEngine.from_path(spec["model"], cfg)
     out: dict[str, Any] = {"engine_init_seconds": time.perf_counter() - start,
@@ -129,7 +131,7 @@ def _tokenmill_batch(engine, spec: dict[str, Any], params_cls) -> tuple[dict[str
     """All sequences in, steps until every one of them decodes, one more untimed step, then
     `batch_tokens` timed decode steps; the requests are left unfinished (the process ends)."""
     n, steps = spec["batch"], spec["batch_tokens"]
-    params = params_cls(max_tokens=steps + _prefill_steps(spec) + 2, temperature=0, ignore_eos=True)
+    params = params_cls(max_tokens=steps + _prefill_steps(spec) + 10, temperature=0, ignore_eos=True)
     for ids in spec["batch_prompts"]:
         engine.add_request(ids, params)
 
@@ -149,7 +151,7 @@ def _tokenmill_batch(engine, spec: dict[str, Any], params_cls) -> tuple[dict[str
     for _ in range(steps):
         tokens += sum(len(ev.token_ids) for ev in engine.step())
         if not all_decoding():
-            raise RuntimeError(f"a timed step did not decode all {n} sequences")
+            raise RuntimeError(f"a timed step did not decode all {n} sequences (a preemption: KV cache too small?)")
     elapsed = time.perf_counter() - t0
     after = snapshot()
     return ({"decode_tok_s": tokens / elapsed, "decode_step_ms": elapsed / steps * 1e3, "steps": steps,
