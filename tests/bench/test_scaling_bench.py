@@ -258,7 +258,8 @@ def test_gomp_shim_counts_fork_joins(tmp_path):
     prog.write_text(
         "#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <stdio.h>\n"
         "int main(void) {\n"
-        f"  unsigned long (*count)(void) = (unsigned long (*)(void))dlsym(RTLD_DEFAULT, \"{gomp_shim.COUNT_SYMBOL}\");\n"
+        "  unsigned long (*count)(void) =\n"
+        f"    (unsigned long (*)(void))dlsym(RTLD_DEFAULT, \"{gomp_shim.COUNT_SYMBOL}\");\n"
         "  if (!count) { puts(\"none\"); return 0; }\n"
         "  unsigned long before = count(); int n = 0;\n"
         "  for (int i = 0; i < 3; i++) {\n#pragma omp parallel num_threads(2)\n"

@@ -34,7 +34,8 @@ def _header(r: dict[str, Any]) -> list[str]:
             + ("; tokenmill with speculative decoding (ngram)" if c.get("speculative") == "ngram" else "")]
 
 
-_TEST_TEXT = {"tg": "tg = {tg_prompt_len}-token prompt, {tg_tokens} new tokens, greedy, EOS ignored, median of {repeats}",
+_TEST_TEXT = {"tg": "tg = {tg_prompt_len}-token prompt, {tg_tokens} new tokens, greedy, EOS ignored, "
+                    "median of {repeats}",
               "pp": "pp = {pp_tokens}-token prompt, median of {repeats}",
               "batch": "batch = {batch} x {batch_prompt_len}-token prompts, {batch_tokens} decode steps"}
 
