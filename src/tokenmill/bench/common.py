@@ -156,6 +156,19 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def resolve_bench_device(name: str) -> str:
+    """A benchmark's --device: auto is cuda when torch sees a GPU, else cpu; cuda without one exits
+    with the reason (before anything is loaded)."""
+    if name == "cpu":
+        return name
+    from tokenmill.model.gpu.device import DeviceUnavailable, resolve_device
+
+    try:
+        return resolve_device(name).type
+    except DeviceUnavailable as exc:
+        raise SystemExit(f"--device {name}: {exc}") from None
+
+
 def progress(msg: str) -> None:
     """A progress note on stderr (the report itself goes to stdout)."""
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg} (loadavg {loadavg()})", file=sys.stderr, flush=True)
@@ -181,8 +194,9 @@ def fmt(x: float | None, nd: int = 1) -> str:
 HF_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
-def load_hf(gguf_path: str | Path, dtype: str):
-    """(model, seconds) for the same GGUF through transformers, in `dtype`, eval mode."""
+def load_hf(gguf_path: str | Path, dtype: str, device: str = "cpu", attn: str | None = None):
+    """(model, seconds) for the same GGUF through transformers, in `dtype`, eval mode, on `device`;
+    `attn`: its attn_implementation (None: transformers' default)."""
     import logging
 
     import torch
@@ -200,9 +214,10 @@ def load_hf(gguf_path: str | Path, dtype: str):
         pass
     path = Path(gguf_path)
     start = time.perf_counter()
+    more = {"attn_implementation": attn} if attn else {}
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=getattr(torch, HF_DTYPES[dtype]))
-    model.eval()
+                                                 dtype=getattr(torch, HF_DTYPES[dtype]), **more)
+    model.to(device).eval()
     return model, time.perf_counter() - start
 
 
@@ -233,6 +248,7 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     streamer = TimingStreamer()
     start = time.perf_counter()
     # transformers runs in torch: the full thread count, even beside an engine that gives torch one

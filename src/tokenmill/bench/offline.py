@@ -17,7 +17,8 @@ from multiprocessing import get_context
 from typing import Any
 
 from tokenmill.bench.common import (corpus_prompts, environment, fmt, hf_generate, hf_pad_id, load_hf, loadavg,
-                                    percentiles, progress, random_prompt, ratio, set_threads, write_json)
+                                    percentiles, progress, random_prompt, ratio, resolve_bench_device, set_threads,
+                                    write_json)
 from tokenmill.process_stats import peak_rss_bytes
 
 
@@ -28,6 +29,8 @@ def build_parser(prog: str = "tokenmill bench offline") -> argparse.ArgumentPars
     p.add_argument("--prompt-len", type=int, default=100, help="tokens per prompt")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (EOS ignored)")
     p.add_argument("--dtype", choices=["auto", "gguf", "bf16", "fp32"], default="auto")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                   help="where both sides run (cuda: tokenmill's GPU path, transformers on the same GPU)")
     p.add_argument("--n-batch", type=int, default=512, help="engine token budget per step")
     p.add_argument("--n-ubatch", type=int, default=None, help="engine micro-batch (default: = --n-batch)")
     p.add_argument("--parallel", type=int, default=64, help="engine: most sequences running at once")
@@ -39,7 +42,8 @@ def build_parser(prog: str = "tokenmill bench offline") -> argparse.ArgumentPars
     p.add_argument("--skip-hf", action="store_true", help="only run tokenmill")
     p.add_argument("--hf-batch", type=int, default=0, help="transformers batch size (0 = all prompts at once)")
     p.add_argument("--hf-dtype", choices=["bf16", "fp32"], default=None,
-                   help="default: --dtype if it is bf16 or fp32, else fp32 (transformers has no GGUF-block mode)")
+                   help="default: --dtype if it is bf16 or fp32, else fp32 (transformers has no GGUF-block mode); "
+                   "bf16 on a GPU")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p
 
@@ -49,7 +53,8 @@ def run_tokenmill(gguf_path: str, prompts: list[list[int]], args: argparse.Names
 
     cfg = EngineConfig(dtype=args.dtype, n_batch=args.n_batch, n_ubatch=args.n_ubatch or args.n_batch,
                        parallel=args.parallel, max_total_tokens=args.max_total_tokens,
-                       enable_prefix_caching=not args.no_prefix_caching, compile=not args.no_compile)
+                       enable_prefix_caching=not args.no_prefix_caching, compile=not args.no_compile,
+                       device=args.device)
     start = time.perf_counter()
     engine = LLMEngine.from_path(gguf_path, cfg)
     init_s = time.perf_counter() - start
@@ -124,13 +129,13 @@ def run_tokenmill(gguf_path: str, prompts: list[list[int]], args: argparse.Names
 
 
 def run_hf(gguf_path: str, prompts: list[list[int]], max_tokens: int, dtype: str, hf_batch: int,
-           threads: int | None = None) -> dict[str, Any]:
+           threads: int | None = None, device: str = "cpu") -> dict[str, Any]:
     """The transformers side; runs in a child process (see `run`)."""
     import torch
 
     set_threads(threads)
     before = loadavg()
-    model, load_s = load_hf(gguf_path, dtype)
+    model, load_s = load_hf(gguf_path, dtype, device)
     pad = hf_pad_id(model)
     hf_generate(model, [random_prompt(model.config.vocab_size, min(len(prompts[0]), 32), 1234)], 4, pad)  # warm-up
     batch = hf_batch or len(prompts)
@@ -152,6 +157,7 @@ def run_hf(gguf_path: str, prompts: list[list[int]], max_tokens: int, dtype: str
     return {
         "load_seconds": load_s,
         "dtype": dtype,
+        "device": str(model.device),
         "batch_size": batch,
         "num_batches": len(batches),
         "torch_threads": torch.get_num_threads(),
@@ -179,6 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     set_threads(args.threads)
+    args.device = resolve_bench_device(args.device)
     gguf_path = str(resolve_model(args.model))
     tok = Tokenizer.from_gguf_metadata(open_gguf(gguf_path).metadata)
     prompts = corpus_prompts(tok.encode, args.num_prompts, args.prompt_len)
@@ -188,8 +195,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "offline",
         "model": gguf_path,
-        "config": {k: getattr(args, k) for k in ("num_prompts", "prompt_len", "max_tokens", "dtype", "n_batch",
-                                                 "n_ubatch", "parallel", "max_total_tokens", "hf_batch",
+        "config": {k: getattr(args, k) for k in ("num_prompts", "prompt_len", "max_tokens", "dtype", "device",
+                                                 "n_batch", "n_ubatch", "parallel", "max_total_tokens", "hf_batch",
                                                  "threads")},
         "env": environment(),
         "loadavg_start": loadavg(),
@@ -202,10 +209,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         progress("transformers")
         # A fresh process, so its peak RSS is its own and the engine's memory does not linger.
-        hf_dtype = args.hf_dtype or (args.dtype if args.dtype in ("bf16", "fp32") else "fp32")
+        hf_dtype = args.hf_dtype or (args.dtype if args.dtype in ("bf16", "fp32") else
+                                     "fp32" if args.device == "cpu" else "bf16")
         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
             result["hf"] = pool.submit(run_hf, gguf_path, prompts, args.max_tokens, hf_dtype,
-                                       args.hf_batch, args.threads).result()
+                                       args.hf_batch, args.threads, args.device).result()
     result["loadavg_end"] = loadavg()
     tm, hf = result["tokenmill"], result["hf"] or {}
     result["ratio_tokenmill_over_hf"] = {k: ratio(tm.get(k), hf.get(k)) for k in ("output_tok_s", "prefill_tok_s",
@@ -218,7 +226,7 @@ def report(r: dict[str, Any]) -> str:
     mib = 1024 * 1024
     lines = [
         f"offline: {c['num_prompts']} prompts x {c['prompt_len']} tokens, {c['max_tokens']} new tokens each "
-        f"(EOS ignored), {c['dtype']}, n_batch={c['n_batch']}, parallel={c['parallel']}",
+        f"(EOS ignored), {c['dtype']} on {c.get('device', 'cpu')}, n_batch={c['n_batch']}, parallel={c['parallel']}",
         f"model {r['model']}; torch {r['env']['torch']} threads={r['env']['torch_threads']}; "
         f"kernels {r['env']['kernels']}; cpu flags: {r['env']['cpu_flags']}",
         f"loadavg: start {r['loadavg_start']} | after tokenmill {r['loadavg_after_tokenmill']} | end {r['loadavg_end']}",

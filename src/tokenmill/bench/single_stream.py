@@ -22,7 +22,8 @@ import time
 from typing import Any
 
 from tokenmill.bench.common import (corpus_prompts, cpu_flags, environment, fmt, hf_generate, hf_pad_id, load_hf,
-                                    loadavg, progress, random_prompt, ratio, set_threads, write_json)
+                                    loadavg, progress, random_prompt, ratio, resolve_bench_device, set_threads,
+                                    write_json)
 
 # --peer names -> the key of each side's figures in the JSON and its name in the report
 PEERS = {"transformers": ("hf", "transformers"), "llama-cpp": ("llama_cpp", "llama.cpp")}
@@ -33,6 +34,8 @@ def build_parser(prog: str = "tokenmill bench single-stream") -> argparse.Argume
     p.add_argument("--model", default="smollm2", help="model name or .gguf path (default: smollm2)")
     p.add_argument("--dtypes", default="auto", help="comma-separated tokenmill --dtype values, from "
                    "auto,gguf,bf16,fp32 (default: auto, what the server runs); transformers runs gguf/auto as fp32")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                   help="where tokenmill and transformers run (cuda: the GPU path, CUDA graphs unless --no-compile)")
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per side; the median is reported")
@@ -81,13 +84,14 @@ def _rates(prompt_len: int, t0: float, first: float, last: float, n: int) -> dic
 
 
 class TokenmillSide:
-    def __init__(self, gguf_path: str, dtype: str, max_total_tokens: int, compile: bool = True):
+    def __init__(self, gguf_path: str, dtype: str, max_total_tokens: int, compile: bool = True,
+                 device: str = "cpu"):
         from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
 
         self._params = SamplingParams
         start = time.perf_counter()
         self.engine = LLMEngine.from_path(gguf_path, EngineConfig(dtype=dtype, max_total_tokens=max_total_tokens,
-                                                                           compile=compile))
+                                                                  compile=compile, device=device))
         self.init_seconds = time.perf_counter() - start
         self.load_seconds = self.engine.loaded.load_seconds
         self.vocab_size = self.engine.loaded.config.vocab_size
@@ -104,8 +108,8 @@ class TokenmillSide:
 
 
 class HFSide:
-    def __init__(self, gguf_path: str, dtype: str):
-        self.model, self.load_seconds = load_hf(gguf_path, dtype)
+    def __init__(self, gguf_path: str, dtype: str, device: str = "cpu"):
+        self.model, self.load_seconds = load_hf(gguf_path, dtype, device)
         self.pad = hf_pad_id(self.model)
         self.vocab_size = self.model.config.vocab_size
 
@@ -144,11 +148,13 @@ def run_dtype(gguf_path: str, prompts: list[list[int]], dtype: str, args: argpar
     tm = None
     if not args.skip_tokenmill:
         progress(f"loading tokenmill {dtype}")
-        tm = TokenmillSide(gguf_path, dtype, args.max_total_tokens, compile=not args.no_compile)
+        tm = TokenmillSide(gguf_path, dtype, args.max_total_tokens, compile=not args.no_compile,
+                           device=args.device)
         sides.append(("tokenmill", tm))
     if "transformers" in args.peers:
         progress(f"loading transformers {dtype}")
-        sides.append(("hf", HFSide(gguf_path, dtype if dtype in ("bf16", "fp32") else "fp32")))
+        hf_dtype = dtype if dtype in ("bf16", "fp32") else "fp32" if args.device == "cpu" else "bf16"
+        sides.append(("hf", HFSide(gguf_path, hf_dtype, args.device)))
     sides += list(shared.items())
     for _, side in sides:  # warm-up, untimed; random ids never share a prefix with the measured prompts
         n = min(len(prompts[0]), getattr(side, "warmup_prompt_cap", len(prompts[0])))
@@ -191,6 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.tokenizer import Tokenizer
 
     set_threads(args.threads)
+    args.device = resolve_bench_device(args.device)
     gguf_path = str(resolve_model(args.model))
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
@@ -226,7 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "single_stream", "model": gguf_path, "env": env,
         "config": {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
-                   "peers": args.peers, "skip_tokenmill": args.skip_tokenmill},
+                   "peers": args.peers, "skip_tokenmill": args.skip_tokenmill, "device": args.device},
         "loadavg_start": loadavg(), "runs": {},
     }
     for d in dtypes:
@@ -241,7 +248,7 @@ def report(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [f"single stream: prompt {c['prompt_len']} tokens, {c['max_tokens']} new tokens, greedy, EOS ignored; "
              f"median of {c['repeats']} alternating runs; torch {r['env']['torch']} threads={r['env']['torch_threads']}",
-             f"model {r['model']}"]
+             f"model {r['model']}; device {c.get('device', 'cpu')}"]
     if r["env"].get("llama_cpp"):
         lc = r["env"]["llama_cpp"]
         lines.append(f"llama-cpp-python {lc['llama_cpp_python']}: {lc['system_info']}")
