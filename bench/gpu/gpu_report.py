@@ -115,7 +115,8 @@ def render(out: Path) -> tuple[str, dict[str, Any]]:
                 f"  {r.met}")
 
     lines = [head, "", line(Row("target", "tokenmill", "transformers", "goal", "met")), *map(line, table), "",
-             "transformers: eager attention, bf16, the same random-weight GGUF and token ids, on the same device "
+             "transformers: generate's new tokens / its wall time (prefill included), eager attention, bf16, the "
+             "same random-weight GGUF and token ids, on the same device; TTFT: its first token, the batch at once "
              f"(the issue quotes {ISSUE_ANCHOR[1]}, {ISSUE_ANCHOR[64]:,.0f} and {ISSUE_ANCHOR[256]:,.0f} tok/s at "
              "batch 1, 64 and 256 on an H200)."]
     if env.get("device") != "cuda":
