@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.runner import PromptRows, StepOutput, scored_positions, split_ubatches
+from tokenmill.engine.runner import PromptRows, StepOutput, UbatchInputs, split_ubatches
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
@@ -56,20 +56,7 @@ class DeviceModelRunner:
         logits: list[torch.Tensor] = []
         prompt_rows: list[PromptRows] = []
         for ubatch in split_ubatches(batch.chunks, self.n_ubatch):
-            ids: list[int] = []
-            positions: list[int] = []
-            specs: list[ChunkSpec] = []
-            sample_rows: list[int] = []
-            scored = []  # (seq, positions, row of the first)
-            for chunk, start, num_new in ubatch:
-                scored_here = scored_positions(chunk.seq, start, num_new)
-                if scored_here:
-                    scored.append((chunk.seq, scored_here, len(ids) + scored_here.start - start))
-                ids.extend(chunk.seq.all_token_ids[start:start + num_new])
-                positions.extend(range(start, start + num_new))
-                specs.append(ChunkSpec(self.blocks.block_table(chunk.seq.seq_id), start, num_new))
-                if chunk.samples and start + num_new == chunk.start + chunk.num_new:
-                    sample_rows.append(len(ids) - 1)
+            ids, positions, specs, sample_rows, scored = UbatchInputs.build(ubatch, self.blocks)
             self._check_positions(positions)
             hidden = None if scored else self._run_graph(ids, positions, specs)
             if hidden is not None:

@@ -57,6 +57,34 @@ def scored_positions(seq: Sequence, start: int, num_new: int) -> range:
     return range(max(start, len(seq.prompt_scores)), min(start + num_new, len(seq.prompt_ids) - 1))
 
 
+@dataclass
+class UbatchInputs:
+    """What one micro-batch hands the model, whatever device runs it: the rows' token ids and
+    positions, each piece's block table, the rows that get logits, and the prompt rows to score."""
+    ids: list[int]
+    positions: list[int]
+    specs: list[ChunkSpec]
+    sample_rows: list[int]
+    scored: list[tuple[Sequence, range, int]]  # (seq, positions, row of the first)
+
+    @classmethod
+    def build(cls, ubatch: list[tuple[ScheduledChunk, int, int]], blocks: BlockManager) -> "UbatchInputs":
+        out = cls([], [], [], [], [])
+        for chunk, start, num_new in ubatch:
+            scored_here = scored_positions(chunk.seq, start, num_new)
+            if scored_here:
+                out.scored.append((chunk.seq, scored_here, len(out.ids) + scored_here.start - start))
+            # A speculating sequence's proposals are rows like any others, each sampled.
+            out.sample_rows.extend(len(out.ids) + r for r in chunk.sample_rows_in(start, num_new))
+            out.ids.extend(chunk.input_ids(start, num_new))
+            out.positions.extend(range(start, start + num_new))
+            out.specs.append(ChunkSpec(blocks.block_table(chunk.seq.seq_id), start, num_new))
+        return out
+
+    def __iter__(self):
+        return iter((self.ids, self.positions, self.specs, self.sample_rows, self.scored))
+
+
 class ModelRunner:
     supports_drafts = True  # computes and returns logits for every proposed row (ScheduledChunk.draft_ids)
 
@@ -79,20 +107,7 @@ class ModelRunner:
         logits: list[torch.Tensor] = []
         prompt_rows: list[PromptRows] = []
         for ubatch in split_ubatches(batch.chunks, self.n_ubatch):
-            ids: list[int] = []
-            positions: list[int] = []
-            specs: list[ChunkSpec] = []
-            sample_rows: list[int] = []
-            scored: list[tuple[Sequence, range, int]] = []  # (seq, positions, row of the first)
-            for chunk, start, num_new in ubatch:
-                scored_here = scored_positions(chunk.seq, start, num_new)
-                if scored_here:
-                    scored.append((chunk.seq, scored_here, len(ids) + scored_here.start - start))
-                # A speculating sequence's proposals are rows like any others, each sampled.
-                sample_rows.extend(len(ids) + r for r in chunk.sample_rows_in(start, num_new))
-                ids.extend(chunk.input_ids(start, num_new))
-                positions.extend(range(start, start + num_new))
-                specs.append(ChunkSpec(self.blocks.block_table(chunk.seq.seq_id), start, num_new))
+            ids, positions, specs, sample_rows, scored = UbatchInputs.build(ubatch, self.blocks)
             graph_logits = None if scored else self._run_graph(ids, positions, specs, sample_rows)
             if graph_logits is not None:
                 logits.append(graph_logits)
