@@ -44,7 +44,9 @@ def test_deadline_ends_a_request_with_length(client, tiny, engine, monkeypatch):
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert 0 < r.json()["usage"]["completion_tokens"] < 5000
     assert time.monotonic() - start < 5
-    with client.stream("POST", "/api/generate", json={"model": model_name(tiny[1]), "prompt": "hi", "raw": True,
-                                                      "options": {"num_predict": 5000, "speculative": False}}) as s:
-        lines = list(s.iter_lines())
-    assert '"done_reason": "length"' in lines[-1]
+    # streamed too; ignore_eos because a sampled EOS from the random tiny model would end it first
+    body = {"prompt": "hi", "max_tokens": 5000, "stream": True, "ignore_eos": True, "speculative": False}
+    with client.stream("POST", "/v1/completions", json=body) as s:
+        events = [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert '"finish_reason": "length"' in events[-2]
