@@ -6,10 +6,12 @@ import importlib
 import os
 import sys
 
-# OpenMP threads that find no work spin this many times before sleeping (libgomp reads it when torch
-# loads it, so before any import of torch). Its default (300,000) keeps the kernels' threads spinning
-# through the gaps between steps, where the server's HTTP thread and the clients need the same cores:
-# with 64 streams on 2 cores, 10,000 gave 1.25x the output tok/s (bench serve, 3 runs each way).
+# torch's OpenMP threads (the compiled core has its own pool, csrc/thread_pool.h, and no OpenMP) that
+# find no work spin this many times before sleeping; libgomp reads it when torch loads it, so before any
+# import of torch. Its default (300,000) keeps those threads spinning through the gaps between steps,
+# where the server's HTTP thread and the clients need the same cores: with 64 streams on 2 cores, when
+# the kernels still ran on OpenMP, 10,000 gave 1.25x the output tok/s (bench serve, 3 runs each way).
+# It still matters where torch computes: dense (bf16/fp32) models and the ops outside the native step.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from tokenmill.config import add_flags  # noqa: E402 - after the OpenMP setting
