@@ -138,7 +138,8 @@ OPTIONS: tuple[Option, ...] = (
            ("--gpu-memory-utilization",), lo=0.01, hi=1.0),
     Option("speculative", str, "ngram", "speculative decoding for requests that do not choose: ngram (prompt "
            "lookup: a sequence proposes what followed its last few tokens earlier in its context, verified in the "
-           "same step; greedy and seeded output unchanged) or off", ("--speculative",), choices=("off", "ngram")),
+           "same step; greedy and seeded output unchanged), draft:MODEL (an installed model with the same vocabulary "
+           "decodes the proposals; its own KV cache) or off", ("--speculative",)),
     Option("num_speculative_tokens", int, 8, "most tokens a sequence proposes per step (fewer when its proposals "
            "are seldom accepted or the batch is large)", ("--num-speculative-tokens",), lo=1, hi=16),
     Option("spec_ngram_min", int, 1, "prompt lookup: the shortest suffix looked up (a 1-token match proposes "
@@ -400,6 +401,11 @@ def load_config(args: argparse.Namespace | None = None, *, env: Mapping[str, str
         cfg.keep_alive_seconds()
     except ValueError as exc:
         raise ConfigError(f"{cfg.source('keep_alive')}: {exc}") from None
+    # The form only (engine.speculative.config parses it; importing it here would load torch).
+    draft_model = cfg.speculative[len("draft:"):].strip() if cfg.speculative.startswith("draft:") else ""
+    if cfg.speculative not in ("off", "ngram") and not draft_model:
+        raise ConfigError(f"speculative ({cfg.source('speculative')}) must be off, ngram or draft:MODEL, "
+                          f"got {cfg.speculative!r}")
     # The one relation between settings (each value alone was checked above).
     if cfg.spec_ngram_min > cfg.spec_ngram_max:
         raise ConfigError(f"spec_ngram_min ({cfg.spec_ngram_min}, {cfg.source('spec_ngram_min')}) is above "

@@ -86,7 +86,7 @@ def test_longer_matches_earn_more_proposals_and_the_engine_learns_per_length():
     for _ in range(20):
         state, d = p.propose(state, long, 0, 8)
         p.observe(state, len(d), 0)
-        state.cooldown = 0
+        state.backoff.cooldown = 0
     assert p.by_length[5].value < before and p.by_length[1].value == p.by_length[1].prior
 
 
@@ -140,7 +140,7 @@ def test_back_off_after_misses_then_retry_with_a_doubled_cooldown():
     assert [p.propose(state, ids, 0, 2)[1] for _ in range(6)] == [[]] * 6
     assert p.propose(state, ids, 0, 2)[1] == [3, 1]
     p.observe(state, 2, 1)  # an accepted token forgives everything
-    assert state.misses == 0 and state.next_cooldown == 3
+    assert state.backoff.misses == 0 and state.backoff.next_cooldown == 3
 
 
 def test_a_context_shift_rebuilds_the_index():

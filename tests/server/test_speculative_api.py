@@ -113,3 +113,23 @@ def test_usage_counts_tokens_up_to_the_stop_string_when_one_event_brings_more(ti
     assert delta.hit_stop_string and delta.text == "hello "
     upto = next(i for i in range(len(ids) + 1) if "there" in tiny_tokenizer.decode(ids[:i]))
     assert delta.num_output_tokens == upto < len(ids)
+
+
+def test_a_server_with_a_draft_model_answers_as_without_one(tmp_path):
+    # `serve --speculative draft:MODEL`: the draft (another tiny model with the same vocabulary) loads with
+    # the model; answers are the model's own, and the draft's cache is empty when the server is idle.
+    spec = TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q8_0, context_length=512)
+    target = write_tiny_llama(tmp_path / "t.gguf", spec)
+    draft = write_tiny_llama(tmp_path / "d.gguf", TinyLlamaSpec(n_layers=1, weight_type=spec.weight_type,
+                                                                context_length=512, seed=3))
+    live, host = start_server(str(target), dtype="gguf", speculative=f"draft:{draft}")
+    try:
+        assert host.wait_ready(60), host.error
+        with httpx.Client(base_url=live.url, timeout=60) as c:
+            on, off = complete(c, host), complete(c, host, speculative=False)
+        wait_idle(host)
+        assert on["choices"][0]["text"] == off["choices"][0]["text"]
+        proposer = host.current.engine.scheduler.speculator.proposer
+        assert type(proposer).__name__ == "DraftProposer" and proposer.draft.blocks.num_used_blocks == 0
+    finally:
+        live.stop()

@@ -50,8 +50,8 @@ class EngineConfig:
     max_new_tokens: int | None = None
     request_timeout: float = 0.0
     watchdog_seconds: float = 10.0     # log a step that runs longer than this (0 = no watchdog)
-    # Speculative decoding (engine/speculative/): "ngram" (prompt lookup) or "off", the default for
-    # requests that do not choose; tokens proposed per step and sequence; the n-gram sizes looked up.
+    # Speculative decoding (engine/speculative/): "ngram" (prompt lookup), "draft:MODEL" (a smaller
+    # model with the same vocabulary) or "off", the default for requests that do not choose; tokens proposed per step and sequence; the n-gram sizes looked up.
     speculative: str = "ngram"
     num_speculative_tokens: int = 8
     spec_ngram_min: int = 1
@@ -97,7 +97,9 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def spec_config(self) -> SpecConfig:
-        return SpecConfig(self.speculative, self.num_speculative_tokens, self.spec_ngram_min, self.spec_ngram_max)
+        method, draft_model = SpecConfig.parse_method(self.speculative)
+        return SpecConfig(method, self.num_speculative_tokens, self.spec_ngram_min, self.spec_ngram_max,
+                          draft_model=draft_model)
 
     @property
     def num_blocks(self) -> int:

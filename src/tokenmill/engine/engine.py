@@ -22,7 +22,8 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler, SamplerInput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
-from tokenmill.engine.speculative import Speculator, row_generators
+from tokenmill.engine.speculative import SpecConfigError, row_generators
+from tokenmill.engine.speculative.build import build_speculator
 from tokenmill.engine.stats import HISTOGRAM_NAMES, EngineStats, HistogramSnapshot, StatsSnapshot, StepRecord
 from tokenmill.kvcache import BlockManager
 from tokenmill.kernels import native
@@ -112,7 +113,8 @@ def _recent_ids(chunk: ScheduledChunk, row: int) -> list[int]:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, cfg: EngineConfig | None = None):
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, cfg: EngineConfig | None = None, *,
+                 draft: LoadedModel | None = None):
         cfg = cfg or EngineConfig()
         cfg.validate()
         # Process-wide, shared with every other engine (cpu_threads.configure_threads says how).
@@ -158,8 +160,17 @@ class LLMEngine:
         self.stats = EngineStats()
         # Speculative decoding (engine/speculative/) where a proposed row computes exactly as it would
         # in a step of its own (the native kernels' batch invariance): greedy output stays the same.
+        spec = cfg.spec_config()
         if getattr(self.runner, "supports_drafts", False) and self.native_attention and step_runs_natively(loaded):
-            self.scheduler.speculator = Speculator(cfg.spec_config(), self.stats.spec)
+            try:
+                self.scheduler.speculator = build_speculator(
+                    spec, loaded, num_blocks=cfg.num_blocks, block_size=cfg.block_size, n_ubatch=cfg.n_ubatch,
+                    kv_dtype=self.kv.dtype, counters=self.stats.spec, draft=draft)
+            except SpecConfigError as exc:
+                raise ConfigError(str(exc)) from None
+        elif spec.method == "draft":
+            raise ConfigError("speculative draft:MODEL needs the model on the CPU's native kernels (GGUF weights, "
+                              "float32 activations), where a step's rows compute independently")
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.faults = StepFaults()

@@ -61,6 +61,8 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self.blocks.free(seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         seq.finish(reason, error)
 
     def overdue(self, now: float) -> list[Sequence]:
@@ -153,6 +155,8 @@ class Scheduler:
         batch.remove(seq)  # if it was already scheduled this step (its CoW copies go with it)
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         seq.reset_for_recompute()
         self.waiting.add(seq)
         batch.preempted.append(seq)

@@ -1,12 +1,13 @@
 """Speculative decoding settings: the method, how many tokens a step may propose per sequence, the
-prompt-lookup n-gram sizes, and when to back off."""
+prompt-lookup n-gram sizes, the draft model, and when to back off."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from tokenmill.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "draft")
+DRAFT_PREFIX = "draft:"
 
 
 class SpecConfigError(ValueError):
@@ -15,7 +16,8 @@ class SpecConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SpecConfig:
-    # "ngram": prompt lookup (speculative/ngram.py); "off": none unless a request asks for it.
+    # "ngram": prompt lookup (speculative/ngram.py); "draft": a smaller model with the same vocabulary
+    # (speculative/draft.py, the model named by draft_model); "off": none unless a request asks for it.
     method: str = "ngram"
     num_tokens: int = 8               # most proposals per step and sequence (k)
     ngram_min: int = 1                # shortest suffix looked up
@@ -34,10 +36,31 @@ class SpecConfig:
     # A row's attention reads its sequence's whole context: the row cost grows with it, doubling at
     # this many tokens (SmolLM2 measured about 0.3 at 300 tokens, 0.6 at 4,000).
     row_cost_context: int = 3300
+    # The draft model (method "draft"): a name or .gguf path, as `serve` takes its model, and what one
+    # of its single-token steps costs as a share of the target's (None: the ratio of their weights'
+    # bytes, which is what a memory-bound decode step reads).
+    draft_model: str | None = None
+    draft_cost: float | None = None
+
+    @classmethod
+    def parse_method(cls, value: str) -> tuple[str, str | None]:
+        """`off`, `ngram` or `draft:MODEL` -> (method, draft model)."""
+        if value.startswith(DRAFT_PREFIX):
+            name = value[len(DRAFT_PREFIX):].strip()
+            if not name:
+                raise SpecConfigError("speculative draft: needs a model, e.g. draft:smollm2")
+            return "draft", name
+        if value not in ("off", "ngram"):
+            raise SpecConfigError(f"speculative must be off, ngram or draft:MODEL, got {value!r}")
+        return value, None
 
     def validate(self) -> None:
         if self.method not in METHODS:
-            raise SpecConfigError(f"speculative must be one of {', '.join(METHODS)}, got {self.method!r}")
+            raise SpecConfigError(f"speculative must be off, ngram or draft:MODEL, got {self.method!r}")
+        if (self.method == "draft") != bool(self.draft_model):
+            raise SpecConfigError("a draft model goes with speculative draft:MODEL, and only with it")
+        if self.draft_cost is not None and not self.draft_cost >= 0:
+            raise SpecConfigError(f"draft_cost must be >= 0, got {self.draft_cost}")
         if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise SpecConfigError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
                                   f"got {self.num_tokens}")

@@ -22,13 +22,14 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha ** i for i in range(k + 1))
 
 
-def best_num_tokens(alpha: float, num_rows: int, row_cost: float, cap: int) -> int:
+def best_num_tokens(alpha: float, num_rows: int, row_cost: float, cap: int, draft_cost: float = 0.0) -> int:
     """The k in [0, cap] giving the most tokens per unit of step time, for one sequence in a step of
-    num_rows other-wise single-token rows (itself included)."""
+    num_rows other-wise single-token rows (itself included). draft_cost: what making one proposal
+    costs, in the same unit (a draft model's step; prompt lookup's is nothing)."""
     r = max(num_rows, 1)
     best_k, best = 0, r / (1.0 + row_cost * r)
     for k in range(1, cap + 1):
-        rate = (r - 1 + expected_tokens(alpha, k)) / (1.0 + row_cost * (r + k))
+        rate = (r - 1 + expected_tokens(alpha, k)) / (1.0 + row_cost * (r + k) + draft_cost * k)
         if rate > best * (1.0 + 1e-9):
             best_k, best = k, rate
     return best_k

@@ -24,14 +24,44 @@ from tokenmill.engine.speculative.policy import AcceptanceRate, best_num_tokens
 
 
 @dataclass
+class BackOff:
+    """A sequence's record of proposals rejected outright, and the cooldown it earns (every proposer's)."""
+    misses: int = 0          # verifications in a row that accepted nothing
+    cooldown: int = 0        # steps left without proposals
+    next_cooldown: int = 0   # the length of the next cooldown (doubles while retries fail)
+
+    def cooling(self) -> bool:
+        """Whether this step is one of a cooldown's (and count it)."""
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            return True
+        return False
+
+    def observe(self, cfg: SpecConfig, num_accepted: int) -> None:
+        """Count a miss, or forgive them all; enough misses in a row start a cooldown."""
+        if num_accepted:
+            self.misses = 0
+            self.next_cooldown = cfg.cooldown_steps
+            return
+        self.misses += 1
+        if self.misses >= cfg.max_misses:
+            self.misses = cfg.max_misses - 1  # one more miss after the cooldown starts another
+            self.cooldown = self.next_cooldown
+            self.next_cooldown = min(2 * self.next_cooldown, cfg.max_cooldown_steps)
+
+
+@dataclass
 class SpecState:
     index: NgramIndex
     num_shifted_tokens: int  # the sequence's at creation: a context shift rewrites the context
     rate: AcceptanceRate
-    misses: int = 0          # verifications in a row that accepted nothing
-    cooldown: int = 0        # steps left without proposals
-    next_cooldown: int = 0   # the length of the next cooldown (doubles while retries fail)
+    backoff: BackOff = field(default_factory=BackOff)
     match_len: int = 0       # the length of the match behind the proposal being verified
+
+
+def row_cost(cfg: SpecConfig, context_len: int) -> float:
+    """One more row's cost as a share of a step's fixed cost: a row's attention reads the whole context."""
+    return cfg.row_cost * (1 + context_len / cfg.row_cost_context)
 
 
 @dataclass
@@ -65,7 +95,8 @@ class NgramProposer:
 
     def new_state(self, num_shifted_tokens: int) -> SpecState:
         return SpecState(NgramIndex(self.cfg.ngram_min, self.cfg.ngram_max), num_shifted_tokens,
-                         AcceptanceRate(prior=self.cfg.prior_acceptance), next_cooldown=self.cfg.cooldown_steps)
+                         AcceptanceRate(prior=self.cfg.prior_acceptance),
+                         BackOff(next_cooldown=self.cfg.cooldown_steps))
 
     def acceptance(self, state: SpecState, match_len: int) -> float:
         """The chance each proposed token is right: what this sequence's recent proposals say, and what
@@ -82,11 +113,9 @@ class NgramProposer:
         # costs no more.
         match = state.index.find(token_ids)
         k = 0
-        if state.cooldown > 0:
-            state.cooldown -= 1
-        elif cap > 0 and match is not None:
-            row_cost = self.cfg.row_cost * (1 + len(token_ids) / self.cfg.row_cost_context)
-            k = best_num_tokens(self.acceptance(state, match.n), num_rows, row_cost, cap)
+        if not state.backoff.cooling() and cap > 0 and match is not None:
+            cost = row_cost(self.cfg, len(token_ids))
+            k = best_num_tokens(self.acceptance(state, match.n), num_rows, cost, cap)
         draft = continuation(token_ids, match, k) if k else []
         state.match_len = match.n if draft else 0
         if not draft:
@@ -99,12 +128,7 @@ class NgramProposer:
         state.rate.observe(num_draft_tokens, num_accepted)
         if state.match_len:
             self.by_length[state.match_len].observe(num_draft_tokens, num_accepted)
-        if num_accepted:
-            state.misses = 0
-            state.next_cooldown = self.cfg.cooldown_steps
-            return
-        state.misses += 1
-        if state.misses >= self.cfg.max_misses:
-            state.misses = self.cfg.max_misses - 1  # one more miss after the cooldown starts another
-            state.cooldown = state.next_cooldown
-            state.next_cooldown = min(2 * state.next_cooldown, self.cfg.max_cooldown_steps)
+        state.backoff.observe(self.cfg, num_accepted)
+
+    def forget(self, state: SpecState) -> None:
+        """The sequence is done or starts over: an n-gram index holds nothing outside itself."""

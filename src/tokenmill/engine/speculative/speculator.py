@@ -18,10 +18,12 @@ if TYPE_CHECKING:
 
 
 class Speculator:
-    def __init__(self, cfg: SpecConfig, counters: SpecCounters | None = None):
+    def __init__(self, cfg: SpecConfig, counters: SpecCounters | None = None, proposer=None):
         cfg.validate()
         self.cfg = cfg
-        self.proposer = NgramProposer(cfg)
+        # Prompt lookup, or a draft model's (speculative/draft.py, built by speculative/build.py): both
+        # keep their per-sequence state on seq.spec and answer propose / observe / forget.
+        self.proposer = proposer if proposer is not None else NgramProposer(cfg)
         self.counters = counters if counters is not None else SpecCounters()
 
     def num_wanted(self, seq: "Sequence") -> int:
@@ -60,6 +62,12 @@ class Speculator:
                 break
             rows.append(state.fork())
         return draft[:len(rows)], rows
+
+    def forget(self, seq: "Sequence") -> None:
+        """seq finished or was preempted: what its proposer holds for it (a draft model's KV) goes back."""
+        if seq.spec is not None:
+            self.proposer.forget(seq.spec)
+            seq.spec = None
 
     def observe(self, seq: "Sequence", num_draft_tokens: int, num_accepted: int) -> None:
         self.counters.record(num_draft_tokens, num_accepted)
