@@ -177,3 +177,20 @@ def test_the_setting_is_off_ngram_or_draft_with_a_model():
         SpecConfig(method="draft").validate()
     with pytest.raises(SpecConfigError):
         SpecConfig(method="ngram", draft_model="x").validate()
+
+
+def test_a_draft_needs_the_native_path(paths, small):
+    # fp32 weights run in torch, where a step's rows are not computed independently: no speculation there,
+    # so a draft setting is refused rather than silently ignored.
+    with pytest.raises(ConfigError, match="native kernels"):
+        LLMEngine.from_path(paths["target"], EngineConfig(speculative=f"draft:{paths['small']}", dtype="fp32"))
+
+
+def test_a_drafts_own_cost_makes_it_propose_less():
+    from tokenmill.engine.speculative.policy import best_num_tokens
+
+    # draft_cost 0 is prompt lookup's free proposals (the default: the n-gram path is unchanged).
+    assert best_num_tokens(0.9, 1, 0.27, 8) == best_num_tokens(0.9, 1, 0.27, 8, draft_cost=0.0) > 0
+    ks = [best_num_tokens(0.9, 1, 0.27, 8, draft_cost=c) for c in (0.0, 0.05, 0.2, 1.0)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[2]
+    assert ks[-1] == 0  # a draft as costly as the target never pays

@@ -51,7 +51,8 @@ class EngineConfig:
     request_timeout: float = 0.0
     watchdog_seconds: float = 10.0     # log a step that runs longer than this (0 = no watchdog)
     # Speculative decoding (engine/speculative/): "ngram" (prompt lookup), "draft:MODEL" (a smaller
-    # model with the same vocabulary) or "off", the default for requests that do not choose; tokens proposed per step and sequence; the n-gram sizes looked up.
+    # model with the same vocabulary) or "off", the default for requests that do not choose; tokens
+    # proposed per step and sequence; the n-gram sizes looked up.
     speculative: str = "ngram"
     num_speculative_tokens: int = 8
     spec_ngram_min: int = 1

@@ -31,6 +31,10 @@ def build_speculator(cfg: SpecConfig, target: "LoadedModel", *, num_blocks: int,
     draft = draft if draft is not None else load_draft(cfg.draft_model)
     check_compatible(target, draft)
     mc = draft.config
+    # As many token slots as the target's cache (num_blocks x block_size), so every sequence the target
+    # holds can draft: up to the draft's K/V bytes per token (2 x layers x kv heads x head size x the
+    # element size, plus int8's scales) times that; uninitialised (lazy, as the target's), so what the
+    # process holds grows with the slots written.
     kv = KVStorage(mc.n_layers, num_blocks, block_size, mc.n_kv_heads, mc.head_dim, kv_dtype, lazy=True,
                    device=draft.device)
     cost = cfg.draft_cost if cfg.draft_cost is not None else weight_bytes(draft) / max(weight_bytes(target), 1)
