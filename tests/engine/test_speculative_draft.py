@@ -194,3 +194,25 @@ def test_a_drafts_own_cost_makes_it_propose_less():
     ks = [best_num_tokens(0.9, 1, 0.27, 8, draft_cost=c) for c in (0.0, 0.05, 0.2, 1.0)]
     assert ks == sorted(ks, reverse=True) and ks[0] > ks[2]
     assert ks[-1] == 0  # a draft as costly as the target never pays
+
+
+@pytest.mark.real_model
+def test_smollm2_drafting_for_itself_is_always_right(smollm2_path, gemma3_path):
+    # The only installed model with SmolLM2's vocabulary is SmolLM2: as its own draft it costs a whole
+    # step per proposal (the policy then proposes nothing), so its cost is set as a 20x smaller draft's.
+    cfg = dict(block_size=16, max_total_tokens=4096)
+    off = LLMEngine.from_path(smollm2_path, EngineConfig(speculative="off", **cfg))
+    on = LLMEngine.from_path(smollm2_path, EngineConfig(speculative=f"draft:{smollm2_path}", **cfg))
+    proposer = on.scheduler.speculator.proposer
+    assert proposer.draft_cost == pytest.approx(1.0)
+    proposer.draft_cost = 0.05
+    tok = off.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a story about a fox."}]),
+                        add_special_tokens=False)
+    params = replace(GREEDY, max_tokens=64)
+    assert run(on, [(prompt, params)]) == run(off, [(prompt, params)])
+    spec = on.stats.spec
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+    assert on.stats.num_steps < off.stats.num_steps and draft_blocks_used(on) == 0
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLMEngine.from_path(smollm2_path, EngineConfig(speculative=f"draft:{gemma3_path}", **cfg))
