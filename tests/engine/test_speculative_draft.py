@@ -216,3 +216,19 @@ def test_smollm2_drafting_for_itself_is_always_right(smollm2_path, gemma3_path):
     assert on.stats.num_steps < off.stats.num_steps and draft_blocks_used(on) == 0
     with pytest.raises(ConfigError, match="vocabulary"):
         LLMEngine.from_path(smollm2_path, EngineConfig(speculative=f"draft:{gemma3_path}", **cfg))
+
+
+def test_a_failing_draft_means_no_proposals_not_errors(target, small, monkeypatch):
+    e = engine(target, small)
+    proposer = e.scheduler.speculator.proposer
+    calls = []
+
+    def broken(ids, positions, meta, kv):
+        calls.append(len(ids))
+        raise RuntimeError("draft broke")
+
+    monkeypatch.setattr(proposer.draft, "model", broken)
+    requests = [(repetitive(5), GREEDY), (ids(30, 61), GREEDY)]
+    assert run(e, requests) == run(engine(target), requests)
+    assert calls and proposer.num_failures == len(calls) and e.stats.spec.num_drafts == 0
+    assert draft_blocks_used(e) == 0

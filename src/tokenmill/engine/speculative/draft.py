@@ -13,6 +13,7 @@ simply proposes nothing that step: a draft never preempts anyone or fails a requ
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import ChunkSpec
 from tokenmill.model.paged_batch import PagedBatch
+
+log = logging.getLogger(__name__)
 
 
 class DraftModel:
@@ -89,6 +92,7 @@ class DraftProposer:
         self.draft = draft
         self.draft_cost = draft_cost  # one draft step, as a share of a one-row target step
         self._keys = itertools.count()
+        self.num_failures = 0  # draft steps that raised (logged)
 
     def new_state(self, num_shifted_tokens: int) -> DraftState:
         return DraftState(next(self._keys), num_shifted_tokens, AcceptanceRate(prior=self.cfg.prior_acceptance),
@@ -103,7 +107,7 @@ class DraftProposer:
         k = 0
         if not state.backoff.cooling() and cap > 0:
             k = best_num_tokens(state.rate.value, num_rows, row_cost(self.cfg, len(token_ids)), cap, self.draft_cost)
-        draft = self.draft.generate(state.key, _agreeing(state, token_ids), token_ids, k) if k else []
+        draft = self._generate(state, token_ids, k) if k else []
         if draft:
             state.cached = [*token_ids, *draft[:-1]]
             state.known = len(token_ids)
@@ -112,6 +116,20 @@ class DraftProposer:
             state.cached = state.cached[:min(_agreeing(state, token_ids), len(token_ids) - 1)]
             state.known = len(state.cached)
         return state, draft
+
+    def _generate(self, state: DraftState, token_ids: Sequence[int], k: int) -> list[int]:
+        """The draft's k tokens, or none when its step fails: proposals are optional, so a draft's error
+        must not fail the target's requests (its table goes back, and the sequence starts over there)."""
+        try:
+            return self.draft.generate(state.key, _agreeing(state, token_ids), token_ids, k)
+        except Exception:  # noqa: BLE001 - see above; logged in full the first time, counted after
+            self.num_failures += 1
+            if self.num_failures == 1:
+                log.exception("the draft model's step failed; that sequence proposes nothing this step")
+            else:
+                log.warning("the draft model's step failed again (%d failures)", self.num_failures)
+            self.forget(state)
+            return []
 
     def observe(self, state: DraftState, num_draft_tokens: int, num_accepted: int) -> None:
         state.rate.observe(num_draft_tokens, num_accepted)
