@@ -140,7 +140,7 @@ OPTIONS: tuple[Option, ...] = (
            "lookup: a sequence proposes what followed its last few tokens earlier in its context, verified in the "
            "same step; greedy and seeded output unchanged), draft:MODEL (an installed model with the same vocabulary "
            "decodes the proposals; its own KV cache) or off", ("--speculative",)),
-    Option("num_speculative_tokens", int, 8, "most tokens a sequence proposes per step (fewer when its proposals "
+    Option("num_speculative_tokens", int, 16, "most tokens a sequence proposes per step (fewer when its proposals "
            "are seldom accepted or the batch is large)", ("--num-speculative-tokens",), lo=1, hi=16),
     Option("spec_ngram_min", int, 1, "prompt lookup: the shortest suffix looked up (a 1-token match proposes "
            "less: its tokens are accepted less often)", ("--spec-ngram-min",), lo=1, hi=16),
@@ -192,7 +192,7 @@ class Config:
     device: str = "auto"
     gpu_memory_utilization: float = 0.9
     speculative: str = "ngram"
-    num_speculative_tokens: int = 8
+    num_speculative_tokens: int = 16
     spec_ngram_min: int = 1
     spec_ngram_max: int = 8
     # Where each value came from: "default", "config file PATH", "env NAME", "flag --name", "argument MODEL".

@@ -44,7 +44,7 @@ def gemma(tmp_path_factory):
 def engine(loaded, spec: bool, **cfg):
     e = make_engine(loaded, max_total_tokens=cfg.pop("max_total_tokens", 4096), speculative="ngram" if spec else "off",
                     **{**EAGER, **cfg})
-    e.scheduler.speculator.cfg = replace(e.scheduler.speculator.cfg, row_cost=1e-4)
+    e.scheduler.speculator.cfg = replace(e.scheduler.speculator.cfg, row_cost=1e-4, learn_step_costs=False)
     e.scheduler.speculator.proposer.cfg = e.scheduler.speculator.cfg
     return e
 

@@ -55,7 +55,7 @@ def engine(target, draft=None, **cfg):
         return make_engine(target, speculative="off", **cfg)
     e = _draft_engine(target, draft, **cfg)
     spec = e.scheduler.speculator
-    spec.cfg = replace(spec.cfg, row_cost=1e-4)
+    spec.cfg = replace(spec.cfg, row_cost=1e-4, learn_step_costs=False)
     spec.proposer.cfg = spec.cfg
     spec.proposer.draft_cost = 0.0
     return e

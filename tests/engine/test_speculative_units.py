@@ -11,7 +11,8 @@ from tokenmill.engine.sampling_params import InvalidSamplingParams
 from tokenmill.engine.speculative import (NgramIndex, NgramProposer, SpecConfig, SpecConfigError, SpecCounters,
                                           num_accepted, row_generators, settle_generator)
 from tokenmill.engine.speculative.ngram import Match, continuation
-from tokenmill.engine.speculative.policy import AcceptanceRate, best_num_tokens, expected_tokens
+from tokenmill.engine.speculative.policy import AcceptanceRate, StepCosts, best_num_tokens, expected_tokens
+from tokenmill.engine.speculative.proposer import step_cost
 from tokenmill.kvcache import BlockManager
 
 
@@ -277,3 +278,54 @@ def test_a_longer_context_makes_rows_dearer_and_proposals_shorter():
     short = p.propose(None, [100 + i for i in range(200)] + tail, 0, 16)[1]
     long = p.propose(None, [100 + i % 5000 for i in range(20000)] + tail, 0, 16)[1]
     assert 0 < len(long) < len(short)
+
+
+# --- learned step costs ---------------------------------------------------------------------------
+
+def test_step_costs_learn_interpolate_and_never_fall_with_more_rows():
+    costs = StepCosts(prior_row_cost=0.5, decay=0.5)
+    assert not costs.ready
+    costs.record(1, 0.010, 0.001)
+    assert costs.ready and costs(1) == pytest.approx(0.011)
+    costs.record(1, 0.020, 0.001)  # a moving average
+    assert costs.model_seconds(1) == pytest.approx(0.015)
+    costs.record(4, 0.030, 0.001)
+    assert costs.model_seconds(2) == pytest.approx(0.015 + (0.030 - 0.015) / 3)  # between 1 and 4
+    assert costs.model_seconds(6) == pytest.approx(0.030 + 2 * 0.5 * 0.015)  # past 4: the prior's slope
+    costs.record(5, 0.012, 0.001)  # taken at a quieter moment: still not cheaper than 4 rows
+    assert costs.model_seconds(5) == pytest.approx(0.030)
+    costs.record(300, 1.0, 0.0)  # a long prefill chunk is not remembered
+    assert 300 not in costs.seconds
+
+
+def test_learned_costs_size_proposals_alone_and_the_prior_in_a_batch():
+    cfg = SpecConfig()
+    costs = StepCosts(cfg.row_cost)
+    assert step_cost(cfg, costs, 300, 1) == pytest.approx(cfg.row_cost * (1 + 300 / cfg.row_cost_context))
+    for rows, ms in ((1, 9.3), (2, 10.9), (3, 14.3), (6, 20.1), (9, 25.3)):
+        costs.record(rows, ms / 1e3, 0.0002)
+    assert step_cost(cfg, costs, 300, 1) is costs and step_cost(cfg, costs, 300, cfg.learned_cost_rows) is costs
+    assert isinstance(step_cost(cfg, costs, 300, 16), float)
+    # Rows three at a time (as measured): a well-accepted sequence proposes 8 where the linear prior
+    # picks fewer, and a weak one still proposes 1 (a second row costs little) rather than 2 or 3.
+    assert best_num_tokens(0.9, 1, costs, 8) == 8 > best_num_tokens(0.9, 1, 0.3, 8)
+    assert best_num_tokens(0.5, 1, costs, 8) == 1
+    assert best_num_tokens(0.05, 1, costs, 8) == 0
+
+
+def test_the_engine_learns_what_its_steps_cost(tmp_path):
+    import gguf
+    from engine_helpers import make_engine
+    from tiny_model import TinyLlamaSpec, write_tiny_llama
+    from tokenmill.kernels import variant
+    from tokenmill.model import load_model
+
+    if variant() == "torch":
+        pytest.skip("native kernels not built")
+    loaded = load_model(write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q8_0)))
+    e = make_engine(loaded, max_total_tokens=1024)
+    e.add_request(list(range(3, 40)) * 2, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+    costs = e.scheduler.speculator.proposer.costs
+    assert costs.ready and costs.fixed >= 0 and all(s > 0 for s in costs.seconds.values())

@@ -54,7 +54,7 @@ class EngineConfig:
     # model with the same vocabulary) or "off", the default for requests that do not choose; tokens
     # proposed per step and sequence; the n-gram sizes looked up.
     speculative: str = "ngram"
-    num_speculative_tokens: int = 8
+    num_speculative_tokens: int = 16
     spec_ngram_min: int = 1
     spec_ngram_max: int = 8
     # Where the model runs (engine/device.py): "cpu", "cuda" (bf16 weights, KV cache and sampling on the

@@ -282,6 +282,7 @@ class LLMEngine:
             masks = self.masks.start([(c.seq.seq_id, c.seq.constraint) for c in batch.sampling_chunks
                                       if c.seq.constraint is not None]
                                      + [state for c in batch.sampling_chunks for state in c.mask_states()])
+            model_start = time.perf_counter()
             self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
             out = self.runner.run(batch)
             logits = out.logits
@@ -292,6 +293,7 @@ class LLMEngine:
             self.scheduler.fork_samples(batch, lambda: next(self._seq_ids))
             result = None if logits is None else self.sampler(self._logits(logits, batch),
                                                                 self._sampler_input(batch, masks), owned=True)
+            model_seconds = time.perf_counter() - model_start
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("step failed; finishing its %d sequences with an error", len(batch.chunks))
             message = f"{type(exc).__name__}: {exc}"
@@ -302,6 +304,8 @@ class LLMEngine:
         self.faults.record_success()
         changed = self.scheduler.update(batch, result)
         self._record(batch, start, self.scheduler.num_preemptions - preemptions_before)
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.observe_step(batch.num_tokens, model_seconds, time.perf_counter() - start)
         for seq in changed:
             self.stats.record_token(seq, len(seq.output_ids) - seq.num_emitted)
             events += self._finished(seq) if seq.is_finished else [self._event(seq)]

@@ -19,7 +19,7 @@ class SpecConfig:
     # "ngram": prompt lookup (speculative/ngram.py); "draft": a smaller model with the same vocabulary
     # (speculative/draft.py, the model named by draft_model); "off": none unless a request asks for it.
     method: str = "ngram"
-    num_tokens: int = 8               # most proposals per step and sequence (k)
+    num_tokens: int = 16              # most proposals per step and sequence (k)
     ngram_min: int = 1                # shortest suffix looked up
     ngram_max: int = 8                # longest suffix looked up (tried first)
     # Back-off: after `max_misses` verifications in a row that accepted nothing, a sequence stops
@@ -36,6 +36,10 @@ class SpecConfig:
     # A row's attention reads its sequence's whole context: the row cost grows with it, doubling at
     # this many tokens (SmolLM2 measured about 0.3 at 300 tokens, 0.6 at 4,000).
     row_cost_context: int = 3300
+    # Size proposals from what steps of each row count took on this machine (policy.StepCosts) once the
+    # engine has seen some; row_cost above is the prior until then (and always, when off).
+    learn_step_costs: bool = True
+    learned_cost_rows: int = 4  # ... for sequences in steps of at most this many rows (proposer.step_cost)
     # The draft model (method "draft"): a name or .gguf path, as `serve` takes its model, and what one
     # of its single-token steps costs as a share of the target's (None: the ratio of their weights'
     # bytes, which is what a memory-bound decode step reads).

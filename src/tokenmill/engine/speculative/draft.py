@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.engine.speculative.config import SpecConfig
-from tokenmill.engine.speculative.policy import AcceptanceRate, best_num_tokens
-from tokenmill.engine.speculative.proposer import BackOff, row_cost
+from tokenmill.engine.speculative.policy import AcceptanceRate, StepCosts, best_num_tokens
+from tokenmill.engine.speculative.proposer import BackOff, step_cost
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import ChunkSpec
@@ -87,8 +87,9 @@ class DraftState:
 class DraftProposer:
     """Draft-model proposals for the sequences of one engine, with the n-gram proposer's back-off."""
 
-    def __init__(self, cfg: SpecConfig, draft: DraftModel, draft_cost: float):
+    def __init__(self, cfg: SpecConfig, draft: DraftModel, draft_cost: float, costs: StepCosts | None = None):
         self.cfg = cfg
+        self.costs = costs if costs is not None else StepCosts(cfg.row_cost)
         self.draft = draft
         self.draft_cost = draft_cost  # one draft step, as a share of a one-row target step
         self._keys = itertools.count()
@@ -106,7 +107,8 @@ class DraftProposer:
             state = self.new_state(num_shifted_tokens)
         k = 0
         if not state.backoff.cooling() and cap > 0:
-            k = best_num_tokens(state.rate.value, num_rows, row_cost(self.cfg, len(token_ids)), cap, self.draft_cost)
+            cost = step_cost(self.cfg, self.costs, len(token_ids), num_rows)
+            k = best_num_tokens(state.rate.value, num_rows, cost, cap, self.draft_cost)
         draft = self._generate(state, token_ids, k) if k else []
         if draft:
             state.cached = [*token_ids, *draft[:-1]]

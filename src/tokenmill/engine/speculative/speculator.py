@@ -7,6 +7,7 @@ A grammar-constrained sequence's proposals are cut at the first token its gramma
 mask of the grammar advanced through the proposals before it (`grammar_rows`)."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.speculative.config import SpecConfig
@@ -25,6 +26,7 @@ class Speculator:
         # keep their per-sequence state on seq.spec and answer propose / observe / forget.
         self.proposer = proposer if proposer is not None else NgramProposer(cfg)
         self.counters = counters if counters is not None else SpecCounters()
+        self._propose_seconds = 0.0  # this step's time in propose (a draft model's steps)
 
     def num_wanted(self, seq: "Sequence") -> int:
         """The most tokens seq may propose in a step: its request's choice (speculative,
@@ -47,9 +49,19 @@ class Speculator:
         about num_rows rows: as many as its acceptance rate makes worth their rows (policy.py)."""
         if cap <= 0 and seq.spec is None:
             return []
+        start = time.perf_counter()
         seq.spec, draft = self.proposer.propose(seq.spec, seq.all_token_ids, seq.num_shifted_tokens, max(cap, 0),
                                                 num_rows)
+        self._propose_seconds += time.perf_counter() - start
         return draft
+
+    def observe_step(self, rows: int, model_seconds: float, step_seconds: float) -> None:
+        """After each step: its rows, the model's and sampler's time, and the whole step's, which teach
+        the proposer what rows cost here (policy.StepCosts). Time spent proposing is not a step's fixed
+        part: a draft model's steps are priced per proposal."""
+        other = step_seconds - model_seconds - self._propose_seconds
+        self._propose_seconds = 0.0
+        self.proposer.costs.record(rows, model_seconds, other)
 
     @staticmethod
     def grammar_rows(constraint: "Constraint", draft: list[int]) -> tuple[list[int], list["Constraint"]]:
