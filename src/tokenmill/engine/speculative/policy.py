@@ -38,8 +38,11 @@ def best_num_tokens(alpha: float, num_rows: int, cost: float | Callable[[int], f
     r = max(num_rows, 1)
     draft_step = draft_cost * step(1)
     best_k, best = 0, r / step(r)
+    tokens, p = 1.0, 1.0  # expected_tokens(alpha, k), kept up as k grows (this runs per sequence per step)
     for k in range(1, cap + 1):
-        rate = (r - 1 + expected_tokens(alpha, k)) / (step(r + k) + draft_step * k)
+        p *= alpha
+        tokens += p
+        rate = (r - 1 + tokens) / (step(r + k) + draft_step * k)
         if rate > best * (1.0 + 1e-9):
             best_k, best = k, rate
     return best_k
@@ -90,6 +93,7 @@ class StepCosts:
     max_rows: int = 256         # larger steps (long prefill chunks) are not worth remembering
     seconds: dict[int, float] = field(default_factory=dict)
     fixed: float | None = None  # seconds of a step outside the model and the sampler
+    _estimates: dict[int, float] = field(default_factory=dict, repr=False)  # until the next record
 
     @property
     def ready(self) -> bool:
@@ -102,6 +106,7 @@ class StepCosts:
         self.seconds[rows] = model_seconds if old is None else self.decay * old + (1 - self.decay) * model_seconds
         other = max(other_seconds, 0.0)
         self.fixed = other if self.fixed is None else self.decay * self.fixed + (1 - self.decay) * other
+        self._estimates.clear()
 
     def __call__(self, rows: int) -> float:
         """Seconds a step of `rows` rows is expected to take (ready must hold)."""
@@ -110,8 +115,11 @@ class StepCosts:
     def model_seconds(self, rows: int) -> float:
         """Never below what fewer rows took: averages taken at other moments (another context length,
         another load) must not make an extra row look free or cheaper than none."""
-        fewer = [t for r, t in self.seconds.items() if r < rows]
-        return max(self._estimate(rows), max(fewer, default=0.0))
+        cached = self._estimates.get(rows)
+        if cached is None:
+            fewer = [t for r, t in self.seconds.items() if r < rows]
+            cached = self._estimates[rows] = max(self._estimate(rows), max(fewer, default=0.0))
+        return cached
 
     def _estimate(self, rows: int) -> float:
         known = self.seconds.get(rows)
