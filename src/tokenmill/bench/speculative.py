@@ -28,6 +28,7 @@ from tokenmill.bench.common import cpu_flags, cpu_model, loadavg, set_threads
 from tokenmill.bench.speculative_prompts import all_prompts
 
 BURST = 16
+LLAMA_CPP_PRED_TOKENS = 10
 
 
 def build_parser(prog: str = "tokenmill bench speculative") -> argparse.ArgumentParser:
@@ -226,16 +227,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "off_cpu_tok_s": statistics.median(cpus[False]), "on_cpu_tok_s": statistics.median(cpus[True]),
                  "same": tokens[False] == tokens[True],
                  "mismatched_requests": [i for i, (a, b) in enumerate(zip(tokens[False], tokens[True])) if a != b]}
+    # llama.cpp's own proposal length (LlamaPromptLookupDecoding's default, 10) unless one was asked
+    # for: it proposes all k every step, so tokenmill's cap (16, of which its policy uses what pays)
+    # would handicap it.
+    llama_k = args.num_speculative_tokens or LLAMA_CPP_PRED_TOKENS
     llama = None if args.skip_llama_cpp else llama_cpp_rates(
         path, [(r.name, ids) for r, (_, ids) in zip(results, prompts.values())], args.max_tokens,
-        side.engine.cfg.num_speculative_tokens, args.threads, args.repeats)
+        llama_k, args.threads, args.repeats)
     if isinstance(llama, dict):
         for r in results:
             r.llama_off, r.llama_on = llama[r.name]
     return {"results": results, "burst": burst, "llama_cpp": llama if isinstance(llama, str) else "ran",
             "env": {"cpu": cpu_model(), "flags": cpu_flags(), "loadavg": loadavg(),
                     "threads": side.engine.threads.count, "model": args.model, "max_tokens": args.max_tokens,
-                    "repeats": args.repeats, "spec": vars(side.engine.cfg.spec_config())}}
+                    "repeats": args.repeats, "spec": vars(side.engine.cfg.spec_config()),
+                    "llama_cpp_pred_tokens": llama_k}}
 
 
 def _geomean(values: list[float]) -> float:
@@ -276,6 +282,8 @@ def report(r: dict[str, Any]) -> str:
             mismatches.append(f"burst requests {b['mismatched_requests']}")
     if r["llama_cpp"] != "ran":
         lines.append(f"llama.cpp: {r['llama_cpp']}")
+    else:
+        lines.append(f"llama.cpp: LlamaPromptLookupDecoding(num_pred_tokens={env['llama_cpp_pred_tokens']})")
     if mismatches:
         lines.append(f"\n!!! GREEDY TOKENS DIFFER WITH SPECULATION ON: {', '.join(mismatches)} !!!")
     return "\n".join(lines)
