@@ -232,3 +232,12 @@ def test_a_failing_draft_means_no_proposals_not_errors(target, small, monkeypatc
     assert run(e, requests) == run(engine(target), requests)
     assert calls and proposer.num_failures == len(calls) and e.stats.spec.num_drafts == 0
     assert draft_blocks_used(e) == 0
+
+
+def test_a_draft_counts_in_the_engines_memory(paths, target, small):
+    from tokenmill.engine.memory import engine_bytes
+
+    alone, with_draft = engine(target), _draft_engine(target, small, max_total_tokens=4096)
+    draft = with_draft.scheduler.speculator.proposer.draft
+    assert draft.kv.nbytes > 0 and draft.weight_bytes == paths["small"].stat().st_size
+    assert engine_bytes(with_draft) == engine_bytes(alone) + draft.weight_bytes + draft.kv.nbytes

@@ -47,8 +47,10 @@ def fit_kv_cache(cfg: EngineConfig, loaded: LoadedModel, max_kv_bytes: int | Non
 
 
 def engine_bytes(engine: LLMEngine) -> int:
-    """Weights plus the whole KV cache (allocated lazily, so RSS grows toward this as it fills)."""
-    return weights_bytes(engine.loaded) + engine.kv.nbytes
+    """Weights plus the whole KV cache (allocated lazily, so RSS grows toward this as it fills), and a
+    draft model's own weights and cache when it speculates with one."""
+    speculator = engine.scheduler.speculator
+    return weights_bytes(engine.loaded) + engine.kv.nbytes + (speculator.nbytes if speculator is not None else 0)
 
 
 def gpu_bytes(engine: LLMEngine) -> int:

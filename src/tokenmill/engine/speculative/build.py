@@ -40,7 +40,7 @@ def build_speculator(cfg: SpecConfig, target: "LoadedModel", *, num_blocks: int,
     cost = cfg.draft_cost if cfg.draft_cost is not None else weight_bytes(draft) / max(weight_bytes(target), 1)
     log.info("speculative decoding with draft model %s (%d layers; a draft step ~%.2f of a target step)",
              cfg.draft_model, mc.n_layers, cost)
-    proposer = DraftProposer(cfg, DraftModel(draft.model, kv, n_ubatch, mc.context_length), cost)
+    proposer = DraftProposer(cfg, DraftModel(draft.model, kv, n_ubatch, mc.context_length, weight_bytes(draft)), cost)
     return Speculator(cfg, counters, proposer)
 
 

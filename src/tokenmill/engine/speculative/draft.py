@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 class DraftModel:
     """The draft's weights and its own paged KV cache; greedy decoding for one sequence at a time."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVStorage, n_ubatch: int, context_length: int):
+    def __init__(self, model: torch.nn.Module, kv: KVStorage, n_ubatch: int, context_length: int,
+                 weight_bytes: int = 0):
         self.model = model
         self.kv = kv
+        self.weight_bytes = weight_bytes
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, enable_prefix_caching=False)
         self.n_ubatch = n_ubatch
         self.max_len = min(context_length, kv.num_blocks * kv.block_size)
@@ -63,6 +65,11 @@ class DraftModel:
 
     def release(self, key: int) -> None:
         self.blocks.free(key)
+
+    @property
+    def nbytes(self) -> int:
+        """Its weights and its whole KV cache (allocated as used, like the target's)."""
+        return self.weight_bytes + self.kv.nbytes
 
     def _forward(self, ids: Sequence[int], start: int, table: list[int]) -> torch.Tensor:
         meta = PagedBatch.build([ChunkSpec(table, start, len(ids))], self.kv.block_size)
@@ -136,6 +143,10 @@ class DraftProposer:
     def observe(self, state: DraftState, num_draft_tokens: int, num_accepted: int) -> None:
         state.rate.observe(num_draft_tokens, num_accepted)
         state.backoff.observe(self.cfg, num_accepted)
+
+    @property
+    def nbytes(self) -> int:
+        return self.draft.nbytes
 
     def forget(self, state: DraftState) -> None:
         """The sequence is done or starts over: its table in the draft's cache goes back."""

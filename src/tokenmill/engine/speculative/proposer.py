@@ -143,5 +143,7 @@ class NgramProposer:
             self.by_length[state.match_len].observe(num_draft_tokens, num_accepted)
         state.backoff.observe(self.cfg, num_accepted)
 
+    nbytes = 0  # memory it holds besides each sequence's index (a draft model holds its weights and cache)
+
     def forget(self, state: SpecState) -> None:
         """The sequence is done or starts over: an n-gram index holds nothing outside itself."""

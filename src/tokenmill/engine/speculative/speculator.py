@@ -28,6 +28,11 @@ class Speculator:
         self.counters = counters if counters is not None else SpecCounters()
         self._propose_seconds = 0.0  # this step's time in propose (a draft model's steps)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the proposer holds (a draft model's weights and KV cache), for the server's budget."""
+        return self.proposer.nbytes
+
     def num_wanted(self, seq: "Sequence") -> int:
         """The most tokens seq may propose in a step: its request's choice (speculative,
         num_speculative_tokens) over the engine's, capped by what it may still generate, 0 when it
