@@ -188,6 +188,40 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
     finish_item(P, it, st, total, n, row0, head0);
 }
 
+// A work item's cost: its keys times its rows plus a constant for the walk over them (a decode row: 5
+// a key), the unit kMinWorkPerThread counts in.
+int64_t item_cost(const Problem& P, int seq, int first_row, int num_rows) {
+    const int64_t pos0 = int64_t(P.start_pos[seq]) + first_row, p_last = pos0 + num_rows - 1;
+    const int64_t keys = p_last + 1 - (P.window > 0 ? std::max<int64_t>(0, pos0 - P.window + 1) : 0);
+    return keys * (num_rows + 4);
+}
+
+// Too few items for the threads (one sequence's short chunk: a speculative verification's few rows):
+// halve the multi-row items by rows until there are `wanted` items or none has two rows left. Rows
+// never share arithmetic, so this changes no bit of the result; it keeps each item's query heads
+// together (the head split below would have every part convert the same tiles) and leaves
+// single-row items for the decode path and its segment split. SmolLM2's 16-row verification at 2
+// threads took its attention from 3 items (the heads then split in two) to 6.
+void split_rows_of_items(const Problem& P, std::vector<WorkItem>& items, int64_t wanted) {
+    while (int64_t(items.size()) < wanted) {
+        std::vector<WorkItem> split;
+        for (const WorkItem& it : items) {
+            if (it.num_rows < 2) { split.push_back(it); continue; }
+            const int half = it.num_rows / 2;
+            WorkItem a = it, b = it;
+            a.num_rows = half;
+            a.cost = item_cost(P, it.seq, a.first_row, half);
+            b.first_row = it.first_row + half;
+            b.num_rows = it.num_rows - half;
+            b.cost = item_cost(P, it.seq, b.first_row, b.num_rows);
+            split.push_back(a);
+            split.push_back(b);
+        }
+        if (split.size() == items.size()) return;
+        items.swap(split);
+    }
+}
+
 // Each decode item whose keys span several segments becomes one item per segment, writing its
 // state into split_states for fold_split_row.
 void split_into_segments(const Problem& P, std::vector<WorkItem>& items, std::vector<SplitRow>& split_rows,
@@ -272,9 +306,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
         }
         for (int r = 0; r < rows; r += step) {
             const int n = std::min(step, rows - r);
-            const int64_t p_last = first + r + n - 1;
-            const int64_t keys = p_last + 1 - (window > 0 ? std::max<int64_t>(0, first + r - window + 1) : 0);
-            for (int h = 0; h < Hkv; ++h) items.push_back({s, h, r, n, 0, P.G, keys * (n + 4)});
+            for (int h = 0; h < Hkv; ++h) items.push_back({s, h, r, n, 0, P.G, item_cost(P, s, r, n)});
         }
     }
     // Threads the work can feed: each must get a few microseconds of it (kMinWorkPerThread), so a
@@ -287,6 +319,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
     // decode row into its segments, then the items' query heads. Neither changes a bit of the
     // result (segments fold in order, fold_split_row; heads never interact), only who loads the
     // tiles: split by heads alone, every thread read all of the row's keys.
+    if (threads_wanted > 1) split_rows_of_items(P, items, 2 * int64_t(threads_wanted));
     std::vector<SplitRow> split_rows;
     std::vector<float> split_states;
     if (threads_wanted > 1 && int64_t(items.size()) < 2 * threads_wanted)

@@ -243,6 +243,33 @@ def test_long_decode_rows_split_into_segments_are_bitwise_invariant(variant, d, 
         native.set_num_threads(saved)
 
 
+@dims
+@dtypes
+@pytest.mark.parametrize("window", [0, 100])
+def test_short_chunk_alone_split_by_rows_is_bitwise_invariant(variant, d, dtype, window):
+    """A speculative verification: a few rows of one sequence, alone in the step. With more than one
+    thread the kernel halves its work items by rows (down to single rows, which take the decode path
+    and its segment split) to feed the threads: every row keeps the bits it has as a decode row
+    alone and in a batch, at any thread count."""
+    c = make_cache([700, 30], d, dtype, seed=12)
+    saved = torch.get_num_threads()
+    try:
+        for rows in (2, 3, 5, 17):
+            first = 700 - rows
+            native.set_num_threads(1)
+            one_item = run(c, [(0, first, rows)], window)
+            decodes = torch.cat([run(c, [(0, p, 1)], window) for p in range(first, 700)])
+            assert torch.equal(one_item, decodes), rows
+            in_batch = run(c, [(1, 29, 1), (0, first, rows)], window)
+            assert torch.equal(in_batch[1:], one_item), rows
+            for threads in (2, 3, 4, 16):
+                native.set_num_threads(threads)
+                assert torch.equal(run(c, [(0, first, rows)], window), one_item), (rows, threads)
+            assert_close(one_item, run(c, [(0, first, rows)], window, reference=True))
+    finally:
+        native.set_num_threads(saved)
+
+
 @dtypes
 def test_window_rows_are_bitwise_invariant(variant, dtype):
     c = make_cache([90], 64, dtype, seed=8)
