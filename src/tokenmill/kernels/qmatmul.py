@@ -28,6 +28,7 @@ tiles of 16, so one 512-bit register holds 16 output columns. For each tile and 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,6 +157,11 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return sum(a.numel() for a in (self.qs, self.sc, self.sup))
+
+    def moved(self, place: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedWeight":
+        """The same weight with its arrays where place puts copies of them (kernels/huge_pages.py)."""
+        return QuantizedWeight(place(self.qs), place(self.sc), place(self.sup), self.out_features,
+                               self.in_features, self.ggml_type)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K]: exactly the GGUF's values."""

@@ -4,6 +4,8 @@ projections. An architecture adds its blocks, its forward, the names of its bloc
 and the row order its rotary embedding wants for Q and K."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +45,13 @@ class DecoderLM(nn.Module):
                 m.pack_dense()
         if self.head_quantized is None:
             self.lm_head_packed = pack_bf16(self.lm_head.data, self)
+
+    def move_blocks(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The gguf weight mode: every projection's and the head's blocks to copies that place makes
+        (kernels/huge_pages.py), before anything (the native step) takes their addresses."""
+        for q in [m.quantized for m in self.modules() if isinstance(m, Linear)] + [self.head_quantized]:
+            if q is not None:
+                q.move_blocks(place)
 
     def all_weights_in_blocks(self) -> bool:
         """Every projection and the output head kept their GGUF blocks (the gguf weight mode, with no

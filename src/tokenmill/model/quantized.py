@@ -7,6 +7,7 @@ A fused projection (QKV, gate+up) is a list of parts, one per run of same-typed 
 all parts share one quantization of the input."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
@@ -70,6 +71,10 @@ class QuantizedParts:
             self.parts.append((w, start, start + raw.shape[0]))
             start += raw.shape[0]
         self.out_features = start
+
+    def move_blocks(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Every part kept in blocks moves to copies that place makes (a huge-page arena)."""
+        self.parts = [(w.moved(place) if isinstance(w, qk.QuantizedWeight) else w, s, e) for w, s, e in self.parts]
 
     @property
     def is_blocks(self) -> bool:

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import GGUFError, GGUFFile, open_gguf
 from tokenmill.gguf.weights import check_supported, dequantize
-from tokenmill.kernels import native
+from tokenmill.kernels import huge_pages, native
 from tokenmill.model.gpu.device import resolve_device
 from tokenmill.model.gpu.load import check_device_mode, device_weight, finish_on_device
 from tokenmill.model.linear import GGUFWeight, Int4Weight, onednn_bf16_available
@@ -103,6 +103,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
             finish_on_device(model, target)
         else:
             model.pack_weights()
+            if mode == "gguf" and huge_pages.wanted():
+                model.move_blocks(huge_pages.HugePageArena().copy_of)
         model.eval()
         g.release_pages()
     except GGUFError as exc:
