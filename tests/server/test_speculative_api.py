@@ -115,6 +115,43 @@ def test_usage_counts_tokens_up_to_the_stop_string_when_one_event_brings_more(ti
     assert delta.num_output_tokens == upto < len(ids)
 
 
+def test_a_memory_budget_counts_the_draft_models_weights_and_cache(tmp_path):
+    # With --max-memory the KV cache is cut to what the budget leaves after the weights: with a draft
+    # model, after both models' weights, and each token slot costs the draft's K/V beside the model's
+    # (the draft has as many slots as the model).
+    from tokenmill.engine import EngineConfig
+    from tokenmill.engine.memory import engine_bytes, kv_bytes_per_token
+    from tokenmill.model import load_model
+    from tokenmill.server.model_loads import MemoryPool
+
+    spec = TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q8_0, context_length=4096)
+    target = write_tiny_llama(tmp_path / "t.gguf", spec)
+    draft = write_tiny_llama(tmp_path / "d.gguf", TinyLlamaSpec(n_layers=1, weight_type=spec.weight_type,
+                                                                context_length=4096, seed=3))
+    need = MemoryPool().load_bytes(str(target), str(draft))
+    assert need == int((target.stat().st_size + draft.stat().st_size) * 1.1)
+    cfg, loaded = EngineConfig(dtype="gguf"), load_model(target, "gguf")
+    per_token = kv_bytes_per_token(cfg, loaded, load_model(draft, "gguf"))
+    assert per_token > kv_bytes_per_token(cfg, loaded)
+    budget = need + 1500 * per_token  # room for 1,500 slots of the two caches, not 4,096
+    live, host = start_server(str(target), dtype="gguf", speculative=f"draft:{draft}", kv_size=4096,
+                              max_memory_gb=budget / 1e9)
+    try:
+        assert host.wait_ready(60), host.error
+        engine = host.current.engine
+        block = engine.cfg.block_size
+        assert engine.cfg.max_total_tokens == (budget - need) // per_token // block * block < 4096
+        proposer = engine.scheduler.speculator.proposer
+        assert proposer.draft.kv.num_blocks == engine.cfg.num_blocks
+        # the two caches fit what the budget left after the weights; both count in the engine's size
+        assert engine.kv.nbytes + proposer.draft.kv.nbytes <= budget - need
+        assert engine_bytes(engine) >= engine.kv.nbytes + proposer.draft.kv.nbytes + draft.stat().st_size
+        with httpx.Client(base_url=live.url, timeout=60) as c:
+            assert complete(c, host)["choices"][0]["text"]
+    finally:
+        live.stop()
+
+
 def test_a_server_with_a_draft_model_answers_as_without_one(tmp_path):
     # `serve --speculative draft:MODEL`: the draft (another tiny model with the same vocabulary) loads with
     # the model; answers are the model's own, and the draft's cache is empty when the server is idle.

@@ -14,9 +14,12 @@ from tokenmill.model import LoadedModel
 MIN_KV_TOKENS = 256
 
 
-def kv_bytes_per_token(cfg: EngineConfig, loaded: LoadedModel) -> int:
-    mc = loaded.config
-    return KVStorage.bytes_per_token(mc.n_layers, mc.n_kv_heads, mc.head_dim, kv_cache_dtype(cfg, loaded))
+def kv_bytes_per_token(cfg: EngineConfig, loaded: LoadedModel, draft: LoadedModel | None = None) -> int:
+    """A token slot's K/V bytes: the model's, plus a draft model's (speculative/build.py gives the draft
+    as many slots as the target, in the target's KV dtype)."""
+    dtype = kv_cache_dtype(cfg, loaded)
+    return sum(KVStorage.bytes_per_token(m.config.n_layers, m.config.n_kv_heads, m.config.head_dim, dtype)
+               for m in (loaded, draft) if m is not None)
 
 
 def weights_bytes(loaded: LoadedModel) -> int:
@@ -34,11 +37,13 @@ def weights_bytes(loaded: LoadedModel) -> int:
     return max(dense, file_bytes)
 
 
-def fit_kv_cache(cfg: EngineConfig, loaded: LoadedModel, max_kv_bytes: int | None) -> EngineConfig:
-    """cfg with max_total_tokens lowered so the KV cache takes at most max_kv_bytes (None: as is)."""
+def fit_kv_cache(cfg: EngineConfig, loaded: LoadedModel, max_kv_bytes: int | None,
+                 draft: LoadedModel | None = None) -> EngineConfig:
+    """cfg with max_total_tokens lowered so the KV cache (and a draft model's, slot for slot) takes at
+    most max_kv_bytes (None: as is)."""
     if max_kv_bytes is None:
         return cfg
-    per_token = kv_bytes_per_token(cfg, loaded)
+    per_token = kv_bytes_per_token(cfg, loaded, draft)
     tokens = min(cfg.max_total_tokens, max_kv_bytes // per_token) // cfg.block_size * cfg.block_size
     if tokens < min(MIN_KV_TOKENS, cfg.max_total_tokens):
         raise ConfigError(f"not enough memory for a KV cache: {max_kv_bytes / 2**20:.0f} MiB left in the budget, "

@@ -401,7 +401,7 @@ class ModelHost:
         A model going to a GPU is held to that GPU's memory (model_loads.MemoryPool), one going to
         the CPU to the memory budget."""
         pool = load_pool(load.spec.engine)
-        need = pool.load_bytes(load.spec.model)
+        need = pool.load_bytes(load.spec.model, load.spec.engine.spec_config().draft_model)
         deadline = time.monotonic() + self.policy.wait_timeout
         while True:
             with self._lock:

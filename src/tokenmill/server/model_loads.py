@@ -58,9 +58,10 @@ class MemoryPool:
     gpu: str | None = None                # "cuda:0", or None for RAM
     utilization: float = 0.9              # a GPU's: the load's gpu_memory_utilization
 
-    def load_bytes(self, model: str) -> int:
-        """What loading `model` takes from this pool before its KV cache."""
-        size = file_size(model)
+    def load_bytes(self, model: str, draft: str | None = None) -> int:
+        """What loading `model` (and the draft model it speculates with, if any) takes from this pool
+        before its KV cache."""
+        size = file_size(model) + (file_size(draft) if draft else 0)
         if self.gpu is None:
             return int(size * 1.1)  # the weights as the file holds them, plus dense copies and buffers
         return size * GPU_BYTES_PER_FILE_BYTE + GPU_LOAD_MARGIN

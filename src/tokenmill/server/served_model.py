@@ -35,6 +35,7 @@ Loader = Callable[[LoadSpec, Callable[[float], None]], Loaded]
 
 def default_loader(spec: LoadSpec, report: Callable[[float], None]) -> Loaded:
     from tokenmill.engine.memory import fit_kv_cache
+    from tokenmill.engine.speculative.build import load_draft
     from tokenmill.model import load_model
     from tokenmill.store import ensure_model
     from tokenmill.store.catalog import spec_for_filename
@@ -43,9 +44,14 @@ def default_loader(spec: LoadSpec, report: Callable[[float], None]) -> Loaded:
     path = ensure_model(spec.model, progress=True, fetcher=spec.fetcher)  # pulls a known model on first use
     report(0.1)
     loaded = load_model(path, spec.engine.dtype, device=spec.engine.device)
+    report(0.7)
+    # A draft model (--speculative draft:MODEL) is loaded first here, so that its KV cache, slot for
+    # slot beside the model's, is fitted to the budget with it; its weights were counted with the load.
+    draft_name = spec.engine.spec_config().draft_model
+    draft = load_draft(draft_name) if draft_name else None
     report(0.8)
-    cfg = fit_kv_cache(spec.engine, loaded, spec.max_kv_bytes)
-    engine = LLMEngine(loaded, Tokenizer.from_gguf_metadata(loaded.gguf.metadata), cfg)
+    cfg = fit_kv_cache(spec.engine, loaded, spec.max_kv_bytes, draft)
+    engine = LLMEngine(loaded, Tokenizer.from_gguf_metadata(loaded.gguf.metadata), cfg, draft=draft)
     # A catalog model keeps its catalog name even when given as a path to its file.
     catalog = spec_for_filename(path.name)
     if catalog is not None:
