@@ -95,6 +95,36 @@ def test_greedy_alone_and_batched_is_the_targets_own(target, small):
     assert spec.num_draft_tokens >= spec.num_accepted_tokens
 
 
+def test_a_steps_sequences_draft_in_one_batch(target, small):
+    # Four sequences decoding together: each step's draft tokens come from one batched draft forward
+    # per proposal position (the catch-up rows of all four, then one row each), not one per sequence,
+    # and the proposals are what each sequence drafted alone would be (the native kernels' rows do not
+    # depend on the batch), so the output is the target's own.
+    requests = [(repetitive(30 + i), replace(GREEDY, max_tokens=40)) for i in range(4)]
+    _, e = same_with_and_without(target, small, requests)
+    draft = e.scheduler.speculator.proposer.draft
+    spec = e.stats.spec
+    # One forward per position, five positions a step at most (num_speculative_tokens); one sequence
+    # at a time would have taken one per position per sequence.
+    assert draft.num_forwards < spec.num_draft_tokens / 2
+
+    from tokenmill.engine.speculative.draft import DraftRequest
+    contexts = [repetitive(40 + i)[:30 + 7 * i] for i in range(3)]
+    batched = draft.generate_many([DraftRequest(100 + i, 0, c, 4) for i, c in enumerate(contexts)])
+    for i, c in enumerate(contexts):
+        draft.release(100 + i)
+        assert draft.generate(200 + i, 0, c, 4) == batched[100 + i] and len(batched[100 + i]) == 4
+        draft.release(200 + i)
+    assert draft.blocks.num_used_blocks == 0
+    # a long catch-up (more than n_ubatch tokens: run in pieces) and a short one in the same call
+    draft.n_ubatch = 64
+    long_ctx = repetitive(50, period=40, times=4)
+    both = draft.generate_many([DraftRequest(300, 0, long_ctx, 3), DraftRequest(301, 0, contexts[0], 3)])
+    draft.release(300), draft.release(301)
+    assert both[300] == draft.generate(302, 0, long_ctx, 3) and both[301] == batched[100][:3]
+    draft.release(302)
+
+
 def test_the_target_as_its_own_draft_is_always_right(target):
     requests = [(ids(30, 70 + i), replace(GREEDY, max_tokens=40)) for i in range(2)]
     _, e = same_with_and_without(target, target, requests)

@@ -77,13 +77,14 @@ class Scheduler:
         n = len(self.running)
         order = self.running[self._rotation % n:] + self.running[:self._rotation % n] if n else []
         self._rotation += 1
+        proposals = self._proposals(order)
         for seq in order:
             budget = self.cfg.n_batch - batch.num_tokens
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            speculative = self._speculative_chunk(seq, budget)
+            speculative = self._speculative_chunk(seq, budget, proposals.get(seq.seq_id, []))
             if speculative is not None:
                 batch.add(speculative)
                 continue
@@ -103,14 +104,25 @@ class Scheduler:
         start = seq.num_computed_tokens
         return ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens, copies)
 
-    def _speculative_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
-        """A decoding sequence's chunk with the tokens it proposes, when it has some and there is room
-        for them; else None (it goes the ordinary way). Proposals never preempt anyone: their blocks
-        come from free ones, and enough stay free for every running sequence's next token."""
+    def _proposals(self, order: list[Sequence]) -> dict[int, list[int]]:
+        """What each decoding sequence proposes this step, by seq_id, asked of the speculator at once
+        (a draft model decodes them as one batch). Each may take its request's whole wish here; the
+        step's token budget cuts them where they are scheduled."""
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return spec.propose_all([(seq, spec.num_wanted(seq)) for seq in order if seq.num_uncomputed == 1],
+                                num_rows=len(self.running))
+
+    def _speculative_chunk(self, seq: Sequence, budget: int, draft: list[int]) -> ScheduledChunk | None:
+        """A decoding sequence's chunk with the tokens it proposed (up to what the budget leaves), when
+        there are some and there is room for them; else None (it goes the ordinary way). Proposals never
+        preempt anyone: their blocks come from free ones, and enough stay free for every running
+        sequence's next token."""
         spec = self.speculator
         if spec is None or seq.num_uncomputed != 1:
             return None
-        draft = spec.propose(seq, min(spec.num_wanted(seq), budget - 1), num_rows=len(self.running))
+        draft = draft[:budget - 1]
         row_constraints = None
         if draft and seq.constraint is not None:
             draft, row_constraints = spec.grammar_rows(seq.constraint, draft)

@@ -8,8 +8,10 @@ cannot live in the target's blocks. It gets its own KVStorage and BlockManager (
 with as many token slots as the target's cache, allocated lazily like the target's. Each speculating
 sequence owns a table there that follows its context: after a verification, the draft's tokens past
 the part the target agreed with are overwritten by the target's, so a step recomputes only those and
-the token the target added, then decodes k - 1 more. When the draft's cache is full the sequence
-simply proposes nothing that step: a draft never preempts anyone or fails a request."""
+the token the target added, then decodes k - 1 more. A step's sequences do this together (the
+scheduler asks for all their proposals at once): one batched forward of everyone's catch-up rows,
+then one of a row each per further proposal. When the draft's cache is full the sequence simply
+proposes nothing that step: a draft never preempts anyone or fails a request."""
 from __future__ import annotations
 
 import itertools
@@ -30,8 +32,28 @@ from tokenmill.model.paged_batch import PagedBatch
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class DraftRequest:
+    """One sequence's ask of a draft step: k greedy tokens after token_ids, for its table `key`, whose
+    first `keep` cached tokens are token_ids' own."""
+    key: int
+    keep: int
+    token_ids: Sequence[int]
+    k: int
+
+
+@dataclass
+class _Running:
+    """A request being decoded: its table, where its next row goes, and its tokens so far."""
+    ask: DraftRequest
+    table: list[int]
+    out: list[int] = field(default_factory=list)
+
+
 class DraftModel:
-    """The draft's weights and its own paged KV cache; greedy decoding for one sequence at a time."""
+    """The draft's weights and its own paged KV cache; greedy decoding of several sequences at once,
+    one batched forward per proposal position (the native kernels compute each row as alone, so the
+    batch changes no proposal)."""
 
     def __init__(self, model: torch.nn.Module, kv: KVStorage, n_ubatch: int, context_length: int,
                  weight_bytes: int = 0):
@@ -41,26 +63,45 @@ class DraftModel:
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, enable_prefix_caching=False)
         self.n_ubatch = n_ubatch
         self.max_len = min(context_length, kv.num_blocks * kv.block_size)
+        self.num_forwards = 0  # batched forwards run (tests see that several sequences share them)
+
+    def generate(self, key: int, keep: int, token_ids: Sequence[int], k: int) -> list[int]:
+        """k greedy tokens after token_ids for the table `key`; [] when its cache has no room."""
+        return self.generate_many([DraftRequest(key, keep, token_ids, k)])[key]
 
     @torch.inference_mode()
-    def generate(self, key: int, keep: int, token_ids: Sequence[int], k: int) -> list[int]:
-        """k greedy tokens after token_ids for the table `key`, whose first `keep` cached tokens are
-        token_ids' own; [] when its cache has no room (nothing then changes but a trimmed tail)."""
-        n_ids = len(token_ids)
-        total = n_ids + k - 1  # the context, and the proposals but the last fed back
-        keep = min(keep, n_ids - 1)  # the last token is always run again: its row gives the first proposal
-        if k < 1 or total > self.max_len:
-            return []
-        self.blocks.trim(key, keep)
-        if not self.blocks.can_allocate(key, total):
-            return []
-        self.blocks.allocate(key, total)
-        table = self.blocks.block_table(key)
-        for start in range(keep, n_ids, self.n_ubatch):
-            hidden = self._forward(token_ids[start:start + self.n_ubatch], start, table)
-        out = [self._argmax(hidden)]
-        for i in range(k - 1):
-            out.append(self._argmax(self._forward([out[-1]], n_ids + i, table)))
+    def generate_many(self, asks: list[DraftRequest]) -> dict[int, list[int]]:
+        """Each ask's tokens by key ([] for one whose cache has no room: nothing then changes for it but
+        a trimmed tail). Each sequence first computes what its table lacks of its context (the last
+        token always: its row gives the first proposal), then the sequences still wanting tokens feed
+        their last one back, one row each per forward."""
+        out: dict[int, list[int]] = {}
+        running: list[_Running] = []
+        last_pieces: list[tuple[_Running, int]] = []  # (sequence, where its context's last piece starts)
+        for ask in asks:
+            n_ids = len(ask.token_ids)
+            total = n_ids + ask.k - 1  # the context, and the proposals but the last fed back
+            keep = min(ask.keep, n_ids - 1)
+            out[ask.key] = []
+            if ask.k < 1 or total > self.max_len:
+                continue
+            self.blocks.trim(ask.key, keep)
+            if not self.blocks.can_allocate(ask.key, total):
+                continue
+            self.blocks.allocate(ask.key, total)
+            r = _Running(ask, self.blocks.block_table(ask.key))
+            # A long catch-up (a new sequence's prompt) runs alone, n_ubatch tokens at a time; its
+            # last piece joins the others'.
+            last = keep + (n_ids - 1 - keep) // self.n_ubatch * self.n_ubatch
+            for start in range(keep, last, self.n_ubatch):
+                self._forward([(ask.token_ids[start:start + self.n_ubatch], start, r.table)])
+            last_pieces.append((r, last))
+            running.append(r)
+        self._decode([(r, list(r.ask.token_ids[start:]), start) for r, start in last_pieces])
+        for i in range(1, max((r.ask.k for r in running), default=0)):
+            self._decode([(r, [r.out[-1]], len(r.ask.token_ids) + i - 1) for r in running if r.ask.k > i])
+        for r in running:
+            out[r.ask.key] = r.out
         return out
 
     def release(self, key: int) -> None:
@@ -71,13 +112,32 @@ class DraftModel:
         """Its weights and its whole KV cache (allocated as used, like the target's)."""
         return self.weight_bytes + self.kv.nbytes
 
-    def _forward(self, ids: Sequence[int], start: int, table: list[int]) -> torch.Tensor:
-        meta = PagedBatch.build([ChunkSpec(table, start, len(ids))], self.kv.block_size)
-        return self.model(torch.tensor(list(ids)), torch.arange(start, start + len(ids)), meta, self.kv)
+    def _decode(self, rows: list[tuple[_Running, list[int], int]]) -> None:
+        """Each sequence's chunk (ids from position start), in forwards of at most n_ubatch tokens;
+        the argmax of each chunk's last row is its next token."""
+        group: list[tuple[_Running, list[int], int]] = []
+        size = 0
+        for row in rows:
+            if group and size + len(row[1]) > self.n_ubatch:
+                self._decode_group(group)
+                group, size = [], 0
+            group.append(row)
+            size += len(row[1])
+        if group:
+            self._decode_group(group)
 
-    def _argmax(self, hidden: torch.Tensor) -> int:
-        logits = self.model.logits(hidden, torch.tensor([hidden.shape[0] - 1]))
-        return int(torch.argmax(logits[0]))
+    def _decode_group(self, group: list[tuple[_Running, list[int], int]]) -> None:
+        hidden = self._forward([(ids, start, r.table) for r, ids, start in group])
+        ends = torch.tensor(list(itertools.accumulate(len(ids) for _, ids, _ in group))) - 1
+        for (r, _, _), token in zip(group, torch.argmax(self.model.logits(hidden, ends), dim=-1).tolist()):
+            r.out.append(int(token))
+
+    def _forward(self, chunks: list[tuple[Sequence[int], int, list[int]]]) -> torch.Tensor:
+        self.num_forwards += 1
+        meta = PagedBatch.build([ChunkSpec(table, start, len(ids)) for ids, start, table in chunks], self.kv.block_size)
+        ids = torch.tensor([t for chunk, _, _ in chunks for t in chunk])
+        positions = torch.cat([torch.arange(start, start + len(chunk)) for chunk, start, _ in chunks])
+        return self.model(ids, positions, meta, self.kv)
 
 
 @dataclass
@@ -108,37 +168,54 @@ class DraftProposer:
 
     def propose(self, state: DraftState | None, token_ids: Sequence[int], num_shifted_tokens: int, cap: int,
                 num_rows: int = 1) -> tuple[DraftState, list[int]]:
-        if state is None or state.num_shifted_tokens != num_shifted_tokens:
-            if state is not None:
-                self.forget(state)
-            state = self.new_state(num_shifted_tokens)
-        k = 0
-        if not state.backoff.cooling() and cap > 0:
-            cost = step_cost(self.cfg, self.costs, len(token_ids), num_rows)
-            k = best_num_tokens(state.rate.value, num_rows, cost, cap, self.draft_cost)
-        draft = self._generate(state, token_ids, k) if k else []
-        if draft:
-            state.cached = [*token_ids, *draft[:-1]]
-            state.known = len(token_ids)
-        else:  # keep only what is still the context's (a failed generate may have trimmed past it)
-            state.rate.idle()
-            state.cached = state.cached[:min(_agreeing(state, token_ids), len(token_ids) - 1)]
-            state.known = len(state.cached)
-        return state, draft
+        return self.propose_many([(state, token_ids, num_shifted_tokens, cap)], num_rows)[0]
 
-    def _generate(self, state: DraftState, token_ids: Sequence[int], k: int) -> list[int]:
-        """The draft's k tokens, or none when its step fails: proposals are optional, so a draft's error
-        must not fail the target's requests (its table goes back, and the sequence starts over there)."""
+    def propose_many(self, asks: list[tuple[DraftState | None, Sequence[int], int, int]],
+                     num_rows: int = 1) -> list[tuple[DraftState, list[int]]]:
+        """propose() for several sequences (state, context, shifted tokens, cap), their draft tokens
+        decoded together: one batched draft forward per proposal position, not one per sequence."""
+        states, sizes = [], []
+        for state, token_ids, num_shifted_tokens, cap in asks:
+            if state is None or state.num_shifted_tokens != num_shifted_tokens:
+                if state is not None:
+                    self.forget(state)
+                state = self.new_state(num_shifted_tokens)
+            k = 0
+            if not state.backoff.cooling() and cap > 0:
+                cost = step_cost(self.cfg, self.costs, len(token_ids), num_rows)
+                k = best_num_tokens(state.rate.value, num_rows, cost, cap, self.draft_cost)
+            states.append(state)
+            sizes.append(k)
+        wanted = [(state, ask[1], k) for state, ask, k in zip(states, asks, sizes) if k]
+        drafts = self._generate(wanted) if wanted else {}
+        out = []
+        for state, (_, token_ids, _, _) in zip(states, asks):
+            draft = drafts.get(state.key, [])
+            if draft:
+                state.cached = [*token_ids, *draft[:-1]]
+                state.known = len(token_ids)
+            else:  # keep only what is still the context's (a failed generate may have trimmed past it)
+                state.rate.idle()
+                state.cached = state.cached[:min(_agreeing(state, token_ids), len(token_ids) - 1)]
+                state.known = len(state.cached)
+            out.append((state, draft))
+        return out
+
+    def _generate(self, wanted: list[tuple[DraftState, Sequence[int], int]]) -> dict[int, list[int]]:
+        """The draft's tokens by state key, or none when its step fails: proposals are optional, so a
+        draft's error must not fail the target's requests (the tables of that step go back, and those
+        sequences start over there)."""
         try:
-            return self.draft.generate(state.key, _agreeing(state, token_ids), token_ids, k)
+            return self.draft.generate_many([DraftRequest(s.key, _agreeing(s, ids), ids, k) for s, ids, k in wanted])
         except Exception:  # noqa: BLE001 - see above; logged in full the first time, counted after
             self.num_failures += 1
             if self.num_failures == 1:
-                log.exception("the draft model's step failed; that sequence proposes nothing this step")
+                log.exception("the draft model's step failed; its sequences propose nothing this step")
             else:
                 log.warning("the draft model's step failed again (%d failures)", self.num_failures)
-            self.forget(state)
-            return []
+            for state, _, _ in wanted:
+                self.forget(state)
+            return {}
 
     def observe(self, state: DraftState, num_draft_tokens: int, num_accepted: int) -> None:
         state.rate.observe(num_draft_tokens, num_accepted)

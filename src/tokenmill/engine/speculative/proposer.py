@@ -135,6 +135,11 @@ class NgramProposer:
             state.rate.idle()
         return state, draft
 
+    def propose_many(self, asks: list[tuple[SpecState | None, list[int], int, int]],
+                     num_rows: int = 1) -> list[tuple[SpecState, list[int]]]:
+        """propose() for several sequences (state, context, shifted tokens, cap): lookups are per sequence."""
+        return [self.propose(state, ids, shifted, cap, num_rows) for state, ids, shifted, cap in asks]
+
     def observe(self, state: SpecState, num_draft_tokens: int, num_accepted: int) -> None:
         """After a verification: update the acceptance rate; count a miss, or forgive them all; enough
         misses in a row start a cooldown."""

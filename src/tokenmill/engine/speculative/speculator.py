@@ -52,13 +52,23 @@ class Speculator:
     def propose(self, seq: "Sequence", cap: int, num_rows: int = 1) -> list[int]:
         """Up to cap proposals for a decoding sequence (it has exactly one uncomputed token) in a step of
         about num_rows rows: as many as its acceptance rate makes worth their rows (policy.py)."""
-        if cap <= 0 and seq.spec is None:
-            return []
+        return self.propose_all([(seq, cap)], num_rows).get(seq.seq_id, [])
+
+    def propose_all(self, asks: list[tuple["Sequence", int]], num_rows: int) -> dict[int, list[int]]:
+        """propose() for a step's decoding sequences at once, by seq_id (a draft model decodes their
+        proposals as one batch)."""
+        asks = [(seq, max(cap, 0)) for seq, cap in asks if cap > 0 or seq.spec is not None]
+        if not asks:
+            return {}
         start = time.perf_counter()
-        seq.spec, draft = self.proposer.propose(seq.spec, seq.all_token_ids, seq.num_shifted_tokens, max(cap, 0),
-                                                num_rows)
+        results = self.proposer.propose_many(
+            [(seq.spec, seq.all_token_ids, seq.num_shifted_tokens, cap) for seq, cap in asks], num_rows)
         self._propose_seconds += time.perf_counter() - start
-        return draft
+        drafts = {}
+        for (seq, _), (state, draft) in zip(asks, results):
+            seq.spec = state
+            drafts[seq.seq_id] = draft
+        return drafts
 
     def observe_step(self, rows: int, model_seconds: float, step_seconds: float) -> None:
         """After each step: its rows, the model's and sampler's time, and the whole step's, which teach
