@@ -153,3 +153,34 @@ def test_llama_cpp_alone(fake_llama_cpp, tiny_gguf, tmp_path):
     r = json.loads(out.read_text())
     assert list(r["runs"]) == ["gguf"]  # tokenmill's dtypes do not apply to llama.cpp alone
     assert r["runs"]["gguf"]["tokenmill"] is None and r["runs"]["gguf"]["llama_cpp"]["decode_tok_s"] > 0
+
+
+def test_an_amx_build_on_an_amx_cpu_loads_without_extra_buffer_types(fake_llama_cpp, monkeypatch):
+    # llama.cpp's AMX matmul (an extra buffer type) faults on the Xeons measured here: where the build
+    # has it and the CPU has AMX, the peer loads without extra buffer types, says so, and leaves
+    # llama-cpp-python's defaults as they were.
+    class Params:
+        use_extra_bufts = True
+
+    low_level = types.SimpleNamespace(llama_model_default_params=Params)
+    fake_llama_cpp.llama_cpp = low_level
+    seen = []
+
+    class RecordingLlama(FakeLlama):
+        def __init__(self, model_path, **kwargs):
+            seen.append(low_level.llama_model_default_params().use_extra_bufts)
+            super().__init__(model_path, **kwargs)
+
+    fake_llama_cpp.Llama = RecordingLlama
+    import tokenmill.bench.common as common
+
+    fake_llama_cpp.llama_print_system_info = lambda: b"CPU : AVX512 = 1 | AMX_INT8 = 1 |"
+    monkeypatch.setattr(common, "cpu_flags", lambda: "avx512f amx_int8")
+    model = llama_cpp_peer.LlamaCppModel("m.gguf", threads=2, n_ctx=256)
+    assert seen == [False] and not model.extra_buffer_types
+    assert "off" in llama_cpp_peer.describe()["extra_buffer_types"]
+    assert low_level.llama_model_default_params is Params  # restored
+    monkeypatch.setattr(common, "cpu_flags", lambda: "avx512f")  # no AMX on the CPU: left as they are
+    model = llama_cpp_peer.LlamaCppModel("m.gguf", threads=2, n_ctx=256)
+    assert seen == [False, True] and model.extra_buffer_types
+    assert "extra_buffer_types" not in llama_cpp_peer.describe()

@@ -7,7 +7,9 @@ number of tokens (EOS is never checked), through the low-level `eval` API: the h
 does not do, and `generate` stops at EOS."""
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +39,44 @@ def describe() -> dict[str, Any]:
     """The package version and ggml's own view of this CPU (which SIMD paths it was compiled with)."""
     llama_cpp = import_llama_cpp()
     info = llama_cpp.llama_print_system_info()
-    return {"llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
-            "system_info": info.decode(errors="replace").strip() if isinstance(info, bytes) else str(info)}
+    text = info.decode(errors="replace").strip() if isinstance(info, bytes) else str(info)
+    out = {"llama_cpp_python": getattr(llama_cpp, "__version__", "?"), "system_info": text}
+    if "AMX_INT8 = 1" in text:
+        from tokenmill.bench.common import cpu_flags
+
+        if "amx_int8" in cpu_flags():
+            out["extra_buffer_types"] = "off (its AMX matmul faults on this CPU)"
+    return out
+
+
+def amx_build_on_amx_cpu() -> bool:
+    """Whether this llama.cpp was built with its AMX matmul and the CPU has AMX: that matmul (one of
+    llama.cpp's extra buffer types) dies with a protection fault at its first tile load on the Xeons
+    tokenmill is measured on (README, llama.cpp as the peer), so the peers turn the extra buffer types
+    off there (without_extra_buffer_types)."""
+    return "extra_buffer_types" in describe()
+
+
+@contextlib.contextmanager
+def without_extra_buffer_types() -> Iterator[None]:
+    """llama.cpp models loaded inside are loaded without its extra buffer types (weight repacking,
+    the AMX matmul): llama-cpp-python's Llama takes its model parameters from the low-level module's
+    defaults, which this patches for the duration. SmolLM2's Q4_1 weights are not repacked on
+    AVX-512 anyway; K-quants lose llama.cpp's repacked layout."""
+    low_level = import_llama_cpp().llama_cpp
+    defaults = low_level.llama_model_default_params
+
+    def params_without():
+        params = defaults()
+        if hasattr(params, "use_extra_bufts"):
+            params.use_extra_bufts = False
+        return params
+
+    low_level.llama_model_default_params = params_without
+    try:
+        yield
+    finally:
+        low_level.llama_model_default_params = defaults
 
 
 @dataclass
@@ -61,10 +99,13 @@ class LlamaCppModel:
         self.n_ctx = n_ctx
         self.flash_attn = flash_attn
         start = time.perf_counter()
+        # Where llama.cpp's AMX matmul would crash, without its extra buffer types (said in `describe`).
+        self.extra_buffer_types = not amx_build_on_amx_cpu()
         # n_threads_batch too: it defaults to every CPU, while prompt processing must use the same
         # thread budget as tokenmill's prefill.
-        self.llm = llama_cpp.Llama(model_path=gguf_path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                                   n_batch=n_batch, flash_attn=flash_attn, verbose=False)
+        with contextlib.nullcontext() if self.extra_buffer_types else without_extra_buffer_types():
+            self.llm = llama_cpp.Llama(model_path=gguf_path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                                       n_batch=n_batch, flash_attn=flash_attn, verbose=False)
         self.load_seconds = time.perf_counter() - start
         self.vocab_size = self.llm.n_vocab()
 

@@ -50,6 +50,9 @@ def build_parser(prog: str = "tokenmill bench single-stream") -> argparse.Argume
                    "(llama-cpp-python's default is off)")
     p.add_argument("--llama-n-batch", type=int, default=512, help="llama.cpp side: n_batch (default 512)")
     p.add_argument("--no-compile", action="store_true", help="eager model steps (the server's default compiles them)")
+    p.add_argument("--speculative", choices=["ngram", "off"], default="ngram",
+                   help="tokenmill's speculative decoding: prompt lookup (the server's default) or off, to "
+                        "compare plain decoding (the peers never speculate here)")
     p.add_argument("--json", metavar="PATH")
     return p
 
@@ -85,13 +88,14 @@ def _rates(prompt_len: int, t0: float, first: float, last: float, n: int) -> dic
 
 class TokenmillSide:
     def __init__(self, gguf_path: str, dtype: str, max_total_tokens: int, compile: bool = True,
-                 device: str = "cpu"):
+                 device: str = "cpu", speculative: str = "ngram"):
         from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
 
         self._params = SamplingParams
         start = time.perf_counter()
         self.engine = LLMEngine.from_path(gguf_path, EngineConfig(dtype=dtype, max_total_tokens=max_total_tokens,
-                                                                  compile=compile, device=device))
+                                                                  compile=compile, device=device,
+                                                                  speculative=speculative))
         self.init_seconds = time.perf_counter() - start
         self.load_seconds = self.engine.loaded.load_seconds
         self.vocab_size = self.engine.loaded.config.vocab_size
@@ -149,7 +153,7 @@ def run_dtype(gguf_path: str, prompts: list[list[int]], dtype: str, args: argpar
     if not args.skip_tokenmill:
         progress(f"loading tokenmill {dtype}")
         tm = TokenmillSide(gguf_path, dtype, args.max_total_tokens, compile=not args.no_compile,
-                           device=args.device)
+                           device=args.device, speculative=args.speculative)
         sides.append(("tokenmill", tm))
     if "transformers" in args.peers:
         progress(f"loading transformers {dtype}")
@@ -233,7 +237,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "single_stream", "model": gguf_path, "env": env,
         "config": {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
-                   "peers": args.peers, "skip_tokenmill": args.skip_tokenmill, "device": args.device},
+                   "peers": args.peers, "skip_tokenmill": args.skip_tokenmill, "device": args.device,
+                   "speculative": args.speculative},
         "loadavg_start": loadavg(), "runs": {},
     }
     for d in dtypes:
@@ -248,10 +253,12 @@ def report(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [f"single stream: prompt {c['prompt_len']} tokens, {c['max_tokens']} new tokens, greedy, EOS ignored; "
              f"median of {c['repeats']} alternating runs; torch {r['env']['torch']} threads={r['env']['torch_threads']}",
-             f"model {r['model']}; device {c.get('device', 'cpu')}"]
+             f"model {r['model']}; device {c.get('device', 'cpu')}; tokenmill's speculative decoding: "
+             f"{c.get('speculative', 'ngram')} (the peers: none)"]
     if r["env"].get("llama_cpp"):
         lc = r["env"]["llama_cpp"]
-        lines.append(f"llama-cpp-python {lc['llama_cpp_python']}: {lc['system_info']}")
+        extra = f"; extra buffer types {lc['extra_buffer_types']}" if lc.get("extra_buffer_types") else ""
+        lines.append(f"llama-cpp-python {lc['llama_cpp_python']}: {lc['system_info']}{extra}")
     lines += [f"cpu flags: {cpu_flags()}", ""]
     lines.append(f"{'dtype':6}{'side':20}{'load s':>8}{'prefill tok/s':>15}{'TTFT ms':>9}{'decode tok/s':>14}"
                  f"  {'runs'}")

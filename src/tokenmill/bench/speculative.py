@@ -155,25 +155,18 @@ def llama_cpp_rates(path: str, prompts: list[tuple[str, list[int]]], n: int, k: 
         return f"n/a (llama_cpp not importable: {exc})"
     import os
 
-    # Without llama.cpp's extra buffer types (weight repacking, its AMX matmul): the AMX path crashes
-    # a build with AMX on this kind of CPU (README, llama.cpp as the peer); SmolLM2's Q4_1 weights are
-    # not repacked on AVX-512 anyway.
-    low_level = llama_cpp.llama_cpp  # the module the high-level Llama takes its defaults from
-    defaults = low_level.llama_model_default_params
+    from tokenmill.bench.llama_cpp_peer import without_extra_buffer_types
 
-    def without_extra_buffers():
-        params = defaults()
-        if hasattr(params, "use_extra_bufts"):
-            params.use_extra_bufts = False
-        return params
-
-    low_level.llama_model_default_params = without_extra_buffers
     threads = threads or os.cpu_count() or 1
     n_ctx = max(len(ids) for _, ids in prompts) + n + 64
     common = dict(model_path=path, n_ctx=-(-n_ctx // 256) * 256, n_threads=threads, n_threads_batch=threads,
                   verbose=False, logits_all=False)
-    models = {"off": llama_cpp.Llama(**common),
-              "on": llama_cpp.Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))}
+    # Without llama.cpp's extra buffer types (weight repacking, its AMX matmul), on every CPU: the AMX
+    # path crashes a build with AMX on this kind of CPU (README, llama.cpp as the peer), and SmolLM2's
+    # Q4_1 weights are not repacked on AVX-512 anyway.
+    with without_extra_buffer_types():
+        models = {"off": llama_cpp.Llama(**common),
+                  "on": llama_cpp.Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))}
 
     def rate(llm, ids) -> float:
         llm.reset()
