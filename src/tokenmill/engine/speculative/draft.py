@@ -44,7 +44,7 @@ class DraftRequest:
 
 @dataclass
 class _Running:
-    """A request being decoded: its table, where its next row goes, and its tokens so far."""
+    """A request being decoded: its block table in the draft's cache, and its tokens so far."""
     ask: DraftRequest
     table: list[int]
     out: list[int] = field(default_factory=list)
