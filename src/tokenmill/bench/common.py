@@ -131,6 +131,14 @@ def _kernels() -> str:
     return f"{native.variant()}+amx" if native.amx() else native.variant()
 
 
+def huge_pages_state() -> str:
+    """Whether gguf weights go into transparent huge pages here (kernels/huge_pages.py), and the
+    system's THP setting: a one-row decode step runs 15-25% faster with them."""
+    from tokenmill.kernels import huge_pages
+
+    return f"{'weights' if huge_pages.wanted() else 'off'} (transparent_hugepage: {huge_pages.thp_mode()})"
+
+
 def environment() -> dict[str, Any]:
     import torch
 
@@ -146,6 +154,7 @@ def environment() -> dict[str, Any]:
         "cpu": cpu_model(),
         "cpu_flags": cpu_flags(),
         "kernels": _kernels(),
+        "huge_pages": huge_pages_state(),
     }
     try:
         from importlib.metadata import version

@@ -259,7 +259,7 @@ def report(r: dict[str, Any]) -> str:
         lc = r["env"]["llama_cpp"]
         extra = f"; extra buffer types {lc['extra_buffer_types']}" if lc.get("extra_buffer_types") else ""
         lines.append(f"llama-cpp-python {lc['llama_cpp_python']}: {lc['system_info']}{extra}")
-    lines += [f"cpu flags: {cpu_flags()}", ""]
+    lines += [f"cpu flags: {cpu_flags()}; huge pages: {r['env'].get('huge_pages', '?')}", ""]
     lines.append(f"{'dtype':6}{'side':20}{'load s':>8}{'prefill tok/s':>15}{'TTFT ms':>9}{'decode tok/s':>14}"
                  f"  {'runs'}")
     for d, e in r["runs"].items():

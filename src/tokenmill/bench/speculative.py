@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.bench.common import cpu_flags, cpu_model, loadavg, set_threads
+from tokenmill.bench.common import cpu_flags, cpu_model, huge_pages_state, loadavg, set_threads
 from tokenmill.bench.speculative_prompts import all_prompts
 
 BURST = 16
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "env": {"cpu": cpu_model(), "flags": cpu_flags(), "loadavg": loadavg(),
                     "threads": side.engine.threads.count, "model": args.model, "max_tokens": args.max_tokens,
                     "repeats": args.repeats, "spec": vars(side.engine.cfg.spec_config()),
-                    "llama_cpp_pred_tokens": llama_k}}
+                    "llama_cpp_pred_tokens": llama_k, "huge_pages": huge_pages_state()}}
 
 
 def _geomean(values: list[float]) -> float:
@@ -246,7 +246,8 @@ def report(r: dict[str, Any]) -> str:
     env = r["env"]
     lines = [f"speculative decoding (prompt lookup), {env['model']}, greedy, {env['max_tokens']} tokens, "
              f"{env['threads']} threads, {env['cpu']} [{env['flags']}], load {env['loadavg']}",
-             f"medians of {env['repeats']} alternated runs per side; decode tok/s (wall), and per CPU second",
+             f"medians of {env['repeats']} alternated runs per side; decode tok/s (wall), and per CPU second; "
+             f"huge pages: {env.get('huge_pages', '?')}",
              "", f"{'prompt':18}{'kind':9}{'prompt':>7}{'off':>8}{'on':>8}{'ratio':>7}{'cpu ratio':>10}"
              f"{'accept':>8}{'tok/ver':>8}{'llama.cpp off/on':>18}  same"]
     mismatches = []
