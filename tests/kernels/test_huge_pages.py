@@ -79,3 +79,27 @@ def test_model_computes_the_same_with_weights_in_the_arena(tmp_path, monkeypatch
     assert isinstance(w_moved, QuantizedWeight) and w_moved.qs.data_ptr() % ALIGN == 0
     assert torch.equal(w_moved.qs, w_plain.qs) and torch.equal(w_moved.sc, w_plain.sc)
     assert torch.equal(prefill_logits(moved, PROMPT), prefill_logits(plain, PROMPT))
+
+
+def _rss_anon_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not huge_pages.return_freed_heap(), reason="no malloc_trim (not glibc)")
+def test_freed_heap_goes_back_to_the_system():
+    # What a load leaves behind once its copies moved into the arena: many freed mid-sized blocks that
+    # glibc keeps in its heap (one still in use at the end stops the heap from shrinking on its own).
+    blocks = [bytearray(64 * 1024) for _ in range(2000)]  # 128 MB under the mmap threshold: the heap
+    for b in blocks:
+        b[::4096] = b"\1" * len(b[::4096])  # touch every page
+    kept = blocks[::50]
+    del blocks
+    before = _rss_anon_mb()
+    huge_pages.return_freed_heap()
+    after = _rss_anon_mb()
+    assert before - after > 64, (before, after)
+    assert len(kept) == 40

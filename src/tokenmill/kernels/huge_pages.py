@@ -15,6 +15,7 @@ alive (torch.frombuffer holds a reference), so a model's weights go back to the 
 tensor does."""
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 
@@ -85,3 +86,16 @@ class HugePageArena:
         skip = -whole.data_ptr() % HUGE_PAGE
         self.mapped_bytes += size
         return whole[skip:skip + size - HUGE_PAGE]
+
+
+def return_freed_heap() -> bool:
+    """Give the heap's free pages back to the system (glibc's malloc_trim; False where there is none).
+    Moving weights into the arena frees the loader's copies, and glibc keeps freed memory of that size
+    in its heap for reuse rather than unmapping it: SmolLM2 loaded to 447 MB resident instead of the
+    380 MB it takes with its weights left in place, until this call (2-core box, one process)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    trim(0)
+    return True

@@ -105,6 +105,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
             model.pack_weights()
             if mode == "gguf" and huge_pages.wanted():
                 model.move_blocks(huge_pages.HugePageArena().copy_of)
+                huge_pages.return_freed_heap()
         model.eval()
         g.release_pages()
     except GGUFError as exc:
