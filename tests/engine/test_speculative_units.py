@@ -11,7 +11,7 @@ from tokenmill.engine.sampling_params import InvalidSamplingParams
 from tokenmill.engine.speculative import (NgramIndex, NgramProposer, SpecConfig, SpecConfigError, SpecCounters,
                                           num_accepted, row_generators, settle_generator)
 from tokenmill.engine.speculative.ngram import Match, continuation
-from tokenmill.engine.speculative.policy import AcceptanceRate, StepCosts, best_num_tokens, expected_tokens
+from tokenmill.engine.speculative.policy import AcceptanceRate, StepCosts, best_num_tokens, could_pay, expected_tokens
 from tokenmill.engine.speculative.proposer import step_cost
 from tokenmill.kvcache import BlockManager
 
@@ -329,3 +329,18 @@ def test_the_engine_learns_what_its_steps_cost(tmp_path):
         e.step()
     costs = e.scheduler.speculator.proposer.costs
     assert costs.ready and costs.fixed >= 0 and all(s > 0 for s in costs.seconds.values())
+
+
+def test_no_lookup_where_no_match_could_pay():
+    # Under the prior cost model a proposal pays only if alpha > r c / (1 + c r): in a large batch no
+    # acceptance the engine has seen gets there, so the sequence skips the lookup (its index catches
+    # up later); in a small one it looks up and proposes as before.
+    assert could_pay(0.5, 1, 0.27) and not could_pay(0.9, 64, 0.27) and could_pay(0.99, 64, 0.27)
+    p = NgramProposer(SpecConfig(learn_step_costs=False))
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3
+    state, draft = p.propose(None, ids, 0, 8, num_rows=64)
+    assert draft == [] and state.index.num_indexed == 0
+    state, draft = p.propose(state, ids + [1], 0, 8, num_rows=1)
+    assert draft[:3] == [2, 3, 4] and state.index.num_indexed == len(ids) + 1
+    # the skipped lookup changed nothing: an index that followed every step proposes the same
+    assert NgramProposer(SpecConfig(learn_step_costs=False)).propose(None, ids + [1], 0, 8)[1] == draft

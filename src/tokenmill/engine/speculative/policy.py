@@ -48,6 +48,15 @@ def best_num_tokens(alpha: float, num_rows: int, cost: float | Callable[[int], f
     return best_k
 
 
+def could_pay(alpha: float, num_rows: int, row_cost: float) -> bool:
+    """Under the prior cost model (a float row cost), whether any proposal at acceptance alpha could
+    pay in a step of num_rows rows: one token pays iff alpha > r c / (1 + c r), and if one does not,
+    none does (expected tokens are concave in k, the cost linear). Checked before a lookup, so that
+    sequences in a large batch skip it: a 64-sequence burst spent 2.7% of its time proposing nothing."""
+    r = max(num_rows, 1)
+    return alpha > r * row_cost / (1.0 + row_cost * r)
+
+
 @dataclass
 class AcceptanceRate:
     """A sequence's chance that a proposed token is accepted, given the ones before it were: accepted

@@ -20,7 +20,7 @@ def _length_prior(n: int) -> float:
     matches in grounded answers, 12% in open-ended ones; 63% / 37% after 2-token matches; 70-96% from 3
     tokens on). Each engine learns its own from there."""
     return {1: 0.3, 2: 0.55, 3: 0.7}.get(n, 0.8)
-from tokenmill.engine.speculative.policy import AcceptanceRate, StepCosts, best_num_tokens
+from tokenmill.engine.speculative.policy import AcceptanceRate, StepCosts, best_num_tokens, could_pay
 
 
 @dataclass
@@ -105,6 +105,7 @@ class NgramProposer:
         # 1-token match is a guess; an 8-token one usually a copy): index n is for n-token matches.
         self.by_length = [AcceptanceRate(prior=_length_prior(n), weight=8.0, decay=0.98, idle_decay=1.0)
                           for n in range(cfg.ngram_max + 1)]
+        self._best_length_rate = max(r.value for r in self.by_length)  # kept up by observe()
 
     def new_state(self, num_shifted_tokens: int) -> SpecState:
         return SpecState(NgramIndex(self.cfg.ngram_min, self.cfg.ngram_max), num_shifted_tokens,
@@ -122,13 +123,16 @@ class NgramProposer:
         makes worth their rows in a step of num_rows rows; also the (possibly new) state to keep."""
         if state is None or state.num_shifted_tokens != num_shifted_tokens:
             state = self.new_state(num_shifted_tokens)
-        # Looked up even when nothing will be proposed: the index stays current, so catching up later
-        # costs no more.
-        match = state.index.find(token_ids)
-        k = 0
-        if not state.backoff.cooling() and cap > 0 and match is not None:
+        k, match = 0, None
+        if not state.backoff.cooling() and cap > 0:
             cost = step_cost(self.cfg, self.costs, len(token_ids), num_rows)
-            k = best_num_tokens(self.acceptance(state, match.n), num_rows, cost, cap)
+            # No lookup where no match could pay (a large batch under the prior): the index catches up
+            # on the ids appended meanwhile at its next lookup, at the cost of copying them.
+            if isinstance(cost, StepCosts) or could_pay((state.rate.value + self._best_length_rate) / 2,
+                                                        num_rows, cost):
+                match = state.index.find(token_ids)
+            if match is not None:
+                k = best_num_tokens(self.acceptance(state, match.n), num_rows, cost, cap)
         draft = continuation(token_ids, match, k) if k else []
         state.match_len = match.n if draft else 0
         if not draft:
@@ -146,6 +150,7 @@ class NgramProposer:
         state.rate.observe(num_draft_tokens, num_accepted)
         if state.match_len:
             self.by_length[state.match_len].observe(num_draft_tokens, num_accepted)
+            self._best_length_rate = max(r.value for r in self.by_length)
         state.backoff.observe(self.cfg, num_accepted)
 
     nbytes = 0  # memory it holds besides each sequence's index (a draft model holds its weights and cache)
