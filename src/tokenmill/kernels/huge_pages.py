@@ -55,7 +55,6 @@ class HugePageArena:
         self.chunk_bytes = chunk_bytes
         self._chunk: torch.Tensor | None = None  # uint8 view of the current mapping, from its 2 MB boundary
         self._used = 0
-        self.mapped_bytes = 0  # address space taken (untouched pages cost no memory)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A fresh uint8 tensor of nbytes (contents undefined), 64-byte aligned."""
@@ -84,7 +83,6 @@ class HugePageArena:
             pass  # ordinary pages: the same bytes
         whole = torch.frombuffer(mm, dtype=torch.uint8)
         skip = -whole.data_ptr() % HUGE_PAGE
-        self.mapped_bytes += size
         return whole[skip:skip + size - HUGE_PAGE]
 
 

@@ -166,13 +166,9 @@ class DraftProposer:
         return DraftState(next(self._keys), num_shifted_tokens, AcceptanceRate(prior=self.cfg.prior_acceptance),
                           BackOff(next_cooldown=self.cfg.cooldown_steps))
 
-    def propose(self, state: DraftState | None, token_ids: Sequence[int], num_shifted_tokens: int, cap: int,
-                num_rows: int = 1) -> tuple[DraftState, list[int]]:
-        return self.propose_many([(state, token_ids, num_shifted_tokens, cap)], num_rows)[0]
-
     def propose_many(self, asks: list[tuple[DraftState | None, Sequence[int], int, int]],
                      num_rows: int = 1) -> list[tuple[DraftState, list[int]]]:
-        """propose() for several sequences (state, context, shifted tokens, cap), their draft tokens
+        """Proposals for several sequences (state, context, shifted tokens, cap), their draft tokens
         decoded together: one batched draft forward per proposal position, not one per sequence."""
         states, sizes = [], []
         for state, token_ids, num_shifted_tokens, cap in asks:

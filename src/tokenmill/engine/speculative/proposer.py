@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.speculative.config import SpecConfig
 from tokenmill.engine.speculative.ngram import NgramIndex, continuation
+from tokenmill.engine.speculative.policy import AcceptanceRate, StepCosts, best_num_tokens, could_pay
 
 
 def _length_prior(n: int) -> float:
@@ -20,7 +21,6 @@ def _length_prior(n: int) -> float:
     matches in grounded answers, 12% in open-ended ones; 63% / 37% after 2-token matches; 70-96% from 3
     tokens on). Each engine learns its own from there."""
     return {1: 0.3, 2: 0.55, 3: 0.7}.get(n, 0.8)
-from tokenmill.engine.speculative.policy import AcceptanceRate, StepCosts, best_num_tokens, could_pay
 
 
 @dataclass

@@ -23,7 +23,7 @@ class Speculator:
         cfg.validate()
         self.cfg = cfg
         # Prompt lookup, or a draft model's (speculative/draft.py, built by speculative/build.py): both
-        # keep their per-sequence state on seq.spec and answer propose / observe / forget.
+        # keep their per-sequence state on seq.spec and answer propose_many / observe / forget.
         self.proposer = proposer if proposer is not None else NgramProposer(cfg)
         self.counters = counters if counters is not None else SpecCounters()
         self._propose_seconds = 0.0  # this step's time in propose (a draft model's steps)
@@ -49,14 +49,10 @@ class Speculator:
         k = min(k, seq.max_model_len - seq.num_tokens - 1)
         return max(k, 0)
 
-    def propose(self, seq: "Sequence", cap: int, num_rows: int = 1) -> list[int]:
-        """Up to cap proposals for a decoding sequence (it has exactly one uncomputed token) in a step of
-        about num_rows rows: as many as its acceptance rate makes worth their rows (policy.py)."""
-        return self.propose_all([(seq, cap)], num_rows).get(seq.seq_id, [])
-
     def propose_all(self, asks: list[tuple["Sequence", int]], num_rows: int) -> dict[int, list[int]]:
-        """propose() for a step's decoding sequences at once, by seq_id (a draft model decodes their
-        proposals as one batch)."""
+        """Up to cap proposals for each (decoding sequence, cap) of a step of about num_rows rows, by
+        seq_id: as many as its acceptance rate makes worth their rows (policy.py). Asked at once, so
+        that a draft model decodes them as one batch."""
         asks = [(seq, max(cap, 0)) for seq, cap in asks if cap > 0 or seq.spec is not None]
         if not asks:
             return {}
