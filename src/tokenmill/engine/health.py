@@ -86,7 +86,11 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """Ends the thread and waits for it (it wakes at once): until it has ended it holds the engine
+        (through `current`), so an unloaded model's memory would wait for it."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         reported: StepShape | None = None
