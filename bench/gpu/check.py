@@ -15,6 +15,7 @@ Steps (--steps, comma-separated, in the order given):
                 tok/s and TTFT through the engine
   invariance    one prompt's greedy tokens alone, in a batch of 64 copies, and among 63 others
   anchor        transformers (eager, bf16) on SmolLM2's GGUF at batch 1, 64 and 256, same device
+  profile       where a decode step's time goes: engine step vs graph replay, cProfile, torch.profiler
   summary       the table of targets, met or not (gpu_report.py)
 
     python bench/gpu/check.py --model smollm2=/tmp/smollm2.gguf --model gemma3=/tmp/gemma3.gguf
@@ -188,11 +189,13 @@ def step_correctness(c: Check) -> dict[str, Any]:
 
 
 def step_kernel_tests(c: Check) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *c.pytest_args]
+    # instafail.py (beside this file) prints each failure as it happens: a run cut short keeps them
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-p", "instafail", *c.pytest_args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
     log(" ".join(cmd))
     start = time.perf_counter()
     try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=c.timeout)
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=c.timeout, env=env)
         output, rc = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as exc:
         output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
@@ -307,6 +310,31 @@ def step_anchor(c: Check) -> dict[str, Any]:
                                       lambda partial: c.save("anchor", partial))
 
 
+def step_profile(c: Check) -> dict[str, Any]:
+    """Where a decode step's time goes: SmolLM2 alone and 64 sequences, Gemma 3 alone (gpu_profile.py);
+    the profiles' text goes to the log and the JSON."""
+    import gpu_profile
+    from tokenmill.engine import LLMEngine
+
+    s = c.sizes
+    result: dict[str, Any] = {}
+    runs_ = [("smollm2", 1), ("smollm2", max(s.concurrency[0], 1)), ("gemma3", 1)]
+    for name, n in [(m, k) for m, k in runs_ if m in c.models]:
+        log(f"profile {name}, {n} sequences")
+        engine = LLMEngine.from_path(c.model(name), runs.engine_config(
+            device=c.device, compile=c.on_gpu, parallel=max(n, 8), max_total_tokens=max(16384, n * 512)))
+        prompts = runs.prompts_for(engine.tokenizer, n, s.prompt_len)
+        r = gpu_profile.profile_decode(engine, prompts, 400)  # enough for every timed step
+        print(f"== {name}, {n} sequences: step {r['step_ms_median']:.3f} ms (min {r['step_ms_min']:.3f}), "
+              f"graph replay {r['graph_replay_ms']} ms (bucket {r['bucket']}), {r['tok_s']:.0f} tok/s", flush=True)
+        print(r["cprofile"], flush=True)
+        print(r["torch_profile"], flush=True)
+        result[f"{name}-{n}"] = r
+        runs.release(engine)
+        c.save("profile", result)
+    return result
+
+
 def step_summary(c: Check) -> dict[str, Any]:
     text, data = report.render(c.out)
     (c.out / "summary.txt").write_text(text)
@@ -317,7 +345,7 @@ def step_summary(c: Check) -> dict[str, Any]:
 STEPS: dict[str, Callable[[Check], dict[str, Any]]] = {
     "env": step_env, "correctness": step_correctness, "kernel-tests": step_kernel_tests,
     "kernel-bench": step_kernel_bench, "decode": step_decode, "concurrency": step_concurrency,
-    "invariance": step_invariance, "anchor": step_anchor, "summary": step_summary,
+    "invariance": step_invariance, "anchor": step_anchor, "profile": step_profile, "summary": step_summary,
 }
 DEFAULT_TESTS = ["tests/kernels/gpu", "tests/engine/gpu", "tests/model/gpu"]
 

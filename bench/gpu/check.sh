@@ -19,7 +19,7 @@
 # SMALL=1 (tiny sizes), NATIVE=0 (no native build: the CPU path runs on PyTorch), STEPS (the check.py
 # steps to run, default all), the steps' limits T_SETUP (90), T_INSTALL (60), T_NATIVE (240),
 # T_MODELS (60), T_TESTS (150), T_CORRECTNESS (120), T_DECODE (75), T_CONCURRENCY (100),
-# T_INVARIANCE (60), T_ANCHOR (100), T_KBENCH (60).
+# T_INVARIANCE (60), T_ANCHOR (100), T_KBENCH (60), T_PROFILE (90; a step run only when STEPS names it).
 set -uo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -179,6 +179,7 @@ if step setup "${T_SETUP:-90}" bash -c setup_venv && step install "${T_INSTALL:-
     wanted invariance && step invariance "${T_INVARIANCE:-60}" bash -c "check invariance"
     wanted anchor && step anchor "${T_ANCHOR:-100}" bash -c "check anchor"
     wanted kernel-bench && step kernel-bench "${T_KBENCH:-60}" bash -c "check kernel-bench"
+    wanted profile && step profile "${T_PROFILE:-90}" bash -c "check profile"
     BUDGET=$((BUDGET + 30)) step summary 20 bash -c "check summary"
 fi
 

@@ -53,6 +53,10 @@ class DecodeGraphs:
         torch.cuda.synchronize(b.device)
         log.info("captured decode graphs for batch sizes %s", ", ".join(map(str, b.buckets)))
 
+    def replay(self, bucket: int) -> None:
+        """Replays a bucket's graph on whatever the buffers hold (the profile's GPU-only time)."""
+        self._graphs[bucket].replay()
+
     def run(self, rows: DecodeRows) -> torch.Tensor:
         """The last layer's hidden states of rows ([len(rows), dim], a view of the bucket's output,
         valid until the next replay)."""
