@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.gguf.config import ModelConfig
+from tokenmill.kernels import gpu as gpu_ops
 from tokenmill.kvcache.storage import KVStorage, LayerKV
 from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
+from tokenmill.model.gpu.batch import DeviceBatch
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, _param
 from tokenmill.model.linear import GGUFWeight, Linear, PackedWeight, dense_linear, pack_bf16
 from tokenmill.model.native_step import NativeSteps
@@ -66,9 +68,11 @@ class DecoderLM(nn.Module):
         return [LayerKV(k, v) for k, v in zip(k_caches, v_caches)]
 
     @staticmethod
-    def rope_options(meta: StepMeta) -> dict:
-        # A compiled graph cannot branch on data; its caller keeps positions within the context.
-        return {"check": isinstance(meta, (AttentionMetadata, PagedBatch)), "fused": isinstance(meta, PagedBatch)}
+    def rope_options(meta: StepMeta | DeviceBatch, x: torch.Tensor) -> dict:
+        # A compiled graph cannot branch on data; its caller keeps positions within the context (the
+        # GPU runner checks them on the host). The native step and the GPU kernels rotate in place.
+        fused = isinstance(meta, PagedBatch) or (isinstance(meta, DeviceBatch) and gpu_ops.use_triton(x))
+        return {"check": isinstance(meta, (AttentionMetadata, PagedBatch)), "fused": fused}
 
     def layer_rope(self, layer: int) -> RotaryEmbedding:
         """The rotary embedding layer `layer` uses."""

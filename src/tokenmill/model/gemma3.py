@@ -15,7 +15,7 @@ from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import GGUFError
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.decoder import DecoderLM, StepMeta
-from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, residual_step
 from tokenmill.model.linear import GGUFWeight
 
 SLIDING_WINDOW_PATTERN = 6  # layers 6, 12, ... (1-based) are global
@@ -41,8 +41,8 @@ class Gemma3Block(nn.Module):
 
     def forward(self, x, rope, meta, cache):
         q, k, v = self.attn.project_qkv(self.attn_norm(x), rope)
-        x = x + self.post_attn_norm(self.attn.attend(q, k, v, meta, cache))
-        return x + self.post_ffn_norm(self.mlp(self.ffn_norm(x)))
+        x, h = residual_step(x, self.attn.attend(q, k, v, meta, cache), self.post_attn_norm, self.ffn_norm)
+        return residual_step(x, self.mlp(h), self.post_ffn_norm, None)[0]
 
 
 class Gemma3Model(DecoderLM):
@@ -72,7 +72,7 @@ class Gemma3Model(DecoderLM):
         if native_step is not None:
             return native_step(x, positions, meta)
         caches = self.layer_caches(kv, k_caches, v_caches)
-        options = self.rope_options(meta)
+        options = self.rope_options(meta, x)
         ropes = {True: self.rope.at(positions, x.dtype, **options), False: self.local_rope.at(positions, x.dtype, **options)}
         for i, (block, cache) in enumerate(zip(self.blocks, caches)):
             x = block(x, ropes[self.is_global(i)], meta, cache)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import fused, native
+from tokenmill.kernels import gpu as gpu_ops
 from tokenmill.kvcache.storage import LayerKV
 from tokenmill.model.attention import (AttentionMetadata, GraphDecodeMeta, GraphStepMeta, fused_decode_attention,
                                        paged_attention_op, write_and_attend)
@@ -39,9 +40,16 @@ class RMSNorm(nn.Module):
         self.weight_in_float32 = weight_in_float32
         self.weight = _param(dim)
 
+    @property
+    def spec(self) -> tuple[torch.Tensor, float, bool]:
+        """(weight, eps, weight_in_float32): this norm as the GPU kernels take it."""
+        return self.weight, self.eps, self.weight_in_float32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused(x):  # in float32 both flavours are the same product
             return fused.rms_norm(x, self.weight, self.eps)
+        if gpu_ops.use_triton(x):  # one kernel, not seven
+            return gpu_ops.rms_norm(x, *self.spec)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -78,6 +86,18 @@ class RotaryEmbedding(nn.Module):
         """x: [T, heads, rope_dim]; cos/sin: [T, 1, rope_dim]."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
+
+
+def residual_step(x: torch.Tensor, a: torch.Tensor, pre: "RMSNorm | None",
+                  post: "RMSNorm | None") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A block's residual step: x + pre(a) (x + a without pre), and post() of that sum (None without
+    post). On the GPU one kernel that updates x in place (x is the block's own activation, read by
+    nothing else); elsewhere the plain ops."""
+    if gpu_ops.use_triton(x):
+        h = gpu_ops.residual_rms_norm(a, x, None if pre is None else pre.spec, None if post is None else post.spec)
+        return x, h
+    s = x + (a if pre is None else pre(a))
+    return s, None if post is None else post(s)
 
 
 @dataclass
@@ -120,7 +140,11 @@ class Attention(nn.Module):
         if rope.fused:  # in place on the projection's output: no copies until attention
             qkv3 = qkv.view(-1, self.n_heads + 2 * self.n_kv_heads, hd)
             qk = qkv3[:, :self.n_heads + self.n_kv_heads]
-            if self.q_norm is not None:
+            if gpu_ops.use_triton(qk):
+                head_norm = None if self.q_norm is None else (self.n_heads, self.q_norm.weight, self.k_norm.weight,
+                                                               self.q_norm.eps)
+                gpu_ops.rope(qk, rope.positions, rope.cos, rope.sin, head_norm)
+            elif self.q_norm is not None:
                 fused.head_rms_norm_rope(qk, self.n_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                          rope.positions, rope.cos, rope.sin)
             else:
@@ -174,5 +198,7 @@ class GatedMLP(nn.Module):
         if use_fused(gate_up):
             act = fused.silu_mul if self.activation == "silu" else fused.gelu_tanh_mul
             return self.down_proj(act(gate_up))
+        if gpu_ops.use_triton(gate_up):
+            return self.down_proj(gpu_ops.gated_activation(gate_up, self.activation))
         gate, up = gate_up.split(self.hidden, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -9,7 +9,8 @@ from tokenmill.gguf.config import ModelConfig
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.attention import GraphDecodeMeta, GraphStepMeta
 from tokenmill.model.decoder import DecoderLM, Parts, StepMeta
-from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, interleaved_to_half_split
+from tokenmill.model.layers import (Attention, GatedMLP, RMSNorm, RotaryEmbedding, interleaved_to_half_split,
+                                   residual_step)
 
 
 class LlamaBlock(nn.Module):
@@ -22,8 +23,8 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x, rope, meta: StepMeta, cache):
         q, k, v = self.attn.project_qkv(self.attn_norm(x), rope)
-        x = x + self.attn.attend(q, k, v, meta, cache)
-        return x + self.mlp(self.ffn_norm(x))
+        x, h = residual_step(x, self.attn.attend(q, k, v, meta, cache), None, self.ffn_norm)
+        return x + self.mlp(h)
 
 
 class LlamaModel(DecoderLM):
@@ -45,7 +46,7 @@ class LlamaModel(DecoderLM):
         if native_step is not None:
             return native_step(x, positions, meta)
         caches = self.layer_caches(kv, k_caches, v_caches)
-        rope = self.rope.at(positions, x.dtype, **self.rope_options(meta))
+        rope = self.rope.at(positions, x.dtype, **self.rope_options(meta, x))
         for block, cache in zip(self.blocks, caches):
             x = block(x, rope, meta, cache)
         return x

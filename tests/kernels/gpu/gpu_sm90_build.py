@@ -17,10 +17,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.kernels.gpu import cache_write, decode_attention, prefill_attention, token_mask
+from tokenmill.kernels.gpu import activations, cache_write, decode_attention, norms, prefill_attention, rotary, token_mask
 
 TARGET = GPUTarget("cuda", 90, 32)
-FLOAT_ARGS = {"scale_log2"}
+FLOAT_ARGS = {"scale_log2", "pre_eps", "post_eps", "eps"}
 # (head_dim, query heads per kv head): SmolLM2-135M, Gemma 3 270M.
 MODELS = [(64, 3), (256, 4)]
 
@@ -64,6 +64,19 @@ def main() -> int:
               dict(BLOCK_D=block_d), 4)
     build(token_mask._token_bitmask_kernel, dict(logits_ptr="*fp32", mask_ptr="*i32"),
           dict(BLOCK=token_mask.BLOCK_V), 4)
+    # the layer's small ops at SmolLM2's and Gemma 3's widths (576, 640: blocks of 1024)
+    for flags in [dict(PRE=False, PRE_F32=False, RESIDUAL=False, POST=True, POST_F32=False),
+                  dict(PRE=False, PRE_F32=False, RESIDUAL=True, POST=True, POST_F32=False),
+                  dict(PRE=True, PRE_F32=True, RESIDUAL=True, POST=True, POST_F32=True),
+                  dict(PRE=True, PRE_F32=True, RESIDUAL=True, POST=False, POST_F32=False)]:
+        build(norms._residual_norm_kernel,
+              dict(a_ptr=bf16, res_ptr=bf16, out_ptr=bf16, pre_w_ptr=bf16, post_w_ptr=bf16),
+              dict(flags, BLOCK=1024), 4)
+    for head_norm, block_d in [(False, 64), (True, 256)]:
+        build(rotary._rope_kernel, dict(qk_ptr=bf16, pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", q_w_ptr=bf16,
+                                        k_w_ptr=bf16), dict(HEAD_NORM=head_norm, BLOCK_D=block_d), 1)
+    for gelu in (False, True):
+        build(activations._gated_kernel, dict(gu_ptr=bf16, out_ptr=bf16), dict(GELU=gelu, BLOCK=activations.BLOCK), 4)
     return 0
 
 

@@ -111,3 +111,64 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:
         kernel_module("token_mask").apply_token_bitmask_triton(logits, bitmask.contiguous())
     else:
         references.apply_token_bitmask_reference(logits, bitmask)
+
+
+# ---- the decoder layer's small ops: one kernel each on CUDA ---------------------------------------
+
+def _rows_ok(*ts: Tensor | None) -> bool:
+    """2-d, unit inner stride, one shape and dtype: what the row kernels address."""
+    first = ts[0]
+    return all(t is None or (t.dim() == 2 and t.shape == first.shape and t.dtype == first.dtype
+                             and (t.shape[1] <= 1 or t.stride(1) == 1)) for t in ts)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, weight_f32: bool = False) -> Tensor:
+    """RMSNorm of each row of x [T, dim]: weighted in float32 and rounded once (weight_f32, Gemma),
+    or rounded to x's dtype before the weight multiplies (Llama). A new tensor."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_rms_norm(x, None, None, (weight, eps, weight_f32), out=out)
+    return out
+
+
+def residual_rms_norm(a: Tensor, residual: Tensor | None, pre: tuple | None, post: tuple | None, *,
+                      out: Tensor | None = None) -> Tensor | None:
+    """A block's residual step: residual += pre(a) (a itself when pre is None) in place, then returns
+    post(residual) (None when post is None). pre/post: (weight, eps, weight_f32) as rms_norm's. With
+    residual None: returns post(pre(a)) (rms_norm)."""
+    if post is not None and out is None:
+        out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    if residual is None and post is None:
+        raise ValueError("residual_rms_norm: nothing to do without a residual or a post norm")
+    if use_triton(a) and _rows_ok(a, residual, out) and all(
+            n is None or (n[0].shape == (a.shape[-1],) and n[0].is_contiguous()) for n in (pre, post)):
+        kernel_module("norms").residual_norm_triton(a, residual, out, pre, post)
+    else:
+        if residual is None:  # the norms alone: pre then post on a
+            x = a if pre is None else references._norm_reference(a, *pre)
+            out.copy_(references._norm_reference(x, *post))
+            return out
+        references.residual_norm_reference(a, residual, out, pre, post)
+    return out
+
+
+def rope(qk: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, head_norm: tuple | None = None) -> None:
+    """Rotary embedding in place on qk [T, heads, head_dim] (q and k heads), half-split over the first
+    cos.shape[-1] dims, from the float32 tables [max_positions, rope_dim] at positions (int64 [T]);
+    head_norm (n_q_heads, q_weight, k_weight, eps): Gemma 3's per-head RMSNorm first."""
+    ok = (qk.dim() == 3 and qk.stride(2) == 1 and positions.dim() == 1 and positions.shape[0] == qk.shape[0]
+          and cos.dim() == 2 and cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(1) == 1
+          and cos.shape[1] % 2 == 0 and cos.shape[1] <= qk.shape[2])
+    if use_triton(qk) and ok:
+        kernel_module("rotary").rope_triton(qk, positions.contiguous(), cos, sin, head_norm)
+    else:
+        references.rope_reference(qk, positions, cos, sin, head_norm)
+
+
+def gated_activation(gate_up: Tensor, activation: str) -> Tensor:
+    """[T, 2F] -> act(gate) * up, [T, F]; activation "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
+    gelu = activation == "gelu_tanh"
+    if use_triton(gate_up) and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1:
+        return kernel_module("activations").gated_triton(gate_up, gelu)
+    return references.gated_reference(gate_up, gelu)

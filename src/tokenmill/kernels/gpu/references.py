@@ -98,3 +98,43 @@ def unpack_bitmask(bitmask: Tensor, vocab: int) -> Tensor:
 def apply_token_bitmask_reference(logits: Tensor, bitmask: Tensor) -> None:
     """In place: logits[b, t] = -inf where bit t of bitmask[b] is clear."""
     logits.masked_fill_(~unpack_bitmask(bitmask, logits.shape[1]), float("-inf"))
+
+
+# ---- the decoder layer's small ops (norms.py, rotary.py, activations.py) --------------------------
+
+def _norm_reference(x: Tensor, weight: Tensor, eps: float, weight_f32: bool) -> Tensor:
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_f32:
+        return (y * weight.float()).to(x.dtype)
+    return (weight * y.to(x.dtype)).to(x.dtype)
+
+
+def residual_norm_reference(a: Tensor, residual: Tensor | None, out: Tensor | None, pre: tuple | None,
+                            post: tuple | None) -> None:
+    """out = post(residual += pre(a)), each step optional (pre/post: (weight, eps, weight_f32)); in place."""
+    x = a if pre is None else _norm_reference(a, *pre)
+    if residual is not None:
+        residual.copy_(residual + x)
+        x = residual
+    if post is not None:
+        out.copy_(_norm_reference(x, *post))
+
+
+def rope_reference(qk: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, head_norm: tuple | None = None) -> None:
+    """Rotary embedding in place on qk [T, heads, head_dim]; head_norm (n_q_heads, q_weight, k_weight,
+    eps): Gemma 3's RMSNorm of each head first (weights in float32)."""
+    from tokenmill.kernels.fused import head_rms_norm_rope_reference, rope_qk_reference
+
+    if head_norm is None:
+        rope_qk_reference(qk, positions, cos, sin)
+    else:
+        n_q, q_w, k_w, eps = head_norm
+        head_rms_norm_rope_reference(qk, n_q, q_w, k_w, eps, positions, cos, sin)
+
+
+def gated_reference(gate_up: Tensor, gelu: bool) -> Tensor:
+    """[T, 2F] -> act(gate) * up [T, F]: silu, or tanh GELU."""
+    from tokenmill.kernels.fused import gelu_tanh_mul_reference, silu_mul_reference
+
+    return (gelu_tanh_mul_reference if gelu else silu_mul_reference)(gate_up)
