@@ -382,9 +382,16 @@ def _uniforms(n: int, gen: torch.Generator | None, device: torch.device) -> torc
     return torch.rand((n, 1), generator=gen).to(device)
 
 
+def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
+    """A host-built tensor on device. To a GPU without waiting for its queue (torch.tensor(...,
+    device=cuda) copies synchronously, so the host would wait there for the step's model run instead
+    of queueing the sampler's kernels behind it)."""
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return _on(torch.device(device), torch.tensor(values, dtype=torch.long))
 
 
 def _column(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype or like.dtype, device=like.device).unsqueeze(1)
+    return _on(like.device, torch.tensor(values, dtype=dtype or like.dtype)).unsqueeze(1)

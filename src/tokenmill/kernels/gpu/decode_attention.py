@@ -84,8 +84,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr,
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l, 1.0)[:, None], 0.0)
     lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
     row = (b * num_heads + heads) * num_splits + j  # part_lse [B, H, splits], part_out [B, H, splits, D]
-    tl.store(part_lse_ptr + row, lse, mask=g_mask)
-    tl.store(part_out_ptr + row[:, None] * head_dim + d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
+    # A split past the sequence's end (the grid covers the longest context) stores nothing: stage 2
+    # reads only the sequence's own splits, and at batch 256 the empty ones' stores were most of the
+    # kernel's memory traffic.
+    keep = g_mask & (lo < hi)
+    tl.store(part_lse_ptr + row, lse, mask=keep)
+    tl.store(part_out_ptr + row[:, None] * head_dim + d[None, :], out, mask=keep[:, None] & d_mask[None, :])
 
 
 @triton.jit

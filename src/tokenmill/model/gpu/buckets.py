@@ -41,8 +41,10 @@ class DecodeRows:
 
 
 class DecodeBuffers:
-    """Static inputs of the decode graphs on `device`, with host staging buffers (pinned on CUDA, so
-    the copies run asynchronously) that a step fills before its copies."""
+    """Static inputs of the decode graphs on `device`, with a host staging buffer (pinned on CUDA, so
+    the copy runs asynchronously) that a step fills before one copy. Everything is int32 in one
+    buffer (ids, positions and slot mapping [3, max_batch], sequence lengths [max_batch], block tables
+    [max_batch, max_blocks]), so a step's inputs go up in a single copy of its used prefix."""
 
     def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device | str):
         self.device = torch.device(device)
@@ -51,15 +53,14 @@ class DecodeBuffers:
         self.max_blocks = max_blocks
         self.block_size = block_size
         pin = self.device.type == "cuda"
-        # ids, positions, slot mapping: one int64 row each; sequence lengths and tables int32.
-        self.host_tokens = torch.zeros(3, max_batch, dtype=torch.int64, pin_memory=pin)
-        self.host_lens = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.tokens = torch.zeros(3, max_batch, dtype=torch.int64, device=self.device)
+        size = 4 * max_batch + max_batch * max_blocks
+        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
+        self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self.tokens = self._dev[:3 * max_batch].view(3, max_batch)
         self.tokens[2].fill_(-1)
-        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
-        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=self.device)
-        # The last step's copies out of the staging buffers, which the next fill must not overwrite early.
+        self.seq_lens = self._dev[3 * max_batch:4 * max_batch]
+        self.block_tables = self._dev[4 * max_batch:].view(max_batch, max_blocks)
+        # The last step's copy out of the staging buffer, which the next fill must not overwrite early.
         self._copied = torch.cuda.Event() if pin else None
 
     @property
@@ -91,9 +92,11 @@ class DecodeBuffers:
             raise ValueError(f"{n} rows fit no bucket (largest {self.buckets[-1]})")
         if self._copied is not None:
             self._copied.synchronize()
-        tokens = self.host_tokens.numpy()
-        tables = self.host_tables.numpy()
-        lens = self.host_lens.numpy()
+        mb, width = self.max_batch, self.max_blocks
+        host = self._host.numpy()
+        tokens = host[:3 * mb].reshape(3, mb)
+        lens = host[3 * mb:4 * mb]
+        tables = host[4 * mb:].reshape(mb, width)
         tokens[:, :bucket] = 0
         tokens[2, :bucket] = -1  # padding rows write nothing
         tokens[0, :n] = rows.input_ids
@@ -104,15 +107,12 @@ class DecodeBuffers:
         tables[:bucket] = 0
         for i, (table, seq_len) in enumerate(zip(rows.block_tables, rows.seq_lens)):
             used = -(-seq_len // self.block_size)
-            if used > self.max_blocks or len(table) < used:
+            if used > width or len(table) < used:
                 raise ValueError(f"row {i}: {seq_len} keys need {used} blocks; the table has {len(table)}, "
-                                 f"the buffers {self.max_blocks}")
+                                 f"the buffers {width}")
             tables[i, :used] = table[:used]
-        asynchronous = self._copied is not None
-        for i in range(3):  # row by row: each a contiguous run
-            self.tokens[i, :bucket].copy_(self.host_tokens[i, :bucket], non_blocking=asynchronous)
-        self.seq_lens[:bucket].copy_(self.host_lens[:bucket], non_blocking=asynchronous)
-        self.block_tables[:bucket].copy_(self.host_tables[:bucket], non_blocking=asynchronous)
+        used = 4 * mb + bucket * width  # every input of the bucket's graph, in one copy
+        self._dev[:used].copy_(self._host[:used], non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
         return bucket
