@@ -390,3 +390,20 @@ def test_check_integrity_catches_corruption(corrupt, message):
     corrupt(bm)
     with pytest.raises(IntegrityError, match=message):
         bm.check_integrity()
+
+
+def test_writable_exactly_when_allocate_and_prepare_write_would_change_nothing():
+    bm = BlockManager(8, BS)
+    tokens = toks(2 * BS + 1)
+    run_prompt(bm, 1, tokens)                      # 3 blocks, the first two full and indexed
+    n = len(tokens)
+    assert bm.writable(1, n + 1, n)                # the next token goes into its own last block
+    assert not bm.writable(1, 3 * BS + 1, n)       # ... a token past it needs a fresh block
+    assert not bm.writable(1, n + 1, BS)           # rewriting an indexed (full, committed) block
+    assert not bm.writable(2, 1, 0)                # unknown sequence
+    bm.fork(1, 3)                                  # a sample shares every block
+    assert not bm.writable(1, n + 1, n) and not bm.writable(3, n + 1, n)
+    before = (bm.block_table(1), bm.num_free_blocks)
+    assert bm.prepare_write(3, n) != []            # the fork's write copies the shared last block
+    assert bm.writable(3, n + 1, n) and bm.writable(1, n + 1, n)
+    assert bm.block_table(1) == before[0]

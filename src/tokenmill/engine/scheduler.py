@@ -147,6 +147,8 @@ class Scheduler:
         preempting running sequences as needed. Returns the copy-on-write pairs, or None if `seq`
         itself had to go."""
         first_write = seq.num_computed_tokens
+        if self.blocks.writable(seq.seq_id, num_tokens, first_write):  # most decode rows: nothing to do
+            return []
         while True:
             if self.blocks.can_allocate(seq.seq_id, num_tokens):
                 self.blocks.allocate(seq.seq_id, num_tokens)  # kept even if the copy below must wait

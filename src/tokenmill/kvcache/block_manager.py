@@ -277,6 +277,19 @@ class BlockManager:
         self._seqs[child_seq_id] = _Seq(list(parent.table), list(parent.hashes), parent.extra_key)
         self._journal.record(self._seqs.pop, child_seq_id)
 
+    def writable(self, seq_id: int, num_tokens: int, first_pos: int) -> bool:
+        """Whether seq_id's table already holds num_tokens tokens and every block from first_pos on
+        is its own and unindexed: then allocate() and prepare_write() would change nothing (the
+        scheduler's fast path for a decode row inside its last block)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or len(seq.table) < self._blocks_for(num_tokens):
+            return False
+        start = max(0, first_pos) // self.block_size
+        if len(seq.hashes) > start:
+            return False
+        blocks = self._pool.blocks
+        return all(blocks[b].ref_count == 1 and blocks[b].block_hash is None for b in seq.table[start:])
+
     # ---- copy-on-write -------------------------------------------------------
 
     def _shared_targets(self, seq: _Seq, first_pos: int) -> list[int]:
