@@ -22,7 +22,8 @@
 # LLAMA_PREBUILT (a llama.cpp build folder with bin/ from an earlier run: no rebuild), NATIVE_PREBUILT
 # (a folder with tokenmill's _native_*.so for this python: no compile; for checks elsewhere), the steps'
 # limits T_SETUP (60), T_BUILD (200), T_MODELS (60), T_SMOLLM2 (400), T_GEMMA3 (120) and
-# GEMMA_RESERVE (50: seconds of the budget the SmolLM2 run leaves to Gemma 3), LLAMA_AMX=1 (build
+# GEMMA_RESERVE (50: seconds of the budget the SmolLM2 run leaves to Gemma 3), SKIP_SMOLLM2=1 (Gemma 3
+# alone), SPIN_US (also the Gemma 3 run with TOKENMILL_SPIN_US=SPIN_US), LLAMA_AMX=1 (build
 # llama.cpp with -march=native on an AMX CPU too; by default its AMX code is left out there).
 set -uo pipefail
 
@@ -36,6 +37,7 @@ export JOBS=${JOBS:-$(nproc)}
 BUDGET=${BUDGET:-470}
 THREADS=${THREADS:-default,16,8,4,2,1}
 GEMMA_THREADS=${GEMMA_THREADS:-default,16}
+SPIN_US=${SPIN_US:-}
 STEP_TIMEOUT=${STEP_TIMEOUT:-90}
 BENCH_ARGS=${BENCH_ARGS:-}
 export VENV=$WORK/venv
@@ -164,13 +166,14 @@ bench_smollm2() {
         --timeout "$STEP_TIMEOUT" $(llama_args) $BENCH_ARGS --json "$OUT/smollm2.json" > "$OUT/smollm2.txt"
 }
 
-bench_gemma3() {
+bench_gemma3() {  # bench_gemma3 [NAME]: NAME.json/.txt (default gemma3)
+    local name=${1:-gemma3}
     "$VENV/bin/tokenmill" bench scaling --model "$WORK/gemma3.gguf" --tests tg --threads "$GEMMA_THREADS" \
-        --repeats 3 --timeout "$STEP_TIMEOUT" $(llama_args) --json "$OUT/gemma3.json" > "$OUT/gemma3.txt"
+        --repeats 3 --timeout "$STEP_TIMEOUT" $(llama_args) --json "$OUT/$name.json" > "$OUT/$name.txt"
 }
 
 export -f pip_ setup_venv build_tokenmill build_llama make_models llama_args bench_smollm2 bench_gemma3
-export THREADS GEMMA_THREADS STEP_TIMEOUT BENCH_ARGS LLAMA_PREBUILT=${LLAMA_PREBUILT:-} NATIVE_PREBUILT=${NATIVE_PREBUILT:-}
+export THREADS GEMMA_THREADS STEP_TIMEOUT BENCH_ARGS SPIN_US LLAMA_PREBUILT=${LLAMA_PREBUILT:-} NATIVE_PREBUILT=${NATIVE_PREBUILT:-}
 
 # --- the run --------------------------------------------------------------------------------------
 log "box: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), python $TM_PYTHON, budget ${BUDGET}s"
@@ -190,14 +193,19 @@ if step setup "${T_SETUP:-60}" setup_venv; then
     wait "$tm_pid"
     [[ -n "${llama_pid:-}" ]] && wait "$llama_pid"
     if [[ -x "$VENV/bin/tokenmill" && -f "$WORK/smollm2.gguf" ]]; then
-        BUDGET=$((BUDGET - ${GEMMA_RESERVE:-50})) step bench-smollm2 "${T_SMOLLM2:-400}" bench_smollm2
-        # a run cut short still wrote the thread counts it finished: report those
-        if [[ -s "$OUT/smollm2.json" ]]; then
-            "$VENV/bin/tokenmill" bench scaling --from-json "$OUT/smollm2.json" > "$OUT/smollm2.txt" 2>/dev/null
+        if [[ "${SKIP_SMOLLM2:-0}" != 1 ]]; then
+            BUDGET=$((BUDGET - ${GEMMA_RESERVE:-50})) step bench-smollm2 "${T_SMOLLM2:-400}" bench_smollm2
+            # a run cut short still wrote the thread counts it finished: report those
+            if [[ -s "$OUT/smollm2.json" ]]; then
+                "$VENV/bin/tokenmill" bench scaling --from-json "$OUT/smollm2.json" > "$OUT/smollm2.txt" 2>/dev/null
+            fi
         fi
         step bench-gemma3 "${T_GEMMA3:-120}" bench_gemma3
         if [[ -s "$OUT/gemma3.json" ]]; then
             "$VENV/bin/tokenmill" bench scaling --from-json "$OUT/gemma3.json" > "$OUT/gemma3.txt" 2>/dev/null
+        fi
+        if [[ -n "$SPIN_US" ]]; then  # the same Gemma 3 run with the pool's workers spinning longer
+            TOKENMILL_SPIN_US=$SPIN_US step bench-gemma3-spin "${T_GEMMA3:-120}" "bench_gemma3 gemma3-spin$SPIN_US"
         fi
     else
         log "no benchmark: tokenmill or the model is missing (see the failures above)"
@@ -208,7 +216,7 @@ fi
     echo "== tokenmill many-core scaling: $(date -u +%FT%TZ), $(nproc) CPUs, $(($(date +%s) - START)) s"
     if [[ -s "$OUT/failed.txt" ]]; then echo "failed steps:"; sed 's/^/  /' "$OUT/failed.txt"; else echo "every step ok"; fi
     grep -h "^llama.cpp: \|^native core: \|^torch " "$OUT"/logs/setup.log "$OUT"/logs/build-*.log 2>/dev/null
-    for m in smollm2 gemma3; do
+    for m in smollm2 gemma3 ${SPIN_US:+gemma3-spin$SPIN_US}; do
         if [[ -s "$OUT/$m.txt" ]]; then echo; echo "== $m"; cat "$OUT/$m.txt"; fi
     done
 } > "$OUT/summary.txt"
