@@ -168,13 +168,14 @@ class _Ctx:
         self.decodes: list[list[tuple[int, int, int, bool]]] = []
 
 
-def _fake_llama_cpp() -> types.ModuleType:
+def _fake_llama_cpp(system_info: bytes = b"AVX2 = 1 | AVX512 = 1") -> types.ModuleType:
     """Enough of llama_cpp's low-level API: positions must extend each sequence's cache, and the logits
     of an output row favour (its token + 1), so greedy decoding is predictable."""
     m = types.ModuleType("llama_cpp")
     m.llama_backend_init = lambda: None
-    m.llama_model_default_params = lambda: types.SimpleNamespace()
-    m.llama_model_load_from_file = lambda path, params: {"path": path}
+    m.llama_print_system_info = lambda: system_info
+    m.llama_model_default_params = lambda: types.SimpleNamespace(use_extra_bufts=True)
+    m.llama_model_load_from_file = lambda path, params: {"path": path, "params": params}
     m.llama_context_default_params = lambda: types.SimpleNamespace()
     m.llama_init_from_model = lambda model, params: _Ctx(params)
     m.llama_model_get_vocab = lambda model: "vocab"
@@ -211,6 +212,7 @@ def _fake_llama_cpp() -> types.ModuleType:
 def test_batched_llama_cpp_driver(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", _fake_llama_cpp())
     b = llama_cpp_batched.LlamaCppBatched("m.gguf", threads=3, num_seqs=3, max_len=12, n_batch=4)
+    assert b.model["params"].use_extra_bufts  # llama.cpp's defaults, where nothing faults
     assert b.ctx.params.n_seq_max == 3 and b.ctx.params.n_threads == b.ctx.params.n_threads_batch == 3
     assert b.ctx.params.n_ctx >= 3 * 12
     prompts = [[1, 2, 3], [10, 11], [20, 21, 22, 23]]
@@ -226,6 +228,17 @@ def test_batched_llama_cpp_driver(monkeypatch):
     assert b.ctx.kv[0] == prompts[0] + [4]
     with pytest.raises(ValueError):
         b.run(prompts[:2], decode_steps=1)
+    b.close()
+
+
+def test_batched_llama_cpp_loads_an_amx_build_without_extra_buffer_types_on_an_amx_cpu(monkeypatch):
+    """As the single-sequence peer: that build's AMX matmul faults at its first tile load here."""
+    from tokenmill.bench import common
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", _fake_llama_cpp(b"AVX512 = 1 | AMX_INT8 = 1"))
+    monkeypatch.setattr(common, "cpu_flags", lambda: {"avx512f", "amx_int8"})
+    b = llama_cpp_batched.LlamaCppBatched("m.gguf", threads=1, num_seqs=2, max_len=8)
+    assert b.model["params"].use_extra_bufts is False
     b.close()
 
 

@@ -10,7 +10,7 @@ import ctypes
 import time
 from dataclasses import dataclass
 
-from tokenmill.bench.llama_cpp_peer import import_llama_cpp
+from tokenmill.bench.llama_cpp_peer import amx_build_on_amx_cpu, import_llama_cpp
 
 
 @dataclass
@@ -35,7 +35,10 @@ class LlamaCppBatched:
         self._np = np
         lib = self._lib = import_llama_cpp()
         lib.llama_backend_init()
-        self.model = lib.llama_model_load_from_file(gguf_path.encode(), lib.llama_model_default_params())
+        model_params = lib.llama_model_default_params()
+        if amx_build_on_amx_cpu() and hasattr(model_params, "use_extra_bufts"):
+            model_params.use_extra_bufts = False  # as LlamaCppModel: that build's AMX matmul faults here
+        self.model = lib.llama_model_load_from_file(gguf_path.encode(), model_params)
         if not self.model:
             raise RuntimeError("llama.cpp could not load the model")
         params = lib.llama_context_default_params()
