@@ -11,7 +11,6 @@ fails the requests waiting for it (and, for the default model, becomes the `erro
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import logging
 import threading
@@ -20,6 +19,7 @@ from dataclasses import replace
 
 from tokenmill import gpu_info
 from tokenmill.engine import AsyncEngine
+from tokenmill.kernels.huge_pages import return_freed_heap
 from tokenmill.server.admission import RETRY_AFTER_SECONDS, Admission
 from tokenmill.server.errors import APIError
 from tokenmill.server.model_loads import (
@@ -45,15 +45,6 @@ _REAP_SECONDS = 0.25
 
 __all__ = ["HostPolicy", "KEEP_DEFAULT", "LoadSpec", "Loaded", "ModelHost", "ServedModel", "default_loader",
            "normalize_name"]
-
-
-def release_free_memory() -> None:
-    """Give freed heap back to the OS. glibc keeps what a model's threads freed in their malloc arenas;
-    without this, every load/unload cycle of a 100 MB model left ~70 MB more resident."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 class ModelHost:
@@ -452,7 +443,9 @@ class ModelHost:
         try:
             served.aengine.shutdown()
             gc.collect()  # the engine's tensors go now, not at some later collection
-            release_free_memory()
+            # glibc keeps what a model's threads freed in its malloc arenas: without this, every
+            # load/unload cycle of a 100 MB model left ~70 MB more resident
+            return_freed_heap()
             gpu_info.release_cached_memory()  # and a GPU model's memory goes back to the driver
         finally:
             with self._lock:
