@@ -39,10 +39,10 @@ class Gemma3Block(nn.Module):
                               window=window)
         self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, activation="gelu_tanh")
 
-    def forward(self, x, rope, meta, cache):
-        q, k, v = self.attn.project_qkv(self.attn_norm(x), rope)
-        x, h = residual_step(x, self.attn.attend(q, k, v, meta, cache), self.post_attn_norm, self.ffn_norm)
-        return residual_step(x, self.mlp(h), self.post_ffn_norm, None)[0]
+    def forward(self, x, h, rope, meta, cache, next_norm: RMSNorm | None):
+        """As LlamaBlock.forward: h = attn_norm(x) in, (x, next_norm(x)) out."""
+        x, h = residual_step(x, self.attn(h, rope, meta, cache), self.post_attn_norm, self.ffn_norm)
+        return residual_step(x, self.mlp(h), self.post_ffn_norm, next_norm)
 
 
 class Gemma3Model(DecoderLM):
@@ -74,8 +74,10 @@ class Gemma3Model(DecoderLM):
         caches = self.layer_caches(kv, k_caches, v_caches)
         options = self.rope_options(meta, x)
         ropes = {True: self.rope.at(positions, x.dtype, **options), False: self.local_rope.at(positions, x.dtype, **options)}
+        h = self.blocks[0].attn_norm(x)
         for i, (block, cache) in enumerate(zip(self.blocks, caches)):
-            x = block(x, ropes[self.is_global(i)], meta, cache)
+            next_norm = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else None
+            x, h = block(x, h, ropes[self.is_global(i)], meta, cache, next_norm)
         return x
 
     def layer_rope(self, layer: int) -> RotaryEmbedding:

@@ -14,7 +14,7 @@ from tokenmill.kernels import gpu as gpu_ops
 from tokenmill.kvcache.storage import LayerKV
 from tokenmill.model.attention import (AttentionMetadata, GraphDecodeMeta, GraphStepMeta, fused_decode_attention,
                                        paged_attention_op, write_and_attend)
-from tokenmill.model.gpu.batch import DeviceBatch, write_and_attend_device
+from tokenmill.model.gpu.batch import DeviceBatch, attend_device, write_and_attend_device
 from tokenmill.model.linear import Linear
 from tokenmill.model.paged_batch import PagedBatch, write_and_attend_native
 
@@ -133,6 +133,25 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=True) if gemma_norm else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=True) if gemma_norm else None
 
+    def forward(self, x: torch.Tensor, rope: Rope,
+                meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta | PagedBatch | DeviceBatch,
+                cache: LayerKV) -> torch.Tensor:
+        """The block's attention on its normed input x: projections, rotary embedding, this step's K/V
+        into the cache, attention over it, output projection. On the GPU the rotation and the K/V
+        write are one kernel (kernels.gpu.rope_kv_write); elsewhere project_qkv, then attend."""
+        if rope.fused and isinstance(meta, DeviceBatch) and gpu_ops.use_triton(x):
+            heads = self.n_heads + 2 * self.n_kv_heads
+            qkv = self.qkv_proj(x).view(-1, heads, self.head_dim)
+            head_norm = None if self.q_norm is None else (self.n_heads, self.q_norm.weight, self.k_norm.weight,
+                                                           self.q_norm.eps)
+            gpu_ops.rope_kv_write(qkv, self.n_heads, rope.positions, rope.cos, rope.sin, head_norm, cache.k, cache.v,
+                                  meta.slot_mapping)
+            scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+            out = attend_device(qkv[:, :self.n_heads], cache, meta, scale, self.window or 0)
+            return self.o_proj(out.flatten(1))
+        q, k, v = self.project_qkv(x, rope)
+        return self.attend(q, k, v, meta, cache)
+
     def project_qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused QKV projection with rotary embedding applied to q and k in one go."""
         qkv = self.qkv_proj(x)
@@ -140,11 +159,7 @@ class Attention(nn.Module):
         if rope.fused:  # in place on the projection's output: no copies until attention
             qkv3 = qkv.view(-1, self.n_heads + 2 * self.n_kv_heads, hd)
             qk = qkv3[:, :self.n_heads + self.n_kv_heads]
-            if gpu_ops.use_triton(qk):
-                head_norm = None if self.q_norm is None else (self.n_heads, self.q_norm.weight, self.k_norm.weight,
-                                                               self.q_norm.eps)
-                gpu_ops.rope(qk, rope.positions, rope.cos, rope.sin, head_norm)
-            elif self.q_norm is not None:
+            if self.q_norm is not None:
                 fused.head_rms_norm_rope(qk, self.n_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                          rope.positions, rope.cos, rope.sin)
             else:

@@ -21,10 +21,12 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, activation="silu")
 
-    def forward(self, x, rope, meta: StepMeta, cache):
-        q, k, v = self.attn.project_qkv(self.attn_norm(x), rope)
-        x, h = residual_step(x, self.attn.attend(q, k, v, meta, cache), None, self.ffn_norm)
-        return x + self.mlp(h)
+    def forward(self, x, h, rope, meta: StepMeta, cache, next_norm: RMSNorm | None):
+        """One block on the residual stream x, given h = attn_norm(x) (the block before computed it with
+        its residual add: one kernel on the GPU). Returns the new x and next_norm(x) (None without
+        next_norm: the last block, whose final norm the head applies to the rows it needs)."""
+        x, h = residual_step(x, self.attn(h, rope, meta, cache), None, self.ffn_norm)
+        return residual_step(x, self.mlp(h), None, next_norm)
 
 
 class LlamaModel(DecoderLM):
@@ -47,8 +49,9 @@ class LlamaModel(DecoderLM):
             return native_step(x, positions, meta)
         caches = self.layer_caches(kv, k_caches, v_caches)
         rope = self.rope.at(positions, x.dtype, **self.rope_options(meta, x))
-        for block, cache in zip(self.blocks, caches):
-            x = block(x, rope, meta, cache)
+        h = self.blocks[0].attn_norm(x)
+        for i, (block, cache) in enumerate(zip(self.blocks, caches)):
+            x, h = block(x, h, rope, meta, cache, self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else None)
         return x
 
     def layer_rope(self, layer: int) -> RotaryEmbedding:

@@ -73,8 +73,11 @@ def main() -> int:
               dict(a_ptr=bf16, res_ptr=bf16, out_ptr=bf16, pre_w_ptr=bf16, post_w_ptr=bf16),
               dict(flags, BLOCK=1024), 4)
     for head_norm, block_d in [(False, 64), (True, 256)]:
-        build(rotary._rope_kernel, dict(qk_ptr=bf16, pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", q_w_ptr=bf16,
-                                        k_w_ptr=bf16), dict(HEAD_NORM=head_norm, BLOCK_D=block_d), 1)
+        for write_kv in (False, True):  # the decode graphs' positions and slots are int32
+            build(rotary._rope_kernel, dict(qk_ptr=bf16, pos_ptr="*i32", cos_ptr="*fp32", sin_ptr="*fp32",
+                                            q_w_ptr=bf16, k_w_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16,
+                                            slot_ptr="*i32"),
+                  dict(HEAD_NORM=head_norm, WRITE_KV=write_kv, BLOCK_D=block_d), 1)
     for gelu in (False, True):
         build(activations._gated_kernel, dict(gu_ptr=bf16, out_ptr=bf16), dict(GELU=gelu, BLOCK=activations.BLOCK), 4)
     return 0

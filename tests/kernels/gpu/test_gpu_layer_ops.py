@@ -105,3 +105,32 @@ def test_ops_take_the_references_on_cpu_tensors_without_force():
     assert torch.equal(got, want) and torch.equal(got_res, want_res)
     with pytest.raises(ValueError):
         gated_activation(a, "relu")
+
+
+@pytest.mark.parametrize("head_norm", [False, True])
+def test_rope_with_the_kv_write_matches_the_references(device, head_norm):
+    from tokenmill.kernels.gpu import kv_write_reference, rope_kv_write
+
+    tokens, n_q, n_kv, hd = 3, 4, 2, 16
+    qkv = _rand(tokens, n_q + 2 * n_kv, hd, seed=15, dtype=torch.bfloat16)
+    positions, slots = torch.tensor([5, 0, 9]), torch.tensor([3, -1, 6])  # the second row is padding
+    cos, sin = _tables(16, hd)
+    norm = (n_q, _rand(hd, seed=16, dtype=torch.bfloat16) + 1, _rand(hd, seed=17, dtype=torch.bfloat16) + 1, 1e-6) \
+        if head_norm else None
+    k_cache = _rand(8, n_kv, hd, seed=18, dtype=torch.bfloat16).transpose(0, 1)  # [Hkv, slots, D], strided
+    v_cache = _rand(n_kv, 8, hd, seed=19, dtype=torch.bfloat16)
+    want, want_k, want_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    rope_reference(want[:, :n_q + n_kv], positions, cos, sin, norm)
+    kv_write_reference(want[:, n_q:n_q + n_kv], want[:, n_q + n_kv:], want_k, want_v, slots)
+    got, got_k, got_v = qkv.clone().to(device), k_cache.clone().to(device), v_cache.clone().to(device)
+    dev_norm = None if norm is None else (n_q, norm[1].to(device), norm[2].to(device), norm[3])
+    with force("triton"):
+        rope_kv_write(got, n_q, positions.to(device), cos.to(device), sin.to(device), dev_norm, got_k, got_v,
+                      slots.to(device))
+    close(got, want)
+    close(got_k, want_k)
+    close(got_v, want_v)
+    assert torch.equal(got_k.cpu()[:, [0, 1, 2, 4, 5, 7]], k_cache[:, [0, 1, 2, 4, 5, 7]])  # slot -1: nowhere
+    # the cache holds exactly the projection's rotated k rows and its v rows
+    assert torch.equal(got_k.cpu()[:, 3], got.cpu()[0, n_q:n_q + n_kv])
+    assert torch.equal(got_v.cpu()[:, 6], got.cpu()[2, n_q + n_kv:])

@@ -5,7 +5,8 @@ below run the kernel on CUDA tensors and the reference on anything else, so the 
 code runs on CPU tensors in CI. Importing this package never needs triton (see dispatch)."""
 from tokenmill.kernels.gpu.dispatch import force, triton_available, use_triton
 from tokenmill.kernels.gpu.ops import (apply_token_bitmask, gated_activation, kv_write, paged_decode_attention,
-                                       paged_prefill_attention, residual_rms_norm, rms_norm, rope)
+                                       paged_prefill_attention, residual_rms_norm, rms_norm, rope,
+                                       rope_kv_write)
 from tokenmill.kernels.gpu.references import (apply_token_bitmask_reference, gated_reference, kv_write_reference,
                                               paged_decode_attention_reference, paged_prefill_attention_reference,
                                               residual_norm_reference, rope_reference)
@@ -13,4 +14,5 @@ from tokenmill.kernels.gpu.references import (apply_token_bitmask_reference, gat
 __all__ = ["apply_token_bitmask", "apply_token_bitmask_reference", "force", "gated_activation", "gated_reference",
            "kv_write", "kv_write_reference", "paged_decode_attention", "paged_decode_attention_reference",
            "paged_prefill_attention", "paged_prefill_attention_reference", "residual_norm_reference",
-           "residual_rms_norm", "rms_norm", "rope", "rope_reference", "triton_available", "use_triton"]
+           "residual_rms_norm", "rms_norm", "rope", "rope_kv_write", "rope_reference", "triton_available",
+           "use_triton"]

@@ -164,6 +164,30 @@ def rope(qk: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, head_norm: tup
         references.rope_reference(qk, positions, cos, sin, head_norm)
 
 
+def rope_kv_write(qkv: Tensor, n_q_heads: int, positions: Tensor, cos: Tensor, sin: Tensor, head_norm: tuple | None,
+                  k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """rope() on the q and k heads of a step's projection qkv [T, n_q + 2 n_kv, D] in place, then
+    kv_write() of its k heads (rotated) and v heads: one kernel on CUDA (a decode layer's)."""
+    n_kv = (qkv.shape[1] - n_q_heads) // 2
+    if qkv.dim() != 3 or n_q_heads < 1 or n_kv < 1 or n_q_heads + 2 * n_kv != qkv.shape[1]:
+        raise ValueError(f"qkv must be [T, {n_q_heads} + 2 Hkv, D], got {tuple(qkv.shape)}")
+    _check_caches(k_cache, v_cache)
+    if k_cache.shape[0] != n_kv or k_cache.shape[2] != qkv.shape[2]:
+        raise ValueError(f"caches {tuple(k_cache.shape)} do not hold {n_kv} heads of {qkv.shape[2]}")
+    slot_mapping = _check_index("slot_mapping", slot_mapping, 1)
+    ok = (qkv.stride(2) == 1 and positions.dim() == 1 and positions.shape[0] == qkv.shape[0]
+          and slot_mapping.shape[0] == qkv.shape[0] and cos.dim() == 2 and cos.shape == sin.shape
+          and cos.stride() == sin.stride() and cos.stride(1) == 1 and cos.shape[1] % 2 == 0
+          and cos.shape[1] <= qkv.shape[2])
+    if use_triton(qkv) and ok:
+        kernel_module("rotary").rope_triton(qkv, positions.contiguous(), cos, sin, head_norm,
+                                            (n_q_heads, n_kv, k_cache, v_cache, slot_mapping))
+    else:
+        references.rope_reference(qkv[:, :n_q_heads + n_kv], positions, cos, sin, head_norm)
+        references.kv_write_reference(qkv[:, n_q_heads:n_q_heads + n_kv], qkv[:, n_q_heads + n_kv:], k_cache, v_cache,
+                                      slot_mapping)
+
+
 def gated_activation(gate_up: Tensor, activation: str) -> Tensor:
     """[T, 2F] -> act(gate) * up, [T, F]; activation "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
     if activation not in ("silu", "gelu_tanh"):

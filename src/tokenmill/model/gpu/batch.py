@@ -113,6 +113,12 @@ def write_and_attend_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """q [T, H, D], k/v [T, Hkv, D]: write this step's K/V, then attend over the paged cache.
     window > 0: a sliding-window layer (Gemma 3's local layers). Returns [T, H, D]."""
     gpu_kernels.kv_write(k, v, cache.k, cache.v, batch.slot_mapping)
+    return attend_device(q, cache, batch, scale, window)
+
+
+def attend_device(q: torch.Tensor, cache: LayerKV, batch: DeviceBatch, scale: float, window: int) -> torch.Tensor:
+    """write_and_attend_device's attention, for a step whose K/V are in the cache already (written
+    with the rotary embedding: kernels.gpu.rope_kv_write)."""
     d, bs = batch.num_decodes, batch.block_size
     if batch.is_decode:
         return gpu_kernels.paged_decode_attention(q, cache.k, cache.v, batch.block_tables, batch.seq_lens, scale,
