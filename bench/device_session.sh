@@ -14,7 +14,9 @@
 #
 # Env: BUDGET (seconds for the whole, default 540), GPU_BUDGET (default 290), TM_PYTHON, JOBS,
 # THREADS (default "default,16,8,4"), GEMMA_THREADS (default "default"), GPU_STEPS (default
-# env,kernel-tests,correctness,decode,concurrency,invariance,anchor), SKIP_GPU=1 / SKIP_CORES=1,
+# env,kernel-tests,correctness,decode,concurrency,invariance,anchor,profile), T_TESTS (the GPU tests'
+# limit, 110 s: ~75 tests, beside the native build), SKIP_GPU=1 / SKIP_CORES=1, SKIP_SMOLLM2=1 and
+# SPIN_US (passed to run.sh),
 # SKIP_LLAMA_BUILD=1 (tokenmill alone in step 2), NATIVE_PREBUILT (step 2's native core, for a check
 # elsewhere with step 1 dry: DEVICE=cpu SMALL=1 NATIVE=0 pass through to check.sh).
 set -uo pipefail
@@ -72,8 +74,8 @@ fi
 
 if [[ "${SKIP_GPU:-0}" != 1 ]]; then
     log "step 1: GPU check, budget ${GPU_BUDGET}s"
-    OUT="$SCRATCH/gpu/out" WORK="$SCRATCH/gpu/work" BUDGET=$GPU_BUDGET JOBS=$JOBS T_TESTS=${T_TESTS:-70} \
-        STEPS=${GPU_STEPS:-env,kernel-tests,correctness,decode,concurrency,invariance,anchor} \
+    OUT="$SCRATCH/gpu/out" WORK="$SCRATCH/gpu/work" BUDGET=$GPU_BUDGET JOBS=$JOBS T_TESTS=${T_TESTS:-110} \
+        STEPS=${GPU_STEPS:-env,kernel-tests,correctness,decode,concurrency,invariance,anchor,profile} \
         timeout -k 5 $((GPU_BUDGET + 40)) bash "$ROOT/bench/gpu/check.sh"
     log "step 1 done"
     pack
