@@ -12,7 +12,7 @@
 #   bash bench/gpu/prepare.sh && bash bench/many_cores/prepare.sh     # here, with PyPI reachable
 #   run: carry [".carry", ".carry-gpu"], command `bash bench/device_session.sh`, timeout_s 590
 #
-# Env: BUDGET (seconds for the whole, default 540), GPU_BUDGET (default 290), TM_PYTHON, JOBS,
+# Env: BUDGET (seconds for the whole, default 540), GPU_BUDGET (default 320), TM_PYTHON, JOBS,
 # THREADS (default "default,16,8,4"), GEMMA_THREADS (default "default"), GPU_STEPS (default
 # env,kernel-tests,correctness,decode,concurrency,invariance,anchor,profile), T_TESTS (the GPU tests'
 # limit, 110 s: ~75 tests, beside the native build), SKIP_GPU=1 / SKIP_CORES=1, SKIP_SMOLLM2=1 and
@@ -26,7 +26,7 @@ ROOT=$(cd "$HERE/.." && pwd)
 FINAL=$(mkdir -p "${OUT:-$ROOT/out}" && cd "${OUT:-$ROOT/out}" && pwd)
 SCRATCH=${TMPDIR:-/tmp}/tokenmill-session
 BUDGET=${BUDGET:-540}
-GPU_BUDGET=${GPU_BUDGET:-290}
+GPU_BUDGET=${GPU_BUDGET:-320}
 JOBS=${JOBS:-$(nproc)}
 START=$(date +%s)
 rm -rf "$SCRATCH"
