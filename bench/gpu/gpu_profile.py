@@ -76,8 +76,11 @@ def _torch_profile(engine: LLMEngine, steps: int, top: int = 30) -> str:
         for _ in range(steps):
             engine.step()
         _sync(engine)
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
-    return f"{steps} engine steps\n{table}"
+    averages = prof.key_averages()
+    text = f"{steps} engine steps, by host time\n{averages.table(sort_by='self_cpu_time_total', row_limit=top)}"
+    if engine.kv.device.type == "cuda":  # the kernels a step runs (a graph's too), with their counts
+        text += f"\nby GPU time\n{averages.table(sort_by='self_device_time_total', row_limit=top)}"
+    return text
 
 
 def profile_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
