@@ -120,3 +120,18 @@ def test_kernel_tests_step_runs_pytest_and_counts(tmp_path):
     c = check.Check("cpu", {}, tmp_path, check.SMALL, ["tests/model/gpu/test_buckets.py"], 120)
     r = check.step_kernel_tests(c)
     assert r["rc"] == 0 and r["passed"] >= 8 and "failed" not in r
+
+
+def test_profile_step_on_the_cpu(tiny_models, tmp_path, capsys):
+    """The profile step's plumbing (its figures mean something on a GPU only): step times, no graph to
+    replay on the CPU, the engine's functions and torch's ops named."""
+    out = tmp_path / "out"
+    rc = check.main(["--device", "cpu", "--small", "--out", str(out), f"--model=smollm2={tiny_models['smollm2']}",
+                     "--steps", "profile"])
+    assert rc == 0
+    prof = json.loads((out / "profile.json").read_text())
+    assert set(prof) >= {"smollm2-1", "smollm2-3"}
+    one = prof["smollm2-1"]
+    assert one["step_ms_median"] > 0 and one["tok_s"] > 0 and one["graph_replay_ms"] is None
+    assert "engine.py" in one["cprofile"] and "engine steps, by host time" in one["torch_profile"]
+    assert "smollm2, 3 sequences: step" in capsys.readouterr().out
