@@ -66,9 +66,12 @@ def test_completion_non_streaming_and_streaming(oai, tiny):
 
 
 def test_completion_with_vllm_extensions_and_token_prompt(oai, tiny):
+    # Seeded, and a stop string the sample cannot plausibly contain: min_tokens holds back the end tokens,
+    # not stop strings, and an unseeded draw from the global RNG once produced "zz" after two tokens.
     r = oai.completions.create(model=model_name(tiny[1]), prompt=[10, 20, 30], max_tokens=6, temperature=0.7,
-                               stop=["zz"], extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
-                                                        "min_tokens": 6, "ignore_eos": True, "priority": -1})
+                               seed=7, stop=["\u2603\u2603"],
+                               extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 6,
+                                           "ignore_eos": True, "priority": -1})
     assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 6
 
 
