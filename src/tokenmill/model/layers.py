@@ -133,6 +133,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=True) if gemma_norm else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=True) if gemma_norm else None
 
+    @property
+    def score_scale(self) -> float:
+        """What q.k is scaled by: 1/sqrt(head_dim) unless the model sets its own."""
+        return self.head_dim ** -0.5 if self.scale is None else self.scale
+
     def forward(self, x: torch.Tensor, rope: Rope,
                 meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta | PagedBatch | DeviceBatch,
                 cache: LayerKV) -> torch.Tensor:
@@ -146,8 +151,7 @@ class Attention(nn.Module):
                                                            self.q_norm.eps)
             gpu_ops.rope_kv_write(qkv, self.n_heads, rope.positions, rope.cos, rope.sin, head_norm, cache.k, cache.v,
                                   meta.slot_mapping)
-            scale = self.head_dim ** -0.5 if self.scale is None else self.scale
-            out = attend_device(qkv[:, :self.n_heads], cache, meta, scale, self.window or 0)
+            out = attend_device(qkv[:, :self.n_heads], cache, meta, self.score_scale, self.window or 0)
             return self.o_proj(out.flatten(1))
         q, k, v = self.project_qkv(x, rope)
         return self.attend(q, k, v, meta, cache)
@@ -177,7 +181,7 @@ class Attention(nn.Module):
                meta: AttentionMetadata | GraphDecodeMeta | GraphStepMeta | PagedBatch | DeviceBatch,
                cache: LayerKV) -> torch.Tensor:
         k_cache, v_cache = cache.k, cache.v
-        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        scale = self.score_scale
         if isinstance(meta, PagedBatch):
             out = write_and_attend_native(q, k, v, cache, meta, scale, self.window or 0)
         elif isinstance(meta, GraphStepMeta):

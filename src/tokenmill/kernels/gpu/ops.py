@@ -143,22 +143,23 @@ def residual_rms_norm(a: Tensor, residual: Tensor | None, pre: tuple | None, pos
             n is None or (n[0].shape == (a.shape[-1],) and n[0].is_contiguous()) for n in (pre, post)):
         kernel_module("norms").residual_norm_triton(a, residual, out, pre, post)
     else:
-        if residual is None:  # the norms alone: pre then post on a
-            x = a if pre is None else references._norm_reference(a, *pre)
-            out.copy_(references._norm_reference(x, *post))
-            return out
         references.residual_norm_reference(a, residual, out, pre, post)
     return out
+
+
+def _rope_inputs_ok(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """What the rotary kernel addresses: heads [T, heads, D] with unit stride along D, a position per
+    row, and two tables of one layout [max_positions, rope_dim] with an even rope_dim <= D."""
+    return (x.dim() == 3 and x.stride(2) == 1 and positions.dim() == 1 and positions.shape[0] == x.shape[0]
+            and cos.dim() == 2 and cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(1) == 1
+            and cos.shape[1] % 2 == 0 and cos.shape[1] <= x.shape[2])
 
 
 def rope(qk: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, head_norm: tuple | None = None) -> None:
     """Rotary embedding in place on qk [T, heads, head_dim] (q and k heads), half-split over the first
     cos.shape[-1] dims, from the float32 tables [max_positions, rope_dim] at positions (int64 [T]);
     head_norm (n_q_heads, q_weight, k_weight, eps): Gemma 3's per-head RMSNorm first."""
-    ok = (qk.dim() == 3 and qk.stride(2) == 1 and positions.dim() == 1 and positions.shape[0] == qk.shape[0]
-          and cos.dim() == 2 and cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(1) == 1
-          and cos.shape[1] % 2 == 0 and cos.shape[1] <= qk.shape[2])
-    if use_triton(qk) and ok:
+    if use_triton(qk) and _rope_inputs_ok(qk, positions, cos, sin):
         kernel_module("rotary").rope_triton(qk, positions.contiguous(), cos, sin, head_norm)
     else:
         references.rope_reference(qk, positions, cos, sin, head_norm)
@@ -175,11 +176,7 @@ def rope_kv_write(qkv: Tensor, n_q_heads: int, positions: Tensor, cos: Tensor, s
     if k_cache.shape[0] != n_kv or k_cache.shape[2] != qkv.shape[2]:
         raise ValueError(f"caches {tuple(k_cache.shape)} do not hold {n_kv} heads of {qkv.shape[2]}")
     slot_mapping = _check_index("slot_mapping", slot_mapping, 1)
-    ok = (qkv.stride(2) == 1 and positions.dim() == 1 and positions.shape[0] == qkv.shape[0]
-          and slot_mapping.shape[0] == qkv.shape[0] and cos.dim() == 2 and cos.shape == sin.shape
-          and cos.stride() == sin.stride() and cos.stride(1) == 1 and cos.shape[1] % 2 == 0
-          and cos.shape[1] <= qkv.shape[2])
-    if use_triton(qkv) and ok:
+    if use_triton(qkv) and _rope_inputs_ok(qkv, positions, cos, sin) and slot_mapping.shape[0] == qkv.shape[0]:
         kernel_module("rotary").rope_triton(qkv, positions.contiguous(), cos, sin, head_norm,
                                             (n_q_heads, n_kv, k_cache, v_cache, slot_mapping))
     else:
