@@ -77,7 +77,7 @@ def row(*cells) -> str:
 
 
 def bench_decode(models, batches, contexts, reps) -> None:
-    print("\npaged decode attention (split_size 256)")
+    print("\npaged decode attention (8 parts per sequence and kv head)")
     print(row("model", "batch", "context", "triton ms", "ref ms", "max diff", "K/V GB/s"))
     for model in models:
         for batch in batches:

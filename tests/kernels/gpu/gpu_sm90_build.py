@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tokenmill.kernels.gpu import activations, cache_write, decode_attention, norms, prefill_attention, rotary, token_mask
+from tokenmill.kernels.gpu.ops import DECODE_PARTS
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"scale_log2", "pre_eps", "post_eps", "eps"}
@@ -47,13 +48,14 @@ def main() -> int:
     bf16 = "*bf16"
     for head_dim, group in MODELS:
         block_d, block_n, warps = decode_attention.decode_tiles(head_dim)
-        build(decode_attention._decode_split_kernel,
+        parts = DECODE_PARTS
+        build(decode_attention._decode_part_kernel,
               dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, table_ptr="*i32", lens_ptr="*i32", part_out_ptr="*fp32",
                    part_lse_ptr="*fp32"),
-              dict(GROUP=group, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="tf32"), warps)
+              dict(PARTS=parts, GROUP=group, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="tf32"), warps)
         build(decode_attention._decode_merge_kernel,
               dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", lens_ptr="*i32", out_ptr=bf16),
-              dict(BLOCK_D=block_d), decode_attention.merge_warps(block_d))
+              dict(PARTS=parts, BLOCK_N=block_n, BLOCK_D=block_d), decode_attention.merge_warps(block_d))
         block_d, block_m, block_n, warps = prefill_attention.prefill_tiles(head_dim)
         build(prefill_attention._prefill_kernel,
               dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, out_ptr=bf16, table_ptr="*i32", cu_ptr="*i32",

@@ -11,6 +11,11 @@ from torch import Tensor
 from tokenmill.kernels.gpu import references
 from tokenmill.kernels.gpu.dispatch import kernel_module, use_triton
 
+# Paged decode attention's programs per (sequence, kv head) (kernels/gpu/decode_attention.py). 8 puts
+# SmolLM2's 228-key benchmark context (8 tiles of 32 keys) one tile deep per program; a 4,096-key
+# context is 16 tiles deep (the 256-key splits before were 8). A constant: a row's result depends on it.
+DECODE_PARTS = 8
+
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -72,17 +77,18 @@ def kv_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                           scale: float, window: int = 0, split_size: int = 256, *, block_size: int) -> Tensor:
+                           scale: float, window: int = 0, parts: int = DECODE_PARTS, *, block_size: int) -> Tensor:
     """q [B, H, D], one token per sequence at position seq_lens[b] - 1 (its K/V already written);
-    -> [B, H, D] in q's dtype. Rows with seq_lens 0 are zeros. A row's output does not depend on B."""
+    -> [B, H, D] in q's dtype. Rows with seq_lens 0 are zeros. A row's output does not depend on B.
+    parts: programs per sequence and kv head (a power of two; decode_attention.py), a test's knob."""
     block_tables = _check_attention(q, k_cache, v_cache, block_tables, q.shape[0], block_size, window)
     seq_lens = _check_index("seq_lens", seq_lens, 1)
-    if seq_lens.shape[0] != q.shape[0] or split_size < 1:
-        raise ValueError(f"seq_lens must have {q.shape[0]} rows and split_size >= 1, got "
-                         f"{tuple(seq_lens.shape)} and {split_size}")
+    if seq_lens.shape[0] != q.shape[0] or parts < 1 or parts & (parts - 1):
+        raise ValueError(f"seq_lens must have {q.shape[0]} rows and parts be a power of two, got "
+                         f"{tuple(seq_lens.shape)} and {parts}")
     impl = kernel_module("decode_attention").paged_decode_attention_triton if use_triton(q) else \
         references.paged_decode_attention_reference
-    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, window, split_size, block_size=block_size)
+    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, window, parts, block_size=block_size)
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_q_lens: Tensor,

@@ -45,11 +45,11 @@ def _key_range(last_pos: int, window: int) -> int:
 
 
 def paged_decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                                     seq_lens: Tensor, scale: float, window: int = 0, split_size: int = 256, *,
+                                     seq_lens: Tensor, scale: float, window: int = 0, parts: int = 8, *,
                                      block_size: int) -> Tensor:
     """q [B, H, D]: row b is the token at position seq_lens[b] - 1; out [B, H, D] in q's dtype.
-    split_size only shapes the kernel's work; the reference attends all keys at once."""
-    del split_size
+    parts only shapes the kernel's work; the reference attends all keys at once."""
+    del parts
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len <= 0:
