@@ -157,11 +157,11 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], recent_t
         return logits
     out = logits if in_place else logits.clone()
     dev = logits.device
-    apply_penalties_rows(out, torch.tensor(windows, dtype=torch.int64, device=dev),
-                         torch.tensor(offsets, dtype=torch.int64, device=dev),
-                         torch.tensor([p.repeat_penalty for p in params], dtype=torch.float32, device=dev),
-                         torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev),
-                         torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev))
+    apply_penalties_rows(out, _on(dev, torch.tensor(windows, dtype=torch.int64)),
+                         _on(dev, torch.tensor(offsets, dtype=torch.int64)),
+                         _on(dev, torch.tensor([p.repeat_penalty for p in params], dtype=torch.float32)),
+                         _on(dev, torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)),
+                         _on(dev, torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)))
     return out
 
 
@@ -184,7 +184,10 @@ def _suppress_stop_tokens(logits: torch.Tensor, inp: SamplerInput, in_place: boo
     if not toks:
         return logits
     out = logits if in_place else logits.clone()
-    out[_index(rows, logits.device), _index(toks, logits.device)] = _NEG_INF
+    # The value as a tensor on the logits' device: index_put_ copies a host scalar to the GPU
+    # synchronously, which made every step of an ignore_eos request wait there for the model run.
+    neg_inf = torch.full((), _NEG_INF, dtype=out.dtype, device=out.device)
+    out.index_put_((_index(rows, logits.device), _index(toks, logits.device)), neg_inf)
     return out
 
 
