@@ -42,13 +42,15 @@ def assert_same_greedy(expected: list[list[int]], got: list[list[int]], ref_rows
                        got_rows: list[list[torch.Tensor]], tolerance: float = 0.03) -> None:
     """Greedy tokens equal, logits within bf16 tolerance; two bf16 models that round their matmuls
     differently may part at a near tie, so a request's tokens may differ from the first step whose two
-    candidates the reference scores within 2% of its largest logit (and from there on, not before)."""
+    candidates the reference scores within two thirds of the logit tolerance of each other (2% of its
+    largest logit for the Llama models' 3%; Gemma 3's larger activations get 6% and 4%), and from
+    there on, not before."""
     for want, have, ref, ours in zip(expected, got, ref_rows, got_rows):
         for step, (a, b) in enumerate(zip(want, have)):
             scale = float(ref[step].abs().max())
             assert float((ref[step] - ours[step]).abs().max()) < tolerance * scale, step
             if a != b:
-                assert float(ref[step][a] - ref[step][b]) < 0.02 * scale, (step, a, b)
+                assert float(ref[step][a] - ref[step][b]) < tolerance * 2 / 3 * scale, (step, a, b)
                 break
 
 
