@@ -49,7 +49,7 @@ class ScheduledChunk:
     def input_ids(self, start: int, num_new: int) -> list[int]:
         """The token ids of positions [start, start + num_new) of this chunk (a micro-batch's piece):
         the sequence's own, then its proposals."""
-        ids = self.seq.all_token_ids[start:start + num_new]
+        ids = self.seq.token_ids_between(start, min(start + num_new, self.seq.num_tokens))
         if self.draft_ids and len(ids) < num_new:
             first_draft = self.seq.num_tokens  # position of draft_ids[0]
             ids = ids + self.draft_ids[max(0, start - first_draft):start + num_new - first_draft]

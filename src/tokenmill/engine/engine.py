@@ -274,7 +274,7 @@ class LLMEngine:
         events += [ev for seq in batch.finished for ev in self._finished(seq)]
         if not batch.chunks:
             return events
-        self.current_step = StepShape.of(batch)
+        shape = self.current_step = StepShape.of(batch)
         try:
             if self.step_hook is not None:
                 self.step_hook(batch)
@@ -303,7 +303,7 @@ class LLMEngine:
             self.current_step = None
         self.faults.record_success()
         changed = self.scheduler.update(batch, result)
-        self._record(batch, start, self.scheduler.num_preemptions - preemptions_before)
+        self._record(shape, start, self.scheduler.num_preemptions - preemptions_before, batch.num_cached_tokens)
         if self.scheduler.speculator is not None:
             self.scheduler.speculator.observe_step(batch.num_tokens, model_seconds, time.perf_counter() - start)
         for seq in changed:
@@ -377,12 +377,12 @@ class LLMEngine:
         seq.num_pending_forks = 0
         return events
 
-    def _record(self, batch: ScheduledBatch, start: float, preemptions: int) -> None:
-        decodes = batch.num_decode_seqs
-        prefill_tokens = batch.num_prefill_tokens
+    def _record(self, shape: StepShape, start: float, preemptions: int, cached_tokens: int) -> None:
+        # The shape counted at the step's start: the forks made after the model call add chunks that
+        # compute nothing (neither decodes nor prefill tokens).
         self.stats.num_preemptions += preemptions
-        self.stats.record_step(StepRecord(batch.num_tokens, len(batch.chunks), decodes, prefill_tokens,
-                                          time.perf_counter() - start, batch.num_cached_tokens))
+        self.stats.record_step(StepRecord(shape.num_tokens, shape.num_seqs, shape.num_decodes,
+                                          shape.num_prefill_tokens, time.perf_counter() - start, cached_tokens))
 
     def _event(self, seq: Sequence) -> TokenEvent:
         new = seq.output_ids[seq.num_emitted:]

@@ -132,6 +132,18 @@ class Sequence:
             return self.shifted_ids + self.output_ids[self.shifted_output_start:]
         return self.prompt_ids + self.output_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without joining the whole context (a decode row's one input id,
+        every step)."""
+        head, tail = (self.shifted_ids, self.output_ids[self.shifted_output_start:]) if self.shifted_ids is not None \
+            else (self.prompt_ids, self.output_ids)
+        n = len(head)
+        if end <= n:
+            return head[start:end]
+        if start >= n:
+            return tail[start - n:end - n]
+        return head[start:] + tail[:end - n]
+
     def last_token_ids(self, n: int) -> list[int]:
         """The context's last n ids (all of them for n < 0), without joining the whole context: the
         penalty window of every sampled row, every step."""

@@ -71,6 +71,15 @@ class UbatchInputs:
     def build(cls, ubatch: list[tuple[ScheduledChunk, int, int]], blocks: BlockManager) -> "UbatchInputs":
         out = cls([], [], [], [], [])
         for chunk, start, num_new in ubatch:
+            seq = chunk.seq
+            if chunk.num_new == 1 and not chunk.draft_ids and not seq.wants_prompt_scores:
+                # A decode row (most rows of most steps): its one input id, sampled when the chunk samples.
+                if chunk.samples:
+                    out.sample_rows.append(len(out.ids))
+                out.ids.extend(seq.token_ids_between(start, start + 1))
+                out.positions.append(start)
+                out.specs.append(ChunkSpec(blocks.block_table(seq.seq_id), start, 1))
+                continue
             scored_here = scored_positions(chunk.seq, start, num_new)
             if scored_here:
                 out.scored.append((chunk.seq, scored_here, len(out.ids) + scored_here.start - start))

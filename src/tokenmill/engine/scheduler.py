@@ -271,7 +271,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += chunk.num_new
             if self.cfg.enable_prefix_caching:
-                self.blocks.commit_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                self._commit(seq)
             if not chunk.samples:
                 continue
             assert result is not None
@@ -327,7 +327,12 @@ class Scheduler:
         if going:  # not finished, not shifted: still holds its blocks
             self.blocks.trim(seq.seq_id, seq.num_tokens)
             if self.cfg.enable_prefix_caching:
-                self.blocks.commit_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                self._commit(seq)
+
+    def _commit(self, seq: Sequence) -> None:
+        """Index seq's newly full blocks for the prefix cache (its token list is joined only then)."""
+        if self.blocks.has_uncommitted(seq.seq_id, seq.num_computed_tokens):
+            self.blocks.commit_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

@@ -208,6 +208,12 @@ class BlockManager:
             hits = len(adopt) * self.block_size
             self._set_stats(PrefixStats(self._stats.queries + num_tokens, self._stats.hits + hits))
 
+    def has_uncommitted(self, seq_id: int, num_computed_tokens: int) -> bool:
+        """Whether commit_full_blocks would index anything: a block filled up since the last commit.
+        Lets the scheduler skip joining a sequence's token list on the steps (most) where none did."""
+        seq = self._seqs.get(seq_id)
+        return seq is not None and self.enable_prefix_caching and num_computed_tokens // self.block_size > len(seq.hashes)
+
     def commit_full_blocks(
         self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int, extra_key: bytes = b""
     ) -> None:
