@@ -86,6 +86,16 @@ class ScheduledBatch:
                 self.num_tokens -= chunk.num_new
                 return
 
+    def decode_and_prefill_counts(self) -> tuple[int, int]:
+        """(num_decode_seqs, num_prefill_tokens) in one pass over the chunks."""
+        decodes = prefill = 0
+        for c in self.chunks:
+            if _is_decode(c):
+                decodes += 1
+            else:
+                prefill += c.num_new
+        return decodes, prefill
+
     @property
     def num_decode_seqs(self) -> int:
         """Chunks that continue a generation: one new token, or one and its proposals."""

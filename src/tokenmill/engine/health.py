@@ -31,7 +31,7 @@ class StepShape:
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> "StepShape":
-        return cls(len(batch.chunks), batch.num_tokens, batch.num_decode_seqs, batch.num_prefill_tokens)
+        return cls(len(batch.chunks), batch.num_tokens, *batch.decode_and_prefill_counts())
 
     def describe(self) -> str:
         return (f"{self.num_seqs} sequences, {self.num_tokens} tokens "

@@ -294,7 +294,11 @@ class BlockManager:
         if len(seq.hashes) > start:
             return False
         blocks = self._pool.blocks
-        return all(blocks[b].ref_count == 1 and blocks[b].block_hash is None for b in seq.table[start:])
+        for b in seq.table[start:]:  # a loop, not all(<generator>): this runs for every decode row, every step
+            block = blocks[b]
+            if block.ref_count != 1 or block.block_hash is not None:
+                return False
+        return True
 
     # ---- copy-on-write -------------------------------------------------------
 
