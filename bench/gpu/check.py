@@ -331,7 +331,8 @@ def step_profile(c: Check) -> dict[str, Any]:
             device=c.device, compile=c.on_gpu, parallel=max(n, 8), max_total_tokens=max(16384, n * 512)))
         prompts = runs.prompts_for(engine.tokenizer, n, s.prompt_len)
         r = gpu_profile.profile_decode(engine, prompts, 400)  # enough for every timed step
-        print(f"== {name}, {n} sequences: step {r['step_ms_median']:.3f} ms (min {r['step_ms_min']:.3f}), "
+        print(f"== {name}, {n} sequences: step {r['step_ms_median']:.3f} ms (min {r['step_ms_min']:.3f}; "
+              f"{r['tokens_per_step']:.2f} tokens a sequence, {r['token_step_ms']:.3f} ms a token step), "
               f"graph replay {r['graph_replay_ms']} ms (bucket {r['bucket']}), {r['tok_s']:.0f} tok/s", flush=True)
         print(r["cprofile"], flush=True)
         print(r["torch_profile"], flush=True)

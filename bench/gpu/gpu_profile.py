@@ -46,13 +46,16 @@ def _replay_ms(engine: LLMEngine, bucket: int, reps: int = 200) -> float | None:
     return (time.perf_counter() - start) / reps * 1e3
 
 
-def _step_ms(engine: LLMEngine, steps: int) -> list[float]:
-    out = []
+def _step_ms(engine: LLMEngine, steps: int) -> tuple[list[float], int]:
+    """Each engine step's wall time, and the tokens the steps made (a step of decode steps in a row,
+    engine/decode_steps.py, makes several per sequence)."""
+    out, tokens = [], 0
     for _ in range(steps):
         start = time.perf_counter()
-        engine.step()
+        events = engine.step()
         out.append((time.perf_counter() - start) * 1e3)
-    return out
+        tokens += sum(len(ev.token_ids) for ev in events)
+    return out, tokens
 
 
 def _cprofile(engine: LLMEngine, steps: int, top: int = 28) -> str:
@@ -87,7 +90,7 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int)
     """len(prompts) sequences decoding together: step times, graph replay, profiles."""
     n = len(prompts)
     _decoding(engine, prompts, new_tokens)
-    timed = _step_ms(engine, 40)
+    timed, tokens = _step_ms(engine, 40)
     bucket = None
     graphs = getattr(engine.runner, "graphs", None)
     if graphs is not None:
@@ -96,7 +99,9 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int)
     cprof = _cprofile(engine, 30)
     tprof = _torch_profile(engine, 10)
     median = statistics.median(timed)
+    per_token_step = sum(timed) / max(tokens / n, 1)  # ms for one token of every sequence
     return {"sequences": n, "step_ms_median": median, "step_ms_min": min(timed), "bucket": bucket,
-            "graph_replay_ms": replay, "tok_s": n / median * 1e3,
-            "host_share": None if replay is None else max(0.0, 1 - replay / median),
+            "tokens_per_step": tokens / n / len(timed), "token_step_ms": per_token_step,
+            "graph_replay_ms": replay, "tok_s": tokens / sum(timed) * 1e3,
+            "host_share": None if replay is None else max(0.0, 1 - replay / per_token_step),
             "cprofile": cprof, "torch_profile": tprof}

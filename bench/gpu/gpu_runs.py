@@ -54,7 +54,10 @@ def prompts_for(tokenizer: Tokenizer, num: int, length: int) -> list[list[int]]:
 
 def greedy_with_logits(loaded: LoadedModel, tokenizer: Tokenizer, cfg: EngineConfig, prompt: list[int],
                        max_tokens: int) -> dict[str, Any]:
-    """One greedy request: its tokens and every step's logits (float32, on the CPU)."""
+    """One greedy request: its tokens and every step's logits (float32, on the CPU), one step at a
+    time (decode steps in a row would keep their logits on the device)."""
+    if any(f.name == "decode_steps" for f in dataclasses.fields(cfg)):
+        cfg = dataclasses.replace(cfg, decode_steps=1)
     engine = LLMEngine(loaded, tokenizer, cfg)
     rows: list[torch.Tensor] = []
     run = engine.runner.run

@@ -136,6 +136,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("gpu_memory_utilization", float, 0.9, "cuda: the share of the GPU's free memory a model may take for "
            "its weights, KV cache and workspace; the KV cache gets what is left, up to kv_size",
            ("--gpu-memory-utilization",), lo=0.01, hi=1.0),
+    Option("decode_steps", int, 0, "cuda: decode steps a batch of plain greedy requests runs back to back on "
+           "the GPU before the host reads their tokens (the host's share of a step is paid once for all of "
+           "them); 0 = 4 on a GPU, 1 elsewhere", ("--decode-steps",), lo=1, hi=64, zero_ok=True),
     Option("speculative", str, "ngram", "speculative decoding for requests that do not choose: ngram (prompt "
            "lookup: a sequence proposes what followed its last few tokens earlier in its context, verified in the "
            "same step; greedy and seeded output unchanged), draft:MODEL (an installed model with the same vocabulary "
@@ -191,6 +194,7 @@ class Config:
     compile: bool = True
     device: str = "auto"
     gpu_memory_utilization: float = 0.9
+    decode_steps: int = 0
     speculative: str = "ngram"
     num_speculative_tokens: int = 16
     spec_ngram_min: int = 1
@@ -209,7 +213,7 @@ class Config:
                             compile=self.compile, max_new_tokens=self.max_tokens or None,
                             request_timeout=self.request_timeout, watchdog_seconds=self.watchdog_seconds,
                             device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
-                            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                            decode_steps=self.decode_steps, speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
                             spec_ngram_min=self.spec_ngram_min, spec_ngram_max=self.spec_ngram_max)
 
     def keep_alive_seconds(self) -> float | None:

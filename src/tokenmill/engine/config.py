@@ -14,6 +14,9 @@ DEVICES = ("auto", "cpu", "cuda")
 # bench/paged_attention.py --block-size). vLLM's CPU backend defaults to 128 for the same reason.
 # The cost: prefixes are shared in whole blocks, and a sequence's last block is partly empty.
 DEFAULT_BLOCK_SIZE = 64
+# Decode steps in a row on a GPU (engine/decode_steps.py): 4 pays the host's share of a step once per
+# 4 tokens, and a request arriving meanwhile waits at most 3 steps more for its prompt to start.
+DEFAULT_DECODE_STEPS = 4
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,9 @@ class EngineConfig:
     # and tests get the same engine on every machine unless they ask.
     device: str = "cpu"
     gpu_memory_utilization: float = 0.9  # cuda: share of the free GPU memory for weights, KV cache, workspace
+    # Decode steps a batch of plain greedy sequences runs back to back before the host reads their
+    # tokens (engine/decode_steps.py), on a runner that can (the device one); 0 = DEFAULT_DECODE_STEPS there.
+    decode_steps: int = 0
 
     def validate(self) -> None:
         if self.threads < 0:
@@ -94,6 +100,8 @@ class EngineConfig:
             raise ConfigError(str(exc)) from None
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not 0 <= self.decode_steps <= 64:
+            raise ConfigError(f"decode_steps must be 0 (automatic) to 64, got {self.decode_steps}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from tokenmill.cpu_threads import configure_threads
-from tokenmill.engine.config import ConfigError, EngineConfig
+from tokenmill.engine.config import DEFAULT_DECODE_STEPS, ConfigError, EngineConfig
+from tokenmill.engine import decode_steps
 from tokenmill.engine.context import generation_reserve, truncate_prompt
 from tokenmill.engine.device import build_device_runner, fit_device_kv_cache, on_device
 from tokenmill.engine.health import StepFaults, StepShape
@@ -156,6 +157,9 @@ class LLMEngine:
             self.runner = ModelRunner(loaded.model, self.kv, self.blocks, cfg.n_ubatch, decode_graph, step_graph,
                                       native_attention=self.native_attention)
         self.sampler = Sampler()
+        # Decode steps in a row, where the runner can run them (engine/decode_steps.py): the device one.
+        can_run_steps = getattr(self.runner, "supports_decode_steps", False)
+        self.decode_steps = (cfg.decode_steps or DEFAULT_DECODE_STEPS) if can_run_steps else 1
         self.masks = MaskWorker()
         self.stats = EngineStats()
         # Speculative decoding (engine/speculative/) where a proposed row computes exactly as it would
@@ -278,21 +282,12 @@ class LLMEngine:
         try:
             if self.step_hook is not None:
                 self.step_hook(batch)
-            # Grammar masks are built on a worker thread while the model runs.
-            masks = self.masks.start([(c.seq.seq_id, c.seq.constraint) for c in batch.sampling_chunks
-                                      if c.seq.constraint is not None]
-                                     + [state for c in batch.sampling_chunks for state in c.mask_states()])
+            steps = self._decode_steps(batch)
             model_start = time.perf_counter()
-            self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
-            out = self.runner.run(batch)
-            logits = out.logits
-            if out.prompt_rows:
-                score_prompt_rows(self.runner.model, out.prompt_rows)
-            if masks is not None:
-                masks.wait()  # forking copies a parent's matcher, which the worker may still be reading
-            self.scheduler.fork_samples(batch, lambda: next(self._seq_ids))
-            result = None if logits is None else self.sampler(self._logits(logits, batch),
-                                                                self._sampler_input(batch, masks), owned=True)
+            if steps > 1:  # several steps in a row on the device (engine/decode_steps.py)
+                results = decode_steps.run_model(batch, steps, self.runner, self.sampler, self.scheduler.stop_ids)
+            else:
+                result = self._model_step(batch)
             model_seconds = time.perf_counter() - model_start
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
             log.exception("step failed; finishing its %d sequences with an error", len(batch.chunks))
@@ -302,14 +297,42 @@ class LLMEngine:
         finally:
             self.current_step = None
         self.faults.record_success()
-        changed = self.scheduler.update(batch, result)
+        if steps > 1:
+            changed = self.scheduler.update_decode_steps(batch, results)
+        else:
+            changed = self.scheduler.update(batch, result)
         self._record(shape, start, self.scheduler.num_preemptions - preemptions_before, batch.num_cached_tokens)
-        if self.scheduler.speculator is not None:
+        if self.scheduler.speculator is not None and steps == 1:
             self.scheduler.speculator.observe_step(batch.num_tokens, model_seconds, time.perf_counter() - start)
         for seq in changed:
             self.stats.record_token(seq, len(seq.output_ids) - seq.num_emitted)
             events += self._finished(seq) if seq.is_finished else [self._event(seq)]
         return events
+
+    def _model_step(self, batch: ScheduledBatch):
+        """One ordinary step's model call and sampling: the SampleResult (None when no row samples)."""
+        # Grammar masks are built on a worker thread while the model runs.
+        masks = self.masks.start([(c.seq.seq_id, c.seq.constraint) for c in batch.sampling_chunks
+                                  if c.seq.constraint is not None]
+                                 + [state for c in batch.sampling_chunks for state in c.mask_states()])
+        self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
+        out = self.runner.run(batch)
+        logits = out.logits
+        if out.prompt_rows:
+            score_prompt_rows(self.runner.model, out.prompt_rows)
+        if masks is not None:
+            masks.wait()  # forking copies a parent's matcher, which the worker may still be reading
+        self.scheduler.fork_samples(batch, lambda: next(self._seq_ids))
+        if logits is None:
+            return None
+        return self.sampler(self._logits(logits, batch), self._sampler_input(batch, masks), owned=True)
+
+    def _decode_steps(self, batch: ScheduledBatch) -> int:
+        """How many decode steps this batch runs in a row (1: an ordinary step), its blocks reserved."""
+        if self.decode_steps < 2:
+            return 1
+        steps = decode_steps.steps_for(batch, self.scheduler, self.decode_steps)
+        return steps if steps > 1 and self.scheduler.reserve_decode_steps(batch, steps) else 1
 
     @staticmethod
     def _logits(logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:

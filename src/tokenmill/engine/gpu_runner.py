@@ -7,6 +7,8 @@ Nothing here needs CUDA itself: on CPU tensors the kernels take their PyTorch re
 the tests hold this runner to the CPU one (tests/model/gpu/test_device_runner.py)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenmill.engine.runner import PromptRows, StepOutput, UbatchInputs, split_ubatches
@@ -22,6 +24,8 @@ from tokenmill.model.gpu.memory import tensors_bytes
 
 
 class DeviceModelRunner:
+    supports_decode_steps = True  # run_decode_steps (engine/decode_steps.py)
+
     def __init__(self, model: torch.nn.Module, kv: KVStorage, blocks: BlockManager, n_ubatch: int,
                  graphs: DecodeGraphs | None = None):
         self.model = model
@@ -77,6 +81,34 @@ class DeviceModelRunner:
         return StepOutput(logits[0] if len(logits) == 1 else torch.cat(logits), prompt_rows)
 
     @torch.inference_mode()
+    def run_decode_steps(self, batch: ScheduledBatch, steps: int,
+                         sample: Callable[[torch.Tensor, int], torch.Tensor]) -> list[list[int]]:
+        """`steps` decode steps of a decode-only batch (one row per chunk, each sampled) in a row: step
+        j computes position start + j of every row, its input the token sample(logits, j - 1) picked
+        on the device. The sequences' blocks must hold all the positions (Scheduler.reserve_decode_steps).
+        Returns each step's tokens ([steps][rows]), read from the device once."""
+        chunks = batch.chunks
+        if len(chunks) > self.n_ubatch:
+            raise ValueError(f"{len(chunks)} rows exceed a micro-batch ({self.n_ubatch})")
+        tables = [self.blocks.block_table(c.seq.seq_id) for c in chunks]
+        first_ids = [c.seq.token_ids_between(c.start, c.start + 1)[0] for c in chunks]
+        tokens: list[torch.Tensor] = []
+        for j in range(steps):
+            positions = [c.start + j for c in chunks]
+            self._check_positions(positions)
+            specs = [ChunkSpec(t, p, 1) for t, p in zip(tables, positions)]
+            prev = tokens[-1] if tokens else None
+            hidden = self._run_graph(first_ids, positions, specs, prev)
+            if hidden is None:
+                step = upload(HostBatch.build(specs, self.kv.block_size), first_ids, positions, [],
+                              self.kv.block_size, self.device)
+                if prev is not None:
+                    step.input_ids.copy_(prev)
+                hidden = self.model(step.input_ids, step.positions, step.batch, self.kv)
+            tokens.append(sample(self.model.logits(hidden), j))
+        return torch.stack(tokens).tolist()
+
+    @torch.inference_mode()
     def hidden_states(self, ids: list[int], start: int, block_table) -> torch.Tensor:
         """One sequence's chunk at positions start.. run eagerly (embeddings): its last layer's hidden
         states, its K/V written to the cache."""
@@ -90,9 +122,11 @@ class DeviceModelRunner:
         if positions and max(positions) >= self.max_positions:
             raise ValueError(f"position {max(positions)} beyond the rotary table ({self.max_positions})")
 
-    def _run_graph(self, ids: list[int], positions: list[int], specs: list[ChunkSpec]) -> torch.Tensor | None:
+    def _run_graph(self, ids: list[int], positions: list[int], specs: list[ChunkSpec],
+                   device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Decode-only micro-batches replay a captured graph; None when this one cannot (no graphs,
-        a prefill chunk, more rows or blocks than were captured): the caller runs it eagerly."""
+        a prefill chunk, more rows or blocks than were captured): the caller runs it eagerly.
+        device_ids: the rows' input ids on the device, in place of ids (run_decode_steps)."""
         g = self.graphs
         if g is None or any(s.num_new != 1 for s in specs):
             return None
@@ -102,4 +136,4 @@ class DeviceModelRunner:
             return None
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(specs, positions)]
         self.graph_steps += 1
-        return g.run(DecodeRows(ids, positions, slots, [s.block_table for s in specs], lens))
+        return g.run(DecodeRows(ids, positions, slots, [s.block_table for s in specs], lens), device_ids)

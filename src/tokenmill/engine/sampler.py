@@ -132,6 +132,16 @@ class Sampler:
         return result
 
 
+    @torch.inference_mode()
+    def greedy_on_device(self, logits: torch.Tensor, inp: SamplerInput) -> torch.Tensor:
+        """What __call__ picks for rows that are all greedy, without penalties, grammar or logprobs,
+        left on the logits' device as int64 (nothing waits for the device: engine/decode_steps.py
+        feeds them to the next step there). The same operations in the same order as __call__."""
+        if inp.recent_token_ids or inp.token_masks is not None or not all(p.is_greedy for p in inp.params):
+            raise ValueError("greedy_on_device takes greedy rows without penalties or grammar masks")
+        return greedy_tokens(_suppress_stop_tokens(logits.float(), inp, in_place=True))
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, the first index on ties, with torch.max(dim=-1)'s rules (torch's argmax
     kernel was slower still). The compiled kernel (kernels/argmax.py) reads the rows at memory speed:

@@ -280,6 +280,46 @@ class Scheduler:
             changed.append(seq)
         return changed
 
+    # --- decode steps in a row on the device (engine/decode_steps.py) ----------------------------
+    def reserve_decode_steps(self, batch: ScheduledBatch, steps: int) -> bool:
+        """Make room for every chunk of a decode-only batch to compute `steps` tokens (positions start
+        .. start + steps - 1) in blocks of its own, all or none: False, with nothing changed, when a
+        sequence cannot have them without a copy or a preemption (then the step is an ordinary one)."""
+        grown: list[ScheduledChunk] = []
+        for chunk in batch.chunks:
+            seq_id, end = chunk.seq.seq_id, chunk.start + steps
+            if not self.blocks.writable(seq_id, end, chunk.start):
+                if not self.blocks.can_allocate(seq_id, end):
+                    break
+                self.blocks.allocate(seq_id, end)
+                grown.append(chunk)
+                if not self.blocks.writable(seq_id, end, chunk.start):
+                    break
+        else:
+            return True
+        for chunk in grown:  # the blocks of the ordinary step stay: it was scheduled with them
+            self.blocks.trim(chunk.seq.seq_id, chunk.start + 1)
+        return False
+
+    def update_decode_steps(self, batch: ScheduledBatch, results: list[SampleResult]) -> list[Sequence]:
+        """update() for len(results) decode steps in a row: each sequence takes its tokens one at a
+        time, as that many ordinary steps would have given them; a stop, max_tokens or the context's
+        end ends it where it would have ended, and the tokens after are void (their KV, past what the
+        sequence computed, is never cached: the blocks go back with the sequence)."""
+        now = time.monotonic()
+        for row, chunk in enumerate(batch.chunks):
+            seq = chunk.seq
+            for j, result in enumerate(results):
+                seq.num_computed_tokens = chunk.start + j + 1
+                going = self._append(seq, result, row, now)
+                if not going:
+                    break
+            if not seq.is_finished:
+                if self.cfg.enable_prefix_caching:
+                    self._commit(seq)
+                self.blocks.trim(seq.seq_id, seq.num_tokens)
+        return [c.seq for c in batch.chunks]
+
     def _append(self, seq: Sequence, result: SampleResult, row: int, now: float) -> bool:
         """Give seq the token sampled at `row`; finish it, or shift its context, if that calls for
         it. Returns whether it may take another token this step (neither happened)."""

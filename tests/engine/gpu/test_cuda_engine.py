@@ -68,7 +68,8 @@ def gemma3_path(tmp_path_factory):
 def against_cpu(path, prompts, *, compile: bool, tolerance: float = 0.03, **cfg):
     reqs = [(p, GREEDY) for p in prompts]
     cpu = make_engine(load_model(path, torch.bfloat16), **cfg)  # eager: CUDA graphs are the GPU's compile
-    gpu = make_engine(load_model(path, "auto", device="cuda"), device="cuda", compile=compile, **cfg)
+    # One step at a time: the logits of decode steps in a row never leave the device (see below).
+    gpu = make_engine(load_model(path, "auto", device="cuda"), device="cuda", compile=compile, decode_steps=1, **cfg)
     assert isinstance(gpu.runner, DeviceModelRunner) and gpu.kv.k[0].is_cuda
     cpu_rows, gpu_rows = per_request(cpu.runner), per_request(gpu.runner)
     expected, got = run_to_completion(cpu, reqs), run_to_completion(gpu, reqs)
@@ -102,13 +103,29 @@ def test_gemma3_on_cuda_matches_the_cpu(gemma3_path, compile):
 def test_graphs_replay_what_eager_steps_compute(llama_path):
     loaded = load_model(llama_path, "auto", device="cuda")
     reqs = [(random_ids(n, seed=i), GREEDY) for i, n in enumerate(LENGTHS[:5])]  # 5 rows: the bucket of 8
-    eager = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096)
-    graphs = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True)
+    eager = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, decode_steps=1)
+    graphs = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True, decode_steps=1)
     eager_rows, graph_rows = per_request(eager.runner), per_request(graphs.runner)
     expected, got = run_to_completion(eager, reqs), run_to_completion(graphs, reqs)
     assert graphs.runner.graph_steps > 0
     ids = [f"req-{i}" for i in range(len(reqs))]
     assert_same_greedy(expected, got, [eager_rows[i] for i in ids], [graph_rows[i] for i in ids])
+
+
+def test_decode_steps_in_a_row_on_cuda_give_the_single_steps_tokens(llama_path):
+    """The default on a GPU: greedy decode-only batches run 4 graph replays in a row, each row's next
+    input its sampled token on the device. The same tokens as one step at a time."""
+    loaded = load_model(llama_path, "auto", device="cuda")
+    reqs = [(random_ids(n, seed=i), SamplingParams(max_tokens=11, temperature=0, ignore_eos=True))
+            for i, n in enumerate(LENGTHS[:5])]
+    single = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True, decode_steps=1)
+    several = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True)
+    assert several.decode_steps == 4
+    expected = run_to_completion(single, reqs)
+    assert run_to_completion(several, reqs) == expected
+    # 10 decode tokens each: 10 engine steps one at a time, 3 in runs (4 + 4 + 2), every one replayed
+    assert several.stats.num_steps < single.stats.num_steps
+    assert several.runner.graph_steps == single.runner.graph_steps
 
 
 def test_seeded_sampling_repeats_on_cuda(llama_path):

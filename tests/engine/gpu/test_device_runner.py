@@ -32,9 +32,11 @@ class EagerReplay:
         return self.buffers.accepts(num_rows, num_blocks)
 
     @torch.inference_mode()
-    def run(self, rows: DecodeRows) -> torch.Tensor:
+    def run(self, rows: DecodeRows, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         b = self.buffers
         bucket = b.fill(rows)
+        if input_ids is not None:
+            b.input_ids[:len(input_ids)].copy_(input_ids)
         self.buckets_used.append(bucket)
         hidden = self.model(b.input_ids[:bucket], b.positions[:bucket], b.batch(bucket), self.kv)
         return hidden[:len(rows.input_ids)]
@@ -175,3 +177,84 @@ def test_positions_past_the_rotary_table_are_refused(llama):
     _, dev = engines(llama, replay=False, max_total_tokens=1024)
     with pytest.raises(ValueError, match="beyond the rotary table"):
         dev.runner.hidden_states([1], 512, list(range(64)))
+
+
+# --- decode steps in a row (engine/decode_steps.py) -------------------------------------------------
+
+def stepping(engine, steps: int) -> list[int]:
+    """Let the engine run `steps` decode steps in a row; returns a list that records each run's length."""
+    engine.decode_steps = steps
+    runs: list[int] = []
+    run = engine.runner.run_decode_steps
+
+    def counted(batch, k, sample):
+        runs.append(k)
+        return run(batch, k, sample)
+
+    engine.runner.run_decode_steps = counted
+    return runs
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["eager", "buffers"])
+def test_decode_steps_in_a_row_give_the_single_steps_tokens(llama, replay):
+    """Greedy requests of different lengths and max_tokens (runs cut at the shortest's end), one
+    stopping on a token inside a run, one whose EOS suppression (min_tokens) ends inside a run: the
+    same tokens as single steps, every block given back."""
+    prompts = [random_ids(n, seed=30 + i) for i, n in enumerate([5, 40, 17, 3])]
+    plain = SamplingParams(max_tokens=13, temperature=0, ignore_eos=True)
+    _, single = engines(llama, replay=replay, n_batch=64, parallel=4, max_total_tokens=2048)
+    assert make_engine(llama, decode_steps=4).decode_steps == 1  # the CPU runner runs one step at a time
+    first = run_to_completion(single, [(p, plain) for p in prompts])
+    stop_at = first[1][6]  # request 1's 7th token ends it
+    reqs = [(prompts[0], plain), (prompts[1], SamplingParams(max_tokens=13, temperature=0, stop_token_ids=[stop_at])),
+            (prompts[2], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)),
+            (prompts[3], SamplingParams(max_tokens=13, temperature=0, min_tokens=5,
+                                        stop_token_ids=[first[3][2], first[3][7]]))]
+    outputs = []
+    for steps in (1, 4):
+        _, engine = engines(llama, replay=replay, n_batch=64, parallel=4, max_total_tokens=2048)
+        runs = stepping(engine, steps)
+        outputs.append(run_to_completion(engine, reqs))
+        assert (len(runs) > 0) == (steps > 1) and all(2 <= k <= steps for k in runs)
+    assert outputs[0] == outputs[1]
+    assert outputs[0][1][-1] == stop_at and len(outputs[0][1]) <= 7
+    assert len(outputs[0][2]) == 9
+
+
+def test_decode_steps_only_where_nothing_needs_the_host_between_tokens(llama):
+    """A sampled request in the batch, or one waiting for a slot, keeps the steps ordinary ones; once
+    the sampled one is done and nobody waits, the greedy ones run steps in a row. Every request's
+    tokens (the seeded sample's too) are those of single steps."""
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=3, temperature=0.8, seed=5, ignore_eos=True)
+    reqs = [(random_ids(9, seed=1), sampled), (random_ids(7, seed=2), greedy), (random_ids(8, seed=3), greedy)]
+    outputs = []
+    for steps in (1, 4):
+        _, engine = engines(llama, replay=True, n_batch=64, parallel=2, max_total_tokens=2048)  # one waits
+        runs = stepping(engine, steps)
+        seen: list[tuple[int, bool]] = []  # at each run: requests waiting, a sampled row in the batch
+        counted = engine.runner.run_decode_steps
+
+        def watched(batch, k, sample, counted=counted, engine=engine, seen=seen):
+            seen.append((engine.num_waiting(), any(not c.seq.params.is_greedy for c in batch.chunks)))
+            return counted(batch, k, sample)
+
+        engine.runner.run_decode_steps = watched
+        outputs.append(run_to_completion(engine, reqs))
+        assert (len(runs) > 0) == (steps > 1) and all(w == 0 and not s for w, s in seen)
+    assert outputs[0] == outputs[1] and [len(o) for o in outputs[0]] == [3, 12, 12]
+
+
+def test_decode_steps_fall_back_when_the_cache_has_no_room(llama):
+    """Five blocks for three sequences that need six: runs in a row only while their blocks can be
+    had without a preemption, ordinary steps (preempting) after; the same tokens, no block left."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = [random_ids(12, seed=40 + i) for i in range(3)]
+    outputs = []
+    for steps in (1, 8):
+        _, engine = engines(llama, replay=True, n_batch=64, parallel=3, max_total_tokens=5 * 16, block_size=16)
+        runs = stepping(engine, steps)
+        outputs.append(run_to_completion(engine, [(p, params) for p in prompts]))
+        assert engine.stats.num_preemptions > 0
+        assert (len(runs) > 0) == (steps > 1)
+    assert outputs[0] == outputs[1]

@@ -88,6 +88,13 @@ def test_settings_reach_the_engine(tmp_path):
         EngineConfig(gpu_memory_utilization=0).validate()
     with pytest.raises(ConfigError, match="device"):
         EngineConfig(device="metal").validate()
+    # decode steps in a row (engine/decode_steps.py): 0 = automatic, from the flag, env and file alike
+    assert load_config(None, env={}).engine_config().decode_steps == 0
+    assert load_config(None, env={"TOKENMILL_DECODE_STEPS": "8"}).engine_config().decode_steps == 8
+    with pytest.raises(Exception, match="decode_steps"):
+        load_config(None, env={"TOKENMILL_DECODE_STEPS": "65"})
+    with pytest.raises(ConfigError, match="decode_steps"):
+        EngineConfig(decode_steps=-1).validate()
 
 
 @CUDA

@@ -57,9 +57,12 @@ class DecodeGraphs:
         """Replays a bucket's graph on whatever the buffers hold (the profile's GPU-only time)."""
         self._graphs[bucket].replay()
 
-    def run(self, rows: DecodeRows) -> torch.Tensor:
+    def run(self, rows: DecodeRows, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The last layer's hidden states of rows ([len(rows), dim], a view of the bucket's output,
-        valid until the next replay)."""
+        valid until the next replay). input_ids: the rows' ids as a device tensor, in place of
+        rows.input_ids (the previous step's sampled tokens, which the host has not seen)."""
         bucket = self.buffers.fill(rows)
+        if input_ids is not None:  # queued after fill's upload, so it overwrites the host's ids
+            self.buffers.input_ids[:len(input_ids)].copy_(input_ids)
         self._graphs[bucket].replay()
         return self._hidden[bucket][:len(rows.input_ids)]
