@@ -1,6 +1,5 @@
-"""Decode steps in a row on a device (vLLM's "multi-step scheduling"): a decode-only batch of greedy
-sequences runs `steps` steps back to back, each row's next input its sampled token, which stays on
-the device; the host reads all the steps' tokens once, at the end, and the scheduler hands them out
+"""Decode steps in a row on a device (vLLM's "multi-step scheduling"): a decode-only batch runs
+`steps` steps back to back, each row's next input its sampled token, which stays on the device; the host reads all the steps' tokens once, at the end, and the scheduler hands them out
 one at a time (Scheduler.update_decode_steps), so a stop token or max_tokens ends a sequence where
 single steps would have.
 
@@ -9,9 +8,10 @@ the tokens' way back, the scheduler's update) is a third of a single stream's st
 of a 256-sequence one, and the device waits for it. Here it is paid once per `steps` tokens. The
 arithmetic is the ordinary steps' (the same graphs, rows and sampler), so the tokens are the same.
 
-Only where nothing needs the host between two tokens: every row a plain greedy decode (no penalties,
-grammar, logprobs, proposals, forks or copies), no request waiting (it would wait `steps` steps for
-its prompt), and room for every sequence's tokens in blocks of its own."""
+Only where nothing needs the host between two tokens: every row a plain decode, greedy or sampled
+(no penalties, grammar, logprobs, stop strings, proposals, forks or copies; a seeded row draws from
+its generator in the same order as single steps would), no request waiting (it would wait `steps`
+steps for its prompt), and room for every sequence's tokens in blocks of its own."""
 from __future__ import annotations
 
 from tokenmill.engine.batch import ScheduledBatch
@@ -20,12 +20,12 @@ from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput
 from tokenmill.engine.scheduler import Scheduler
 
 
-def plain_greedy(seq: Sequence) -> bool:
-    """A sequence whose next token the device alone can pick: greedy, nothing read from its history
+def plain_decode(seq: Sequence) -> bool:
+    """A sequence whose next token the device alone can pick: nothing read from its history
     (penalties), no grammar, no logprobs; and no stop strings, so that no token is made past one."""
     p = seq.params
-    return (p.is_greedy and not p.uses_penalties and seq.constraint is None and not p.logprobs
-            and not p.top_logprobs and p.prompt_logprobs is None and not p.stop)
+    return (not p.uses_penalties and seq.constraint is None and not p.logprobs and not p.top_logprobs
+            and p.prompt_logprobs is None and not p.stop)
 
 
 def steps_for(batch: ScheduledBatch, scheduler: Scheduler, wanted: int) -> int:
@@ -37,7 +37,7 @@ def steps_for(batch: ScheduledBatch, scheduler: Scheduler, wanted: int) -> int:
     for chunk in batch.chunks:
         seq = chunk.seq
         if (chunk.num_new != 1 or not chunk.samples or chunk.draft_ids or chunk.copies or chunk.forked_from
-                or seq.num_pending_forks or seq.is_prefilling or seq.num_uncomputed != 1 or not plain_greedy(seq)):
+                or seq.num_pending_forks or seq.is_prefilling or seq.num_uncomputed != 1 or not plain_decode(seq)):
             return 1
         left = seq.max_model_len - seq.num_tokens - 1  # the context's end is an ordinary step's business
         if seq.params.max_tokens is not None:
@@ -52,7 +52,7 @@ def step_inputs(batch: ScheduledBatch, stop_ids, step: int) -> SamplerInput:
     """The sampler's input for step `step` of the run: what the ordinary step would have had (its
     output counts decide min_tokens' suppression)."""
     seqs = [c.seq for c in batch.chunks]
-    return SamplerInput(params=[s.params for s in seqs], generators=[None] * len(seqs), recent_token_ids=[],
+    return SamplerInput(params=[s.params for s in seqs], generators=[s.generator for s in seqs], recent_token_ids=[],
                         num_output_tokens=[len(s.output_ids) + step for s in seqs],
                         stop_token_ids=[stop_ids] * len(seqs), token_masks=None)
 
@@ -62,5 +62,5 @@ def run_model(batch: ScheduledBatch, steps: int, runner, sampler: Sampler, stop_
     Scheduler.update_decode_steps); the sequences' blocks already hold every position
     (Scheduler.reserve_decode_steps)."""
     rows = runner.run_decode_steps(batch, steps,
-                                   lambda logits, j: sampler.greedy_on_device(logits, step_inputs(batch, stop_ids, j)))
+                                   lambda logits, j: sampler.on_device(logits, step_inputs(batch, stop_ids, j)))
     return [SampleResult(token_ids=r) for r in rows]

@@ -86,6 +86,26 @@ class Sampler:
         if n == 0:
             return SampleResult(token_ids=[])
 
+        logits, tokens = self._pick(logits, inp, owned)
+        token_list = tokens.tolist()
+        result = SampleResult(token_ids=token_list)
+        _add_logprobs(result, logits, tokens, params)
+        return result
+
+    @torch.inference_mode()
+    def on_device(self, logits: torch.Tensor, inp: SamplerInput) -> torch.Tensor:
+        """The tokens __call__ picks for rows without penalties, grammar masks or logprobs, left on the
+        logits' device as int64 (engine/decode_steps.py feeds them to the next step there, so the
+        host does not wait for them). The same operations as __call__, the seeded rows' draws from
+        their generators in the same order."""
+        if inp.recent_token_ids or inp.token_masks is not None:
+            raise ValueError("on_device takes rows without penalties or grammar masks")
+        return self._pick(logits, inp, owned=True)[1]
+
+    def _pick(self, logits: torch.Tensor, inp: SamplerInput, owned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the processed float32 logits the tokens were picked from, the tokens on their device)."""
+        n = logits.shape[0]
+        params = inp.params
         # Penalties, temperature and cumulative sums want float32, and so does the greedy max: on
         # bf16 argmax ran 2.3x slower than a widening copy (0.26 ms at 64 rows) plus a float32 one.
         logits = logits.float()
@@ -126,20 +146,7 @@ class Sampler:
                 if _group(params[i], vocab) not in _COMPILED_GROUPS:
                     tokens[i] = _sample(logits[i : i + 1], [params[i]], gens[i])[0]
 
-        token_list = tokens.tolist()
-        result = SampleResult(token_ids=token_list)
-        _add_logprobs(result, logits, tokens, params)
-        return result
-
-
-    @torch.inference_mode()
-    def greedy_on_device(self, logits: torch.Tensor, inp: SamplerInput) -> torch.Tensor:
-        """What __call__ picks for rows that are all greedy, without penalties, grammar or logprobs,
-        left on the logits' device as int64 (nothing waits for the device: engine/decode_steps.py
-        feeds them to the next step there). The same operations in the same order as __call__."""
-        if inp.recent_token_ids or inp.token_masks is not None or not all(p.is_greedy for p in inp.params):
-            raise ValueError("greedy_on_device takes greedy rows without penalties or grammar masks")
-        return greedy_tokens(_suppress_stop_tokens(logits.float(), inp, in_place=True))
+        return logits, tokens
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -260,14 +267,15 @@ def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms:
         rows = _index(picked, logits.device)
         x = logits if len(picked) == logits.shape[0] else logits[rows]
         dev = logits.device
-        temps = torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
-                             dtype=torch.float32, device=dev)
-        log_min_p = torch.log(torch.tensor([params[i].min_p for i in picked], dtype=torch.float32, device=dev))
-        u = torch.cat([uniforms[i].reshape(1) for i in picked]).to(dev)
+        # Uploaded without waiting for the device's queue (_on), as every host-built tensor here.
+        temps = _on(dev, torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
+                                      dtype=torch.float32))
+        log_min_p = torch.log(_on(dev, torch.tensor([params[i].min_p for i in picked], dtype=torch.float32)))
+        u = _on(dev, torch.cat([uniforms[i].reshape(1) for i in picked]))
         if group == "plain":
             out[rows] = sample_categorical(x, temps, log_min_p, u)
         else:
-            top_p = torch.tensor([params[i].top_p for i in picked], dtype=torch.float32, device=dev)
+            top_p = _on(dev, torch.tensor([params[i].top_p for i in picked], dtype=torch.float32))
             out[rows] = sample_nucleus(x, temps, top_p, log_min_p, u)
     return out
 
@@ -392,7 +400,7 @@ def _add_logprobs(
 
 def _uniforms(n: int, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """float32 [n, 1] uniforms from gen (a CPU generator, or the global CPU RNG), on device."""
-    return torch.rand((n, 1), generator=gen).to(device)
+    return _on(torch.device(device), torch.rand((n, 1), generator=gen))
 
 
 def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
