@@ -12,15 +12,15 @@ from pathlib import Path
 import torch
 
 from tokenmill.cpu_threads import configure_threads
-from tokenmill.engine.config import DEFAULT_DECODE_STEPS, ConfigError, EngineConfig
 from tokenmill.engine import decode_steps
+from tokenmill.engine.config import DEFAULT_DECODE_STEPS, ConfigError, EngineConfig
 from tokenmill.engine.context import generation_reserve, truncate_prompt
 from tokenmill.engine.device import build_device_runner, fit_device_kv_cache, on_device
 from tokenmill.engine.health import StepFaults, StepShape
 from tokenmill.engine.prompt_scores import score_prompt_rows
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sampler import Sampler, SamplerInput
+from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from tokenmill.engine.speculative import SpecConfigError, row_generators
@@ -309,7 +309,7 @@ class LLMEngine:
             events += self._finished(seq) if seq.is_finished else [self._event(seq)]
         return events
 
-    def _model_step(self, batch: ScheduledBatch):
+    def _model_step(self, batch: ScheduledBatch) -> SampleResult | None:
         """One ordinary step's model call and sampling: the SampleResult (None when no row samples)."""
         # Grammar masks are built on a worker thread while the model runs.
         masks = self.masks.start([(c.seq.seq_id, c.seq.constraint) for c in batch.sampling_chunks

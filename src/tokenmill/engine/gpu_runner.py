@@ -4,7 +4,7 @@ through tokenmill.kernels.gpu (model/gpu/batch.py) and decode-only micro-batches
 graphs (model/gpu/graphs.py) when they were captured. Logits stay on the device for the sampler.
 
 Nothing here needs CUDA itself: on CPU tensors the kernels take their PyTorch references, which is how
-the tests hold this runner to the CPU one (tests/model/gpu/test_device_runner.py)."""
+the tests hold this runner to the CPU one (tests/engine/gpu/test_device_runner.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
