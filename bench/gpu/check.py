@@ -55,8 +55,9 @@ class Sizes:
     new_tokens: int = 128
     decode_repeats: int = 5
     concurrency: tuple[int, ...] = (64, 256)
-    # A burst is over in a second; one run of it moved by up to 17% between runs of the same code on
-    # the same box: the median of 3, each with its own prompts.
+    # A burst is over in a second, and one run of it is a noisy figure (256 requests: 40,199 then 33,516
+    # out tok/s after a change that made the step faster, on another H200): the median of 3, each with
+    # its own prompts.
     concurrency_repeats: int = 3
     invariance_batch: int = 64
     anchor_batches: tuple[int, ...] = (1, 64, 256)
