@@ -251,7 +251,13 @@ def step_decode(c: Check) -> dict[str, Any]:
                                                               max_total_tokens=16384))
         init = time.perf_counter() - start
         prompts = runs.prompts_for(engine.tokenizer, s.decode_repeats, s.prompt_len)
-        result[name] = {**runs.single_stream(engine, prompts, s.new_tokens), "engine_init_seconds": init}
+        result[name] = {**runs.single_stream(engine, prompts, s.new_tokens), "engine_init_seconds": init,
+                        "decode_steps": getattr(engine, "decode_steps", 1)}
+        # The same with one step at a time, where the default runs several in a row (engine/decode_steps.py):
+        # what the runs are worth, on the same box.
+        if name == "smollm2" and getattr(engine, "decode_steps", 1) > 1:
+            engine.decode_steps = 1
+            result[f"{name}-one-step"] = {**runs.single_stream(engine, prompts, s.new_tokens), "decode_steps": 1}
         runs.release(engine)
         c.save("decode", result)
     return result

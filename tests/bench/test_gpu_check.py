@@ -63,7 +63,8 @@ def write(out: Path, step: str, data: dict) -> None:
 
 def test_summary_verdicts(tmp_path):
     write(tmp_path, "env", {"device": "cuda", "gpu": "NVIDIA H100", "sizes": {"concurrency": [64, 256]}})
-    write(tmp_path, "decode", {"smollm2": {"decode_tok_s": 1500.0, "graph_steps": 640},
+    write(tmp_path, "decode", {"smollm2": {"decode_tok_s": 1500.0, "graph_steps": 640, "decode_steps": 4},
+                               "smollm2-one-step": {"decode_tok_s": 900.0, "decode_steps": 1},
                                "gemma3": {"decode_tok_s": 650.0, "graph_steps": 640}})
     write(tmp_path, "concurrency", {"64": {"output_tok_s": 25000.0, "ttft_ms": {"p50": 120.0}}})
     write(tmp_path, "anchor", {"batches": {"1": {"output_tok_s": 50.0}, "64": {"output_tok_s": 3000.0}}})
@@ -76,6 +77,9 @@ def test_summary_verdicts(tmp_path):
     assert met["256 concurrent output tok/s"] == "not measured"
     assert met["GPU tests"] == "NO" and met["logits and greedy tokens vs the CPU path"] == "not measured"
     assert "NVIDIA H100" in text and "3,000.0" in text
+    assert "640 graph steps, 4 steps in a row" in text
+    one = next(r for r in data["rows"] if r["what"].endswith("one step at a time"))
+    assert one["value"] == "900.0" and one["met"] == "-"
     assert set(data["missing"]) == {"correctness", "invariance"}
     # the tests' step stopped at its time limit with no failure so far: said so, not called a failure
     write(tmp_path, "kernel-tests", {"rc": 124, "passed": 60, "skipped": 2, "summary": "cut short after 62 tests"})
