@@ -136,8 +136,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("gpu_memory_utilization", float, 0.9, "cuda: the share of the GPU's free memory a model may take for "
            "its weights, KV cache and workspace; the KV cache gets what is left, up to kv_size",
            ("--gpu-memory-utilization",), lo=0.01, hi=1.0),
-    Option("decode_steps", int, 0, "cuda: decode steps a batch of plain requests (no penalties, grammar, "
-           "logprobs or stop strings) runs back to back on the GPU before the host reads their tokens (the host's share of a step is paid once for all of "
+    Option("decode_steps", int, 0, "cuda: decode steps a batch of requests without grammar or logprobs runs "
+           "back to back on the GPU before the host reads their tokens (the host's share of a step is paid once for all of "
            "them); 0 = 4 on a GPU, 1 elsewhere", ("--decode-steps",), lo=1, hi=64, zero_ok=True),
     Option("speculative", str, "ngram", "speculative decoding for requests that do not choose: ngram (prompt "
            "lookup: a sequence proposes what followed its last few tokens earlier in its context, verified in the "

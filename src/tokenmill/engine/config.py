@@ -65,7 +65,7 @@ class EngineConfig:
     # and tests get the same engine on every machine unless they ask.
     device: str = "cpu"
     gpu_memory_utilization: float = 0.9  # cuda: share of the free GPU memory for weights, KV cache, workspace
-    # Decode steps a batch of plain sequences (decode_steps.py) runs back to back before the host reads their
+    # Decode steps a decode-only batch (decode_steps.py) runs back to back before the host reads their
     # tokens (engine/decode_steps.py), on a runner that can (the device one); 0 = DEFAULT_DECODE_STEPS there.
     decode_steps: int = 0
 

@@ -1,18 +1,23 @@
 """Decode steps in a row on a device (vLLM's "multi-step scheduling"): a decode-only batch runs
-`steps` steps back to back, each row's next input its sampled token, which stays on the device; the host reads all the steps' tokens once, at the end, and the scheduler hands them out
-one at a time (Scheduler.update_decode_steps), so a stop token or max_tokens ends a sequence where
-single steps would have.
+`steps` steps back to back, each row's next input its sampled token, which stays on the device; the
+host reads all the steps' tokens once, at the end, and the scheduler hands them out one at a time
+(Scheduler.update_decode_steps), so a stop token or max_tokens ends a sequence where single steps
+would have.
 
 Why: on a GPU the host's share of a step (scheduling, the batch's inputs, the sampler's bookkeeping,
 the tokens' way back, the scheduler's update) is a third of a single stream's step and more than half
 of a 256-sequence one, and the device waits for it. Here it is paid once per `steps` tokens. The
 arithmetic is the ordinary steps' (the same graphs, rows and sampler), so the tokens are the same.
 
-Only where nothing needs the host between two tokens: every row a plain decode, greedy or sampled
-(no penalties, grammar, logprobs, stop strings, proposals, forks or copies; a seeded row draws from
-its generator in the same order as single steps would), no request waiting (it would wait `steps`
-steps for its prompt), and room for every sequence's tokens in blocks of its own."""
+Only where nothing needs the host between two tokens: every row a plain decode, greedy or sampled (no
+grammar, logprobs, proposals, forks or copies), no request waiting (it would wait `steps` steps for
+its prompt), and room for every sequence's tokens in blocks of its own. Penalties are applied over
+windows that hold the run's earlier tokens, gathered on the device; a seeded row draws from its
+generator in the order single steps would; a stop string ends a request on the output side, which
+drops what a run made after it (as after a speculative step), and it is counted as generated there."""
 from __future__ import annotations
+
+import torch
 
 from tokenmill.engine.batch import ScheduledBatch
 from tokenmill.engine.request import Sequence
@@ -21,11 +26,10 @@ from tokenmill.engine.scheduler import Scheduler
 
 
 def plain_decode(seq: Sequence) -> bool:
-    """A sequence whose next token the device alone can pick: nothing read from its history
-    (penalties), no grammar, no logprobs; and no stop strings, so that no token is made past one."""
+    """A sequence whose next token the device alone can pick: no grammar (its mask is computed on the
+    host from the token before) and no logprobs (they come back with every token)."""
     p = seq.params
-    return (not p.uses_penalties and seq.constraint is None and not p.logprobs and not p.top_logprobs
-            and p.prompt_logprobs is None and not p.stop)
+    return seq.constraint is None and not p.logprobs and not p.top_logprobs and p.prompt_logprobs is None
 
 
 def steps_for(batch: ScheduledBatch, scheduler: Scheduler, wanted: int) -> int:
@@ -48,19 +52,58 @@ def steps_for(batch: ScheduledBatch, scheduler: Scheduler, wanted: int) -> int:
     return steps
 
 
-def step_inputs(batch: ScheduledBatch, stop_ids, step: int) -> SamplerInput:
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.int64)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def penalty_windows(batch: ScheduledBatch, step: int, previous: list[torch.Tensor],
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The penalty windows of step `step` of a run, laid out as the sampler's apply_penalties lays
+    them out: each row's last repeat_last_n tokens of its context, the run's tokens so far (previous:
+    one device tensor of the rows' tokens per step) included, gathered on the device. None when no
+    row uses penalties."""
+    chunks = batch.chunks
+    if not any(c.seq.params.uses_penalties for c in chunks):
+        return None
+    rows = len(chunks)
+    ids: list[int] = []
+    dest: list[int] = []
+    src: list[int] = []
+    offsets = [0]
+    for r, chunk in enumerate(chunks):
+        p = chunk.seq.params
+        if p.uses_penalties:
+            width = p.repeat_last_n
+            from_run = step if width < 0 else min(step, width)
+            ids += chunk.seq.last_token_ids(width - from_run if width >= 0 else -1)
+            for s in range(step - from_run, step):
+                dest.append(len(ids))
+                src.append(s * rows + r)
+                ids.append(0)
+        offsets.append(len(ids))
+    windows = _upload(ids, device)
+    if dest:
+        windows[_upload(dest, device)] = torch.stack(previous).view(-1)[_upload(src, device)]
+    return windows, _upload(offsets, device)
+
+
+def step_inputs(batch: ScheduledBatch, stop_ids, step: int, previous: list[torch.Tensor],
+                device: torch.device) -> SamplerInput:
     """The sampler's input for step `step` of the run: what the ordinary step would have had (its
-    output counts decide min_tokens' suppression)."""
+    output counts decide min_tokens' suppression, its windows the penalties)."""
     seqs = [c.seq for c in batch.chunks]
-    return SamplerInput(params=[s.params for s in seqs], generators=[s.generator for s in seqs], recent_token_ids=[],
+    return SamplerInput(params=[s.params for s in seqs], generators=[s.generator for s in seqs],
                         num_output_tokens=[len(s.output_ids) + step for s in seqs],
-                        stop_token_ids=[stop_ids] * len(seqs), token_masks=None)
+                        stop_token_ids=[stop_ids] * len(seqs),
+                        penalty_windows=penalty_windows(batch, step, previous, device))
 
 
 def run_model(batch: ScheduledBatch, steps: int, runner, sampler: Sampler, stop_ids) -> list[SampleResult]:
     """The steps' model calls and sampling, each step's tokens as a SampleResult (for
     Scheduler.update_decode_steps); the sequences' blocks already hold every position
     (Scheduler.reserve_decode_steps)."""
-    rows = runner.run_decode_steps(batch, steps,
-                                   lambda logits, j: sampler.on_device(logits, step_inputs(batch, stop_ids, j)))
-    return [SampleResult(token_ids=r) for r in rows]
+    def sample(logits: torch.Tensor, step: int, previous: list[torch.Tensor]) -> torch.Tensor:
+        return sampler.on_device(logits, step_inputs(batch, stop_ids, step, previous, logits.device))
+
+    return [SampleResult(token_ids=r) for r in runner.run_decode_steps(batch, steps, sample)]

@@ -82,10 +82,10 @@ class DeviceModelRunner:
 
     @torch.inference_mode()
     def run_decode_steps(self, batch: ScheduledBatch, steps: int,
-                         sample: Callable[[torch.Tensor, int], torch.Tensor]) -> list[list[int]]:
+                         sample: Callable[[torch.Tensor, int, list[torch.Tensor]], torch.Tensor]) -> list[list[int]]:
         """`steps` decode steps of a decode-only batch (one row per chunk, each sampled) in a row: step
-        j computes position start + j of every row, its input the token sample(logits, j - 1) picked
-        on the device. The sequences' blocks must hold all the positions (Scheduler.reserve_decode_steps).
+        j computes position start + j of every row, its input the token that step j - 1's
+        sample(logits, j - 1, the steps' tokens before) picked on the device. The sequences' blocks must hold all the positions (Scheduler.reserve_decode_steps).
         Returns each step's tokens ([steps][rows]), read from the device once."""
         chunks = batch.chunks
         if len(chunks) > self.n_ubatch:
@@ -105,7 +105,7 @@ class DeviceModelRunner:
                 if prev is not None:
                     step.input_ids.copy_(prev)
                 hidden = self.model(step.input_ids, step.positions, step.batch, self.kv)
-            tokens.append(sample(self.model.logits(hidden), j))
+            tokens.append(sample(self.model.logits(hidden), j, tokens))
         return torch.stack(tokens).tolist()
 
     @torch.inference_mode()

@@ -52,6 +52,10 @@ class SamplerInput:
     stop_token_ids: list[frozenset[int]] = field(default_factory=list)
     # Allowed tokens of the rows with a grammar constraint; None when no row has one.
     token_masks: TokenMasks | None = None
+    # The penalty windows already on the logits' device, as (ids, offsets) the way apply_penalties
+    # lays them out, in place of recent_token_ids: decode steps in a row (engine/decode_steps.py)
+    # build them with tokens that never came back to the host.
+    penalty_windows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -94,12 +98,12 @@ class Sampler:
 
     @torch.inference_mode()
     def on_device(self, logits: torch.Tensor, inp: SamplerInput) -> torch.Tensor:
-        """The tokens __call__ picks for rows without penalties, grammar masks or logprobs, left on the
+        """The tokens __call__ picks for rows without grammar masks or logprobs, left on the
         logits' device as int64 (engine/decode_steps.py feeds them to the next step there, so the
         host does not wait for them). The same operations as __call__, the seeded rows' draws from
         their generators in the same order."""
-        if inp.recent_token_ids or inp.token_masks is not None:
-            raise ValueError("on_device takes rows without penalties or grammar masks")
+        if inp.token_masks is not None:
+            raise ValueError("on_device takes rows without grammar masks")
         return self._pick(logits, inp, owned=True)[1]
 
     def _pick(self, logits: torch.Tensor, inp: SamplerInput, owned: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +113,7 @@ class Sampler:
         # Penalties, temperature and cumulative sums want float32, and so does the greedy max: on
         # bf16 argmax ran 2.3x slower than a widening copy (0.26 ms at 64 rows) plus a float32 one.
         logits = logits.float()
-        penalised = apply_penalties(logits, params, inp.recent_token_ids, in_place=owned)
+        penalised = apply_penalties(logits, params, inp.recent_token_ids, in_place=owned, windows=inp.penalty_windows)
         if inp.token_masks is not None:
             penalised = apply_token_masks(penalised, inp.token_masks, in_place=owned or penalised is not logits)
         logits = _suppress_stop_tokens(penalised, inp, in_place=owned or penalised is not logits)
@@ -157,10 +161,15 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], recent_token_ids: list[list[int]],
-                    *, in_place: bool = False) -> torch.Tensor:
+                    *, in_place: bool = False,
+                    windows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """llama.cpp's penalties sampler over each row's window (kernels/penalties.py). Touches only the
     tokens in the windows; returns the input when no row has any, else the penalised logits (the
-    input itself when in_place)."""
+    input itself when in_place). windows: (ids, offsets) already laid out (SamplerInput.penalty_windows)."""
+    if windows is not None:
+        out = logits if in_place else logits.clone()
+        _penalise(out, params, *windows)
+        return out
     if not recent_token_ids:
         return logits
     windows: list[int] = []
@@ -174,12 +183,17 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], recent_t
         return logits
     out = logits if in_place else logits.clone()
     dev = logits.device
-    apply_penalties_rows(out, _on(dev, torch.tensor(windows, dtype=torch.int64)),
-                         _on(dev, torch.tensor(offsets, dtype=torch.int64)),
+    _penalise(out, params, _on(dev, torch.tensor(windows, dtype=torch.int64)),
+              _on(dev, torch.tensor(offsets, dtype=torch.int64)))
+    return out
+
+
+def _penalise(out: torch.Tensor, params: list[SamplingParams], ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    dev = out.device
+    apply_penalties_rows(out, ids, offsets,
                          _on(dev, torch.tensor([p.repeat_penalty for p in params], dtype=torch.float32)),
                          _on(dev, torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)),
                          _on(dev, torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)))
-    return out
 
 
 def _suppress_stop_tokens(logits: torch.Tensor, inp: SamplerInput, in_place: bool) -> torch.Tensor:

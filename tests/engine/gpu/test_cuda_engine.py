@@ -114,11 +114,14 @@ def test_graphs_replay_what_eager_steps_compute(llama_path):
 
 def test_decode_steps_in_a_row_on_cuda_give_the_single_steps_tokens(llama_path):
     """The default on a GPU: decode-only batches run 4 graph replays in a row, each row's next input
-    its sampled token on the device. The same tokens as one step at a time, a seeded sample's too."""
+    its sampled token on the device. The same tokens as one step at a time, a seeded sample's and a
+    penalised row's (its window sliding inside the runs) too."""
     loaded = load_model(llama_path, "auto", device="cuda")
     reqs = [(random_ids(n, seed=i), SamplingParams(max_tokens=11, temperature=0, ignore_eos=True))
             for i, n in enumerate(LENGTHS[:4])]
     reqs.append((random_ids(12, seed=9), SamplingParams(max_tokens=11, temperature=0.9, seed=3, ignore_eos=True)))
+    reqs.append((random_ids(10, seed=8), SamplingParams(max_tokens=11, temperature=0, repeat_penalty=1.3,
+                                                        repeat_last_n=3, ignore_eos=True)))
     single = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True, decode_steps=1)
     several = make_engine(loaded, device="cuda", parallel=8, max_total_tokens=4096, compile=True)
     assert several.decode_steps == 4

@@ -222,32 +222,38 @@ def test_decode_steps_in_a_row_give_the_single_steps_tokens(llama, replay):
 
 
 def test_decode_steps_only_where_nothing_needs_the_host_between_tokens(llama):
-    """A row with penalties (its window holds the tokens of the run) or a request waiting for a slot
-    keep the steps ordinary ones; once neither is left, the greedy rows and a seeded sampled one run
-    steps in a row. Every request's tokens, the seeded sample's too, are those of single steps."""
+    """A row that wants logprobs, or a request waiting for a slot, keep the steps ordinary ones; once
+    neither is left, the others run steps in a row: greedy rows with penalties (a window of 3 that
+    slides inside a run, and the whole context), a seeded top-p sample. Every request's tokens are
+    those of single steps."""
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
-    penalised = SamplingParams(max_tokens=4, temperature=0, repeat_penalty=1.3, ignore_eos=True)
-    reqs = [(random_ids(9, seed=1), sampled), (random_ids(6, seed=4), penalised), (random_ids(7, seed=2), greedy),
-            (random_ids(8, seed=3), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+    sampled = SamplingParams(max_tokens=14, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    sliding = SamplingParams(max_tokens=14, temperature=0, repeat_penalty=1.3, repeat_last_n=3,
+                             frequency_penalty=0.2, presence_penalty=0.1, ignore_eos=True)
+    whole = SamplingParams(max_tokens=13, temperature=0, repeat_penalty=1.5, repeat_last_n=-1, ignore_eos=True)
+    with_logprobs = SamplingParams(max_tokens=4, temperature=0, logprobs=True, ignore_eos=True)
+    reqs = [(random_ids(9, seed=1), sampled), (random_ids(6, seed=4), with_logprobs),
+            (random_ids(7, seed=2), sliding), (random_ids(5, seed=6), whole), (random_ids(8, seed=3), greedy)]
     outputs = []
     for steps in (1, 4):
-        _, engine = engines(llama, replay=True, n_batch=64, parallel=3, max_total_tokens=2048)  # the 4th waits
+        _, engine = engines(llama, replay=True, n_batch=64, parallel=4, max_total_tokens=2048)  # the 5th waits
         runs = stepping(engine, steps)
-        seen: list[tuple[int, bool, bool]] = []  # at each run: waiting, a penalised row, a sampled row
+        seen: list[tuple[int, bool, bool, bool]] = []  # at each run: waiting, logprobs, penalties, sampled
         counted = engine.runner.run_decode_steps
 
         def watched(batch, k, sample, counted=counted, engine=engine, seen=seen):
             params = [c.seq.params for c in batch.chunks]
-            seen.append((engine.num_waiting(), any(p.uses_penalties for p in params),
-                         any(not p.is_greedy for p in params)))
+            seen.append((engine.num_waiting(), any(p.logprobs for p in params),
+                         any(p.uses_penalties for p in params), any(not p.is_greedy for p in params)))
             return counted(batch, k, sample)
 
         engine.runner.run_decode_steps = watched
         outputs.append(run_to_completion(engine, reqs))
         assert (len(runs) > 0) == (steps > 1)
-        assert all(w == 0 and not pen for w, pen, _ in seen) and any(samp for _, _, samp in seen) == (steps > 1)
-    assert outputs[0] == outputs[1] and [len(o) for o in outputs[0]] == [12, 4, 12, 6]
+        assert all(w == 0 and not lp for w, lp, _, _ in seen)
+        if steps > 1:
+            assert any(pen for _, _, pen, _ in seen) and any(samp for _, _, _, samp in seen)
+    assert outputs[0] == outputs[1] and [len(o) for o in outputs[0]] == [14, 4, 14, 13, 12]
 
 
 def test_decode_steps_fall_back_when_the_cache_has_no_room(llama):
