@@ -58,14 +58,11 @@ def _upload(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def penalty_windows(batch: ScheduledBatch, step: int, previous: list[torch.Tensor],
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The penalty windows of step `step` of a run, laid out as the sampler's apply_penalties lays
     them out: each row's last repeat_last_n tokens of its context, the run's tokens so far (previous:
-    one device tensor of the rows' tokens per step) included, gathered on the device. None when no
-    row uses penalties."""
+    one device tensor of the rows' tokens per step) included, gathered on the device."""
     chunks = batch.chunks
-    if not any(c.seq.params.uses_penalties for c in chunks):
-        return None
     rows = len(chunks)
     ids: list[int] = []
     dest: list[int] = []
@@ -88,22 +85,22 @@ def penalty_windows(batch: ScheduledBatch, step: int, previous: list[torch.Tenso
     return windows, _upload(offsets, device)
 
 
-def step_inputs(batch: ScheduledBatch, stop_ids, step: int, previous: list[torch.Tensor],
-                device: torch.device) -> SamplerInput:
-    """The sampler's input for step `step` of the run: what the ordinary step would have had (its
-    output counts decide min_tokens' suppression, its windows the penalties)."""
-    seqs = [c.seq for c in batch.chunks]
-    return SamplerInput(params=[s.params for s in seqs], generators=[s.generator for s in seqs],
-                        num_output_tokens=[len(s.output_ids) + step for s in seqs],
-                        stop_token_ids=[stop_ids] * len(seqs),
-                        penalty_windows=penalty_windows(batch, step, previous, device))
-
-
 def run_model(batch: ScheduledBatch, steps: int, runner, sampler: Sampler, stop_ids) -> list[SampleResult]:
     """The steps' model calls and sampling, each step's tokens as a SampleResult (for
     Scheduler.update_decode_steps); the sequences' blocks already hold every position
-    (Scheduler.reserve_decode_steps)."""
+    (Scheduler.reserve_decode_steps). Each step's sampler input is what the ordinary step would have
+    had: its output counts decide min_tokens' suppression, its windows the penalties."""
+    seqs = [c.seq for c in batch.chunks]
+    params = [s.params for s in seqs]
+    generators = [s.generator for s in seqs]
+    num_output = [len(s.output_ids) for s in seqs]
+    stops = [stop_ids] * len(seqs)
+    penalised = any(p.uses_penalties for p in params)
+
     def sample(logits: torch.Tensor, step: int, previous: list[torch.Tensor]) -> torch.Tensor:
-        return sampler.on_device(logits, step_inputs(batch, stop_ids, step, previous, logits.device))
+        inp = SamplerInput(params=params, generators=generators, num_output_tokens=[n + step for n in num_output],
+                           stop_token_ids=stops,
+                           penalty_windows=penalty_windows(batch, step, previous, logits.device) if penalised else None)
+        return sampler.on_device(logits, inp)
 
     return [SampleResult(token_ids=r) for r in runner.run_decode_steps(batch, steps, sample)]

@@ -18,6 +18,7 @@ distribution, before penalties and masks).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -196,20 +197,23 @@ def _penalise(out: torch.Tensor, params: list[SamplingParams], ids: torch.Tensor
                          _on(dev, torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)))
 
 
+@functools.lru_cache(maxsize=256)
+def _suppressed_ids(eos: frozenset[int], extra: tuple[int, ...], vocab: int) -> tuple[int, ...]:
+    """The ids a row suppresses (its end tokens, and while below min_tokens its stop tokens too)
+    that exist in the vocabulary; the same few sets every step, for every row."""
+    return tuple(sorted(t for t in eos.union(extra) if 0 <= t < vocab))
+
+
 def _suppress_stop_tokens(logits: torch.Tensor, inp: SamplerInput, in_place: bool) -> torch.Tensor:
     rows: list[int] = []
     toks: list[int] = []
     vocab = logits.shape[1]
     for i, p in enumerate(inp.params):
+        below_min = (inp.num_output_tokens[i] if inp.num_output_tokens else 0) < p.min_tokens
+        if not (p.ignore_eos or below_min):
+            continue
         eos = inp.stop_token_ids[i] if inp.stop_token_ids else frozenset()
-        n_out = inp.num_output_tokens[i] if inp.num_output_tokens else 0
-        ids: set[int] = set()
-        if p.ignore_eos:
-            ids |= eos
-        if n_out < p.min_tokens:
-            ids |= eos
-            ids.update(p.stop_token_ids)
-        ids = {t for t in ids if 0 <= t < vocab}
+        ids = _suppressed_ids(eos if isinstance(eos, frozenset) else frozenset(eos), tuple(p.stop_token_ids) if below_min else (), vocab)
         rows.extend([i] * len(ids))
         toks.extend(ids)
     if not toks:
