@@ -98,7 +98,7 @@ class DeviceModelRunner:
             self._check_positions(positions)
             specs = [ChunkSpec(t, p, 1) for t, p in zip(tables, positions)]
             prev = tokens[-1] if tokens else None
-            hidden = self._run_graph(first_ids, positions, specs, prev)
+            hidden = self._run_graph(first_ids, positions, specs, prev, tables)
             if hidden is None:
                 step = upload(HostBatch.build(specs, self.kv.block_size), first_ids, positions, [],
                               self.kv.block_size, self.device)
@@ -123,10 +123,12 @@ class DeviceModelRunner:
             raise ValueError(f"position {max(positions)} beyond the rotary table ({self.max_positions})")
 
     def _run_graph(self, ids: list[int], positions: list[int], specs: list[ChunkSpec],
-                   device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+                   device_ids: torch.Tensor | None = None, tables: list | None = None) -> torch.Tensor | None:
         """Decode-only micro-batches replay a captured graph; None when this one cannot (no graphs,
         a prefill chunk, more rows or blocks than were captured): the caller runs it eagerly.
-        device_ids: the rows' input ids on the device, in place of ids (run_decode_steps)."""
+        device_ids: the rows' input ids on the device, in place of ids; tables: the specs' block
+        tables as one list, the same for every step of a run, whose buffers then keep them
+        (run_decode_steps)."""
         g = self.graphs
         if g is None or any(s.num_new != 1 for s in specs):
             return None
@@ -136,4 +138,5 @@ class DeviceModelRunner:
             return None
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(specs, positions)]
         self.graph_steps += 1
-        return g.run(DecodeRows(ids, positions, slots, [s.block_table for s in specs], lens), device_ids)
+        tables = [s.block_table for s in specs] if tables is None else tables
+        return g.run(DecodeRows(ids, positions, slots, tables, lens), device_ids)

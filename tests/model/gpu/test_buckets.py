@@ -46,7 +46,8 @@ def test_fill_pads_to_the_bucket_with_rows_that_write_and_attend_nothing():
     assert b.positions[:4].tolist() == [9, 0, 21, 0]
     assert b.slot_mapping[:4].tolist() == [9 * 4 + 1, 2 * 4, 6 * 4 + 1, -1]
     assert b.seq_lens[:4].tolist() == [10, 1, 22, 0]
-    # Each row holds the blocks its keys use, zeros after; the width is the buffers' (full context).
+    # Each row holds its table (blocks past its keys are never read), zeros after; the width is the
+    # buffers' (full context).
     assert b.block_tables[:4].tolist() == [[7, 3, 9, 0, 0, 0], [2, 0, 0, 0, 0, 0], [5, 1, 4, 8, 0, 6],
                                           [0, 0, 0, 0, 0, 0]]
     meta = b.batch(bucket)
@@ -68,6 +69,21 @@ def test_buffers_are_reused_and_a_smaller_step_leaves_nothing_of_a_larger_one():
     b.fill(rows_of([ChunkSpec([0, 1], 2, 1)] * 3, 2, [1, 2, 3]))
     assert b.seq_lens[:4].tolist() == [3, 3, 3, 0] and b.slot_mapping[3] == -1
     assert b.block_tables[3].tolist() == [0, 0, 0, 0]
+
+
+def test_a_run_of_steps_stages_its_tables_once():
+    """Decode steps in a row fill from the same list of tables while their rows grow into the blocks
+    reserved for the run: written whole at the first step, so a later step's new block is there."""
+    b = DecodeBuffers(4, 4, 2, "cpu")
+    tables = [[3, 1, 7], [2]]
+    b.fill(DecodeRows([1, 2], [2, 0], [1 * 2 + 0, 2 * 2 + 0], tables, [3, 1]))
+    assert b.block_tables[:2].tolist() == [[3, 1, 7, 0], [2, 0, 0, 0]]
+    b.fill(DecodeRows([5, 6], [4, 1], [7 * 2 + 0, 2 * 2 + 1], tables, [5, 2]))  # row 0 now in block 7
+    assert b.block_tables[:2].tolist() == [[3, 1, 7, 0], [2, 0, 0, 0]] and b.seq_lens[:2].tolist() == [5, 2]
+    with pytest.raises(ValueError, match="need 2 blocks"):  # still checked against each table's length
+        b.fill(DecodeRows([5, 6], [4, 2], [7 * 2, 2 * 2], tables, [5, 3]))
+    b.fill(DecodeRows([9], [0], [4 * 2], [[4]], [1]))  # another list: staged again
+    assert b.block_tables[0].tolist() == [4, 0, 0, 0]
 
 
 def test_fill_refuses_what_does_not_fit():

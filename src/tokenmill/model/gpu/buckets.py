@@ -62,6 +62,9 @@ class DecodeBuffers:
         self.block_tables = self._dev[4 * max_batch:].view(max_batch, max_blocks)
         # The last step's copy out of the staging buffer, which the next fill must not overwrite early.
         self._copied = torch.cuda.Event() if pin else None
+        # The block tables the staging buffer holds: (the list object filled from, its bucket, each
+        # table's length). Decode steps in a row fill from the same list every step.
+        self._staged: tuple[object, int, list[int]] | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -104,13 +107,20 @@ class DecodeBuffers:
         tokens[2, :n] = rows.slot_mapping
         lens[:bucket] = 0        # ... and attend nothing
         lens[:n] = rows.seq_lens
-        tables[:bucket] = 0
-        for i, (table, seq_len) in enumerate(zip(rows.block_tables, rows.seq_lens)):
+        staged = self._staged
+        if staged is None or staged[0] is not rows.block_tables or staged[1] != bucket:
+            # Each table whole (its blocks past seq_len are never read): a run of decode steps keeps
+            # the same tables while its rows grow into their reserved blocks, and writes them once.
+            tables[:bucket] = 0
+            for i, table in enumerate(rows.block_tables):
+                tables[i, :min(len(table), width)] = table[:width]
+            staged = self._staged = (rows.block_tables, bucket, [len(t) for t in rows.block_tables])
+        for i, (length, seq_len) in enumerate(zip(staged[2], rows.seq_lens)):
             used = -(-seq_len // self.block_size)
-            if used > width or len(table) < used:
-                raise ValueError(f"row {i}: {seq_len} keys need {used} blocks; the table has {len(table)}, "
+            if used > width or length < used:
+                self._staged = None
+                raise ValueError(f"row {i}: {seq_len} keys need {used} blocks; the table has {length}, "
                                  f"the buffers {width}")
-            tables[i, :used] = table[:used]
         used = 4 * mb + bucket * width  # every input of the bucket's graph, in one copy
         self._dev[:used].copy_(self._host[:used], non_blocking=self._copied is not None)
         if self._copied is not None:
