@@ -269,3 +269,28 @@ def test_decode_steps_fall_back_when_the_cache_has_no_room(llama):
         assert engine.stats.num_preemptions > 0
         assert (len(runs) > 0) == (steps > 1)
     assert outputs[0] == outputs[1]
+
+
+def test_decode_steps_with_parallel_samples_and_a_shifting_context(llama):
+    """n = 2 samples of one prompt (their shared last block is copied before either writes, an ordinary
+    step; their own blocks after, runs) and a request whose context shifts when full (runs stop short
+    of the context's end; the shift is an ordinary step's): the tokens of single steps."""
+    seeded = SamplingParams(max_tokens=18, temperature=0.9, seed=11, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outputs = []
+    for steps in (1, 4):
+        _, engine = engines(llama, replay=True, n_batch=64, parallel=4, max_total_tokens=2048, max_model_len=48)
+        runs = stepping(engine, steps)
+        a = engine.add_request(random_ids(21, seed=12), seeded, n=2)
+        b = engine.add_request(random_ids(30, seed=13), greedy, shift=True, num_keep=4)
+        got: dict = {}
+        shifted = 0
+        while engine.has_unfinished():
+            for ev in engine.step():
+                got.setdefault((ev.request_id, ev.index), []).extend(ev.token_ids)
+            engine.blocks.check_integrity()
+            shifted = max([shifted] + [s.num_shifted_tokens for s in engine.scheduler.running])
+        assert engine.blocks.num_used_blocks == 0 and (len(runs) > 0) == (steps > 1) and shifted > 0
+        outputs.append([got[(a, 0)], got[(a, 1)], got[(b, 0)]])
+    assert outputs[0] == outputs[1]
+    assert [len(o) for o in outputs[0]] == [18, 18, 40] and outputs[0][0] != outputs[0][1]
