@@ -160,6 +160,9 @@ class LLMEngine:
         # Decode steps in a row, where the runner can run them (engine/decode_steps.py): the device one.
         can_run_steps = getattr(self.runner, "supports_decode_steps", False)
         self.decode_steps = (cfg.decode_steps or DEFAULT_DECODE_STEPS) if can_run_steps else 1
+        if self.decode_steps > 1:
+            log.info("decode steps: up to %d in a row on %s for batches that need nothing from the host "
+                     "between tokens (--decode-steps)", self.decode_steps, self.kv.device)
         self.masks = MaskWorker()
         self.stats = EngineStats()
         # Speculative decoding (engine/speculative/) where a proposed row computes exactly as it would
