@@ -87,7 +87,8 @@ class ScheduledBatch:
                 return
 
     def decode_and_prefill_counts(self) -> tuple[int, int]:
-        """(num_decode_seqs, num_prefill_tokens) in one pass over the chunks."""
+        """(decodes, prefill tokens) in one pass over the chunks: a decode continues a generation (one
+        new token, or one and its proposals); every other chunk's tokens are prefill."""
         decodes = prefill = 0
         for c in self.chunks:
             if _is_decode(c):
@@ -95,15 +96,6 @@ class ScheduledBatch:
             else:
                 prefill += c.num_new
         return decodes, prefill
-
-    @property
-    def num_decode_seqs(self) -> int:
-        """Chunks that continue a generation: one new token, or one and its proposals."""
-        return sum(1 for c in self.chunks if _is_decode(c))
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_new for c in self.chunks if not _is_decode(c))
 
     @property
     def sampling_chunks(self) -> list[ScheduledChunk]:

@@ -21,7 +21,7 @@ import torch
 
 from tokenmill.engine.batch import ScheduledBatch
 from tokenmill.engine.request import Sequence
-from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput
+from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput, device_index
 from tokenmill.engine.scheduler import Scheduler
 
 
@@ -52,11 +52,6 @@ def steps_for(batch: ScheduledBatch, scheduler: Scheduler, wanted: int) -> int:
     return steps
 
 
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.int64)
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
-
-
 def penalty_windows(batch: ScheduledBatch, step: int, previous: list[torch.Tensor],
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The penalty windows of step `step` of a run, laid out as the sampler's apply_penalties lays
@@ -79,10 +74,10 @@ def penalty_windows(batch: ScheduledBatch, step: int, previous: list[torch.Tenso
                 src.append(s * rows + r)
                 ids.append(0)
         offsets.append(len(ids))
-    windows = _upload(ids, device)
+    windows = device_index(ids, device)
     if dest:
-        windows[_upload(dest, device)] = torch.stack(previous).view(-1)[_upload(src, device)]
-    return windows, _upload(offsets, device)
+        windows[device_index(dest, device)] = torch.stack(previous).view(-1)[device_index(src, device)]
+    return windows, device_index(offsets, device)
 
 
 def run_model(batch: ScheduledBatch, steps: int, runner, sampler: Sampler, stop_ids) -> list[SampleResult]:

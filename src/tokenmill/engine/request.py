@@ -132,11 +132,16 @@ class Sequence:
             return self.shifted_ids + self.output_ids[self.shifted_output_start:]
         return self.prompt_ids + self.output_ids
 
+    def _context_parts(self) -> tuple[list[int], list[int]]:
+        """all_token_ids as its two lists, unjoined: (prompt, output), or after a shift what it kept."""
+        if self.shifted_ids is not None:
+            return self.shifted_ids, self.output_ids[self.shifted_output_start:]
+        return self.prompt_ids, self.output_ids
+
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without joining the whole context (a decode row's one input id,
         every step)."""
-        head, tail = (self.shifted_ids, self.output_ids[self.shifted_output_start:]) if self.shifted_ids is not None \
-            else (self.prompt_ids, self.output_ids)
+        head, tail = self._context_parts()
         n = len(head)
         if end <= n:
             return head[start:end]
@@ -151,8 +156,7 @@ class Sequence:
             return self.all_token_ids
         if n == 0:
             return []
-        head, tail = (self.shifted_ids, self.output_ids[self.shifted_output_start:]) if self.shifted_ids is not None \
-            else (self.prompt_ids, self.output_ids)
+        head, tail = self._context_parts()
         if len(tail) >= n:
             return tail[-n:]
         return head[max(0, len(head) - (n - len(tail))):] + tail

@@ -131,10 +131,10 @@ class Sampler:
             shared_rows = [i for i in range(n) if not greedy[i] and gens[i] is None]
             seeded_rows = [i for i in range(n) if not greedy[i] and gens[i] is not None]
             if greedy_rows:
-                idx = _index(greedy_rows, logits.device)
+                idx = device_index(greedy_rows, logits.device)
                 tokens[idx] = greedy_tokens(logits[idx])
             if shared_rows:
-                idx = _index(shared_rows, logits.device)
+                idx = device_index(shared_rows, logits.device)
                 sub = logits if len(shared_rows) == n else logits[idx]
                 tokens[idx] = _sample(sub, [params[i] for i in shared_rows], None)
             # A seeded row's draw must depend only on its own logits, params and generator, so the
@@ -144,7 +144,7 @@ class Sampler:
             vocab = logits.shape[1]
             batched = [i for i in seeded_rows if _group(params[i], vocab) in _COMPILED_GROUPS]
             if batched:
-                idx = _index(batched, logits.device)
+                idx = device_index(batched, logits.device)
                 tokens[idx] = _draw_compiled(logits[idx], [params[i] for i in batched],
                                              [torch.rand((1,), generator=gens[i]) for i in batched])
             for i in seeded_rows:
@@ -222,7 +222,7 @@ def _suppress_stop_tokens(logits: torch.Tensor, inp: SamplerInput, in_place: boo
     # The value as a tensor on the logits' device: index_put_ copies a host scalar to the GPU
     # synchronously, which made every step of an ignore_eos request wait there for the model run.
     neg_inf = torch.full((), _NEG_INF, dtype=out.dtype, device=out.device)
-    out.index_put_((_index(rows, logits.device), _index(toks, logits.device)), neg_inf)
+    out.index_put_((device_index(rows, logits.device), device_index(toks, logits.device)), neg_inf)
     return out
 
 
@@ -230,12 +230,12 @@ def _keep_a_way_out(logits: torch.Tensor, inp: SamplerInput) -> None:
     """A constrained row whose grammar allows only tokens that suppression removed (it wants to end
     before min_tokens) would have nothing to sample: let it end on a stop token instead."""
     rows = inp.token_masks.rows
-    picked = logits if rows == list(range(logits.shape[0])) else logits.index_select(0, _index(rows, logits.device))
+    picked = logits if rows == list(range(logits.shape[0])) else logits.index_select(0, device_index(rows, logits.device))
     dead = torch.isneginf(picked.max(dim=-1).values).tolist()
     for row, is_dead in zip(rows, dead):
         if is_dead:
             stops = [t for t in (inp.stop_token_ids[row] if inp.stop_token_ids else ()) if 0 <= t < logits.shape[1]]
-            logits[row, _index(stops or [0], logits.device)] = 0.0
+            logits[row, device_index(stops or [0], logits.device)] = 0.0
 
 
 def truncate_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -264,7 +264,7 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
         out[rows] = (choice if ids is None else ids.gather(1, choice)).squeeze(1)
     rows = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) in _COMPILED_GROUPS]
     if rows:
-        idx = _index(rows, logits.device)
+        idx = device_index(rows, logits.device)
         sub = logits if len(rows) == logits.shape[0] else logits[idx]
         uniforms = list(_uniforms(len(rows), gen, logits.device))
         out[idx] = _draw_compiled(sub, [params[i] for i in rows], uniforms)
@@ -282,7 +282,7 @@ def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms:
         picked = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) == group]
         if not picked:
             continue
-        rows = _index(picked, logits.device)
+        rows = device_index(picked, logits.device)
         x = logits if len(picked) == logits.shape[0] else logits[rows]
         dev = logits.device
         # Uploaded without waiting for the device's queue (_on), as every host-built tensor here.
@@ -326,7 +326,7 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, every_row: 
     def scaled(rows: list[int], x: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of logits / temperature (or of x, already gathered for those rows)."""
         if x is None:
-            x = logits if len(rows) == n else logits[_index(rows, dev)]
+            x = logits if len(rows) == n else logits[device_index(rows, dev)]
         temps = [params[i].temperature if params[i].temperature > 0 else 1.0 for i in rows]
         return x / _column(temps, x)
 
@@ -334,15 +334,15 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, every_row: 
         sub = [params[i] for i in rows]
         ks = [top_k[i] for i in rows]
         # Top-k commutes with a positive temperature: select first, then scale only k values.
-        raw = logits if len(rows) == n else logits[_index(rows, dev)]
+        raw = logits if len(rows) == n else logits[device_index(rows, dev)]
         vals, ids = topk_rows(raw, max(ks))
         vals = scaled(rows, vals)
         pos = torch.arange(vals.shape[1], device=dev)
         vals = vals.masked_fill(pos[None, :] >= _column(ks, vals, torch.long), _NEG_INF)
-        yield _index(rows, dev), _filter_sorted(vals, sub), ids
+        yield device_index(rows, dev), _filter_sorted(vals, sub), ids
     if rows := groups["sort"]:
         vals, ids = scaled(rows).sort(dim=-1, descending=True, stable=True)
-        yield _index(rows, dev), _filter_sorted(vals, [params[i] for i in rows]), ids
+        yield device_index(rows, dev), _filter_sorted(vals, [params[i] for i in rows]), ids
 
 
 def _filter_sorted(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -401,7 +401,7 @@ def _add_logprobs(
     rows = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs > 0]
     if not rows:
         return
-    idx = _index(rows, logits.device)
+    idx = device_index(rows, logits.device)
     kmax = max(params[i].top_logprobs for i in rows)
     chosen, vals, ids = row_logprobs(logits if len(rows) == len(params) else logits[idx], tokens[idx], kmax)
     result.logprobs = [None] * len(params)
@@ -428,7 +428,8 @@ def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ids on `device`, uploaded without waiting for its queue (_on)."""
     return _on(torch.device(device), torch.tensor(values, dtype=torch.long))
 
 
