@@ -91,7 +91,7 @@ def test_env_values_are_parsed_by_type():
     ("paralell = 4\n", ["unknown setting 'paralell'", "did you mean 'parallel'", "tokenmill.toml"]),
     ('port = "80"\n', ["port must be an integer", "'80'", "tokenmill.toml"]),
     ("prefix_cache = 1\n", ["prefix_cache must be true or false", "got 1"]),
-    ("parallel = 0\n", ["parallel must be at least 1", "got 0"]),
+    ("parallel = -1\n", ["parallel must be at least 1 (or 0)", "got -1"]),
     ("port = 70000\n", ["port must be at most 65535"]),
     ("num_ctx = 1\n", ["num_ctx must be at least 2 (or 0)"]),
     ('policy = "lifo"\n', ["policy must be one of fifo, priority, sjf", "'lifo'"]),

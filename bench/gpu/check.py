@@ -61,7 +61,9 @@ class Sizes:
     concurrency_repeats: int = 3
     invariance_batch: int = 64
     anchor_batches: tuple[int, ...] = (1, 64, 256)
-    n_batch: int = 8192              # a step's token budget: 64 prompts of 100 tokens prefill in one step
+    # A step's token budget (and micro-batch): 0 = the engine's automatic one, what a server user gets
+    # (engine/config.py GPU_STEP_SIZES: 8192 on a GPU, 64 prompts of 100 tokens prefilled in one step).
+    n_batch: int = 0
 
 
 FULL = Sizes()
@@ -287,7 +289,7 @@ def step_concurrency(c: Check) -> dict[str, Any]:
         r = sorted(done, key=lambda d: d["output_tok_s"])[len(done) // 2]  # the median run, reported whole
         r.pop("outputs")
         result[str(n)] = {**r, "runs_output_tok_s": [d["output_tok_s"] for d in done],
-                          "kv_cache_bytes": engine.kv.nbytes, "n_batch": s.n_batch}
+                          "kv_cache_bytes": engine.kv.nbytes, "n_batch": engine.cfg.n_batch}
         runs.release(engine)
         c.save("concurrency", result)
     return result

@@ -106,11 +106,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_size", int, 65536, "KV cache size in tokens, shared by all sequences (max_total_tokens)",
            ("--kv-size",), lo=16),
     Option("block_size", int, DEFAULT_BLOCK_SIZE, "tokens per KV cache block", ("--block-size",), lo=1),
-    Option("parallel", int, 64, "most sequences running at once", ("--parallel",), lo=1),
-    Option("n_batch", int, 512, "token budget of one engine step (decodes + prefill chunks)", ("--batch-size",),
-           env=("TOKENMILL_BATCH",), lo=1),
-    Option("n_ubatch", int, 512, "most tokens one model call processes", ("--ubatch-size",),
-           env=("TOKENMILL_UBATCH",), lo=1),
+    Option("parallel", int, 0, "most sequences running at once; 0 = 64 on a CPU, 256 on a GPU", ("--parallel",),
+           lo=1, zero_ok=True),
+    Option("n_batch", int, 0, "token budget of one engine step (decodes + prefill chunks); 0 = 512 on a CPU, "
+           "8192 on a GPU", ("--batch-size",), env=("TOKENMILL_BATCH",), lo=1, zero_ok=True),
+    Option("n_ubatch", int, 0, "most tokens one model call processes; 0 = 512 on a CPU, 8192 on a GPU",
+           ("--ubatch-size",), env=("TOKENMILL_UBATCH",), lo=1, zero_ok=True),
     Option("prefix_cache", bool, True, "reuse the KV blocks of prompt prefixes across requests",
            ("--prefix-cache",)),
     Option("policy", str, "fifo", "waiting-queue order: fifo, priority (request priority first) or sjf "
@@ -180,9 +181,9 @@ class Config:
     num_ctx: int = 0
     kv_size: int = 65536
     block_size: int = DEFAULT_BLOCK_SIZE
-    parallel: int = 64
-    n_batch: int = 512
-    n_ubatch: int = 512
+    parallel: int = 0
+    n_batch: int = 0
+    n_ubatch: int = 0
     prefix_cache: bool = True
     policy: str = "fifo"
     aging_ms: float = 10.0

@@ -1,7 +1,7 @@
 """Engine settings: one dataclass, validated once."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenmill.engine.speculative.config import SpecConfig, SpecConfigError
 
@@ -19,6 +19,23 @@ DEFAULT_BLOCK_SIZE = 64
 DEFAULT_DECODE_STEPS = 4
 
 
+@dataclass(frozen=True)
+class StepSizes:
+    n_batch: int   # token budget of one step
+    n_ubatch: int  # most tokens one model call takes
+    parallel: int  # most sequences running at once
+
+
+# What n_batch, n_ubatch and parallel left at 0 (automatic) become, by where the model runs. On a CPU a
+# step of 512 tokens already keeps every core busy (a bigger one only holds running decodes longer behind
+# a prompt), and 64 sequences fill its matmuls' rows. A GPU step costs little more for many more rows:
+# 8192 tokens (vLLM's budget for its OpenAI server on large GPUs) prefill 64 prompts of 100 tokens in one
+# step instead of 13, and 256 sequences decode together (the GPU check's 256-request burst; with 64, a
+# server ran them 64 at a time).
+CPU_STEP_SIZES = StepSizes(n_batch=512, n_ubatch=512, parallel=64)
+GPU_STEP_SIZES = StepSizes(n_batch=8192, n_ubatch=8192, parallel=256)
+
+
 class ConfigError(ValueError):
     pass
 
@@ -31,9 +48,11 @@ class EngineConfig:
     max_total_tokens: int = 65536      # KV budget in tokens, across all sequences
     max_model_len: int | None = None   # per-sequence context (num_ctx); None = the model's own
     max_sequence_length: int | None = None  # another cap on the same thing; the smaller one wins
-    n_batch: int = 512                 # token budget of one step, shared by decodes and prefill chunks
-    n_ubatch: int = 512                # most tokens one model call processes (micro-batch)
-    parallel: int = 64                 # most sequences running at once
+    # 0 = automatic for the next three (CPU_STEP_SIZES / GPU_STEP_SIZES; the engine keeps the resolved
+    # config, for_device()).
+    n_batch: int = 0                   # token budget of one step, shared by decodes and prefill chunks
+    n_ubatch: int = 0                  # most tokens one model call processes (micro-batch)
+    parallel: int = 0                  # most sequences running at once
     enable_prefix_caching: bool = True
     # Waiting-queue order (engine/policy.py): "fifo" by arrival; "priority" by request priority, then
     # arrival, preempting lower-priority running work when a higher one cannot be admitted;
@@ -72,9 +91,12 @@ class EngineConfig:
     def validate(self) -> None:
         if self.threads < 0:
             raise ConfigError(f"threads must be 0 (automatic) or more, got {self.threads}")
-        for name in ("block_size", "max_total_tokens", "n_batch", "n_ubatch", "parallel"):
+        for name in ("block_size", "max_total_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("n_batch", "n_ubatch", "parallel"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be 0 (automatic) or more, got {getattr(self, name)}")
         for name in ("max_model_len", "max_sequence_length"):
             value = getattr(self, name)
             if value is not None and value < 2:
@@ -104,6 +126,12 @@ class EngineConfig:
             raise ConfigError(f"decode_steps must be 0 (automatic) to 64, got {self.decode_steps}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def for_device(self, gpu: bool) -> "EngineConfig":
+        """This config with the step sizes left at 0 (automatic) set for a model on a GPU or a CPU."""
+        auto = GPU_STEP_SIZES if gpu else CPU_STEP_SIZES
+        return replace(self, n_batch=self.n_batch or auto.n_batch, n_ubatch=self.n_ubatch or auto.n_ubatch,
+                       parallel=self.parallel or auto.parallel)
 
     def spec_config(self) -> SpecConfig:
         method, draft_model = SpecConfig.parse_method(self.speculative)

@@ -34,6 +34,7 @@ def device_kv_tokens(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dty
     """KV tokens for a model whose weights are loaded, given the device memory free before they came
     (model/gpu/memory.py); capped by cfg.max_total_tokens. ConfigError when too few fit."""
     mc = loaded.config
+    cfg = cfg.for_device(gpu=True)
     weights = memory.tensors_bytes(loaded.model)
     workspace = memory.workspace_bytes(mc, cfg.n_ubatch, min(cfg.parallel, cfg.n_ubatch))
     budget = memory.kv_budget_bytes(free_bytes, cfg.gpu_memory_utilization, weights, workspace)
@@ -64,6 +65,7 @@ def build_device_runner(loaded: LoadedModel, kv: KVStorage, blocks: BlockManager
                         max_model_len: int) -> DeviceModelRunner:
     """The runner, with decode graphs captured for batches of up to min(parallel, n_ubatch) sequences
     when cfg.compile and the device is CUDA (capture failing leaves the steps eager, with a warning)."""
+    cfg = cfg.for_device(gpu=True)
     graphs = None
     if cfg.compile and kv.device.type == "cuda":
         max_blocks = min(-(-max_model_len // cfg.block_size), cfg.num_blocks)

@@ -121,9 +121,12 @@ class LLMEngine:
         # Process-wide, shared with every other engine (cpu_threads.configure_threads says how).
         self.threads = configure_threads(cfg.threads, torch_computes=not step_runs_natively(loaded))
         device_model = on_device(loaded)  # a GPU model: its own KV sizing and runner (engine/device.py)
+        cfg = cfg.for_device(gpu=device_model)  # step sizes left automatic, for where the model runs
         if device_model:
             cfg = fit_device_kv_cache(cfg, loaded, kv_cache_dtype(cfg, loaded))
         self.cfg = cfg
+        log.info("steps of up to %d tokens (%d per model call), %d sequences at once (--batch-size, --ubatch-size, "
+                 "--parallel)", cfg.n_batch, cfg.n_ubatch, cfg.parallel)
         self.loaded = loaded
         self.tokenizer = tokenizer
         mc = loaded.config

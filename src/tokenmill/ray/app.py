@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from tokenmill.config import BY_NAME, Config, ConfigError, load_config
+from tokenmill.engine.config import CPU_STEP_SIZES
 from tokenmill.ray.ingress import TokenmillIngress
 from tokenmill.ray.replica import TokenmillReplica
 
@@ -90,7 +91,9 @@ def _replica_options(settings: Config, opts: RayOptions) -> dict[str, Any]:
             # Serve wants its (deprecated) scrape interval below the window: keep it so for short windows.
             look_back_period_s=opts.look_back_s, metrics_interval_s=min(10.0, opts.look_back_s / 2),
             policy=AutoscalingPolicy(policy_function="tokenmill.ray.autoscaling:WaitingQueuePolicy",
-                                     policy_kwargs={"slots": settings.parallel}))
+                                     # Replicas are placed by CPUs (num_cpus, no num_gpus) and run there, so
+                                     # an automatic --parallel is the CPU's.
+                                     policy_kwargs={"slots": settings.parallel or CPU_STEP_SIZES.parallel}))
     else:
         options["num_replicas"] = opts.replicas
     return options

@@ -61,7 +61,8 @@ def test_engine_kv_tokens_from_free_memory():
     loaded = fake_loaded(GiB // 4)
     per_token = KVStorage.bytes_per_token(30, 3, 64, torch.bfloat16)
     tokens = device_kv_tokens(cfg, loaded, torch.bfloat16, 80 * GiB)
-    workspace = memory.workspace_bytes(SMOLLM2, cfg.n_ubatch, min(cfg.parallel, cfg.n_ubatch))
+    # n_ubatch and parallel left automatic: a GPU's (8192 tokens, 256 sequences).
+    workspace = memory.workspace_bytes(SMOLLM2, 8192, 256)
     budget = int(80 * GiB * 0.9) - GiB // 4 - workspace
     assert tokens == budget // per_token // cfg.block_size * cfg.block_size
     # kv_size (max_total_tokens) caps it, as on the CPU.
