@@ -132,11 +132,12 @@ static void rows(const Weight& w, int64_t tile, const Acts& a, [[maybe_unused]] 
 // The logits are read once, by sampling, after the call.
 constexpr int64_t kStreamColumns = 16384;
 
-// The next weight tile, into L2, on the first pass over the rows. In the engine the weights come from
-// memory (a step reads more than the caches hold), and the per-tile work of a many-row call leaves the
-// hardware prefetcher too far behind: the 64-sequence decode step ran 44-46 ms without this, 42.7-43.7
-// with it (bench/profile_step.py --batch 64, Zen 4; the output head alone 8.0 -> 7.5 ms). Few-row
-// calls prefetch inside the kernel instead.
+// The next weight tile, into L2, on the first pass over the rows of a tile at a time (the K-quants on
+// AVX-512, every type on AVX2). In the engine the weights come from memory (a step reads more than the
+// caches hold), and the per-tile work of a many-row call leaves the hardware prefetcher too far behind:
+// the 64-sequence decode step ran 44-46 ms without this, 42.7-43.7 with it (bench/profile_step.py
+// --batch 64, Zen 4; the output head alone 8.0 -> 7.5 ms). Few-row calls, and AVX-512's groups of
+// tiles at any row count, prefetch inside the kernel instead (qmatmul_avx512.h, tile_group_avx512).
 static inline void prefetch_tile(const Weight& w, int64_t tile) {
 #if defined(__x86_64__)
     const char* qs = reinterpret_cast<const char*>(w.qs_at(tile, 0));
@@ -196,16 +197,16 @@ static void tile_range(const Weight& w, const Acts& a, int64_t M, [[maybe_unused
         for (int64_t t = t0; t < t1;) {
 #if defined(TM_AVX512)
             if constexpr (kGrouped<T>) {
-                if (takes_group(w, t, t1, m1 - m0)) {
-                    for (int64_t next = t + kGroupTiles; m0 == 0 && next < std::min(t + 2 * kGroupTiles, t1); ++next)
-                        prefetch_tile(w, next);
+                if (takes_group(w, t, t1, m1 - m0)) {  // it prefetches its tiles itself
                     rows_group_avx512<T>(w, t, a, m0, m1, out + t * kTile, ldo);
                     t += kGroupTiles;
                     continue;
                 }
             }
 #endif
+#if !defined(TM_AVX512)
             if (m0 == 0 && t + 1 < t1 && M > 2) prefetch_tile(w, t + 1);
+#endif
             rows<T>(w, t, a, X == nullptr ? nullptr : X + m0 * w.K, m0, m1, out + t * kTile, ldo);
             ++t;
         }

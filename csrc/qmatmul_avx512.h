@@ -130,10 +130,11 @@ inline void add_block_avx512(const Weight& w, int64_t tile, int64_t b, const Act
     for (int r = 0; r < MR; ++r) acc[r] = add_row_avx512<T>(f, a, m0 + r, b, isum[r], acc[r]);
 }
 
-// dec: the tile's decoded values (kDecoded) or null.
+// dec: the tile's decoded values (kDecoded) or null. first_pass: the first rows over this tile in the
+// call's pass, whose weight comes from memory (the next rows find it in cache).
 template <int T, int MR, bool kDecoded>
 void tile_avx512(const Weight& w, int64_t tile, const Acts& a, const uint8_t* dec, int64_t m0, float* out,
-                 int64_t ldo) {
+                 int64_t ldo, bool first_pass = true) {
     const int64_t nb = w.blocks();
     const int64_t left = w.N - tile * kTile;
     const __mmask16 cols = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
@@ -144,8 +145,8 @@ void tile_avx512(const Weight& w, int64_t tile, const Acts& a, const uint8_t* de
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* qs = kDecoded ? dec + b * kDecodedBlock : w.qs_at(tile, b);
         const uint8_t* sc = w.sc_at(tile, b);
-        if constexpr (MR <= 2 && !kDecoded) {  // few rows: the weight streams from memory, so ask for it early
-            prefetch_ahead(T, qs, sc);
+        if constexpr (!kDecoded) {  // the first pass's weight streams from memory: ask for it early
+            if (first_pass) prefetch_ahead(T, qs, sc);
         }
         for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
         __m512i isum[MR];
@@ -186,13 +187,14 @@ void rows_avx512_from(const Weight& w, int64_t tile, const Acts& a, const uint8_
                       float* out, int64_t ldo) {
     constexpr int MR = 6;
     int64_t m = m0;
-    for (; m + MR <= m1; m += MR) tile_avx512<T, MR, kDecoded>(w, tile, a, dec, m, out, ldo);
+    for (; m + MR <= m1; m += MR) tile_avx512<T, MR, kDecoded>(w, tile, a, dec, m, out, ldo, m == m0);
+    const bool first = m == m0;
     switch (m1 - m) {
-        case 5: tile_avx512<T, 5, kDecoded>(w, tile, a, dec, m, out, ldo); break;
-        case 4: tile_avx512<T, 4, kDecoded>(w, tile, a, dec, m, out, ldo); break;
-        case 3: tile_avx512<T, 3, kDecoded>(w, tile, a, dec, m, out, ldo); break;
-        case 2: tile_avx512<T, 2, kDecoded>(w, tile, a, dec, m, out, ldo); break;
-        case 1: tile_avx512<T, 1, kDecoded>(w, tile, a, dec, m, out, ldo); break;
+        case 5: tile_avx512<T, 5, kDecoded>(w, tile, a, dec, m, out, ldo, first); break;
+        case 4: tile_avx512<T, 4, kDecoded>(w, tile, a, dec, m, out, ldo, first); break;
+        case 3: tile_avx512<T, 3, kDecoded>(w, tile, a, dec, m, out, ldo, first); break;
+        case 2: tile_avx512<T, 2, kDecoded>(w, tile, a, dec, m, out, ldo, first); break;
+        case 1: tile_avx512<T, 1, kDecoded>(w, tile, a, dec, m, out, ldo, first); break;
         default: break;
     }
 }
@@ -218,8 +220,20 @@ inline bool takes_group(const Weight& w, int64_t t, int64_t t1, int64_t rows) {
            (t + kGroupTiles) * kTile <= w.N;
 }
 
+// first_pass: the pass's first rows over these tiles, which come from memory: each tile's blocks are
+// asked for kPrefetch bytes ahead, as tile_avx512 does for one or two rows. This replaced a prefetch of
+// the next group's tiles whole (prefetch_tile, 288 requests in a burst before each group, SmolLM2's
+// head): on the 2-core Sapphire Rapids box (bench/qmatmul.py, 1 thread, alternated builds) SmolLM2's
+// Q8_0 head at 3 / 4 / 8 rows took 1.14-1.22 / 1.53-1.55 / 2.7 ms against 1.84-1.92 / 2.26-2.33 /
+// 3.3-3.4 (two rows: 1.11-1.17), Gemma 3's 14.0 / 16.2 / 22.5 ms against 18.1 / 21.9 / 28.3; at 64 rows
+// with AMX off, the same. Verifying a few proposed tokens and decoding a few sequences are such calls:
+// with this (and tile_avx512 prefetching the same way at any row count) a SmolLM2 step of one sequence
+// with 3 / 4 / 5 rows (2-4 proposals) took 12.0-12.5 / 15.4-15.9 / 17.3-17.7 ms against 13.8-14.5 /
+// 17.6-18.3 / 20.0-20.5, and a Gemma 3 decode step of 3 / 4 sequences 22.7-23.8 / 26.3-27.4 ms against
+// 29.9-31.0 / 35.3-36.5 (1 thread); one sequence alone and 16 or 64 took the same.
 template <int T, int MR, int NT>
-void tile_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+void tile_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, float* out, int64_t ldo,
+                       bool first_pass) {
     static_assert(kGrouped<T>);
     constexpr int c = int_offset(T);
     const int64_t nb = w.blocks();
@@ -229,6 +243,8 @@ void tile_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0,
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* qs[NT];
         for (int h = 0; h < NT; ++h) qs[h] = w.qs_at(tile + h, b);
+        if (first_pass)
+            for (int h = 0; h < NT; ++h) prefetch_ahead(T, qs[h], w.sc_at(tile + h, b));
         const int8_t* x[MR];
         for (int r = 0; r < MR; ++r) x[r] = a.row(m0 + r) + b * kBlock;
         __m512i hi[MR][NT], lo[MR][NT];
@@ -273,13 +289,19 @@ void tile_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0,
 }
 
 // Rows [m0, m1) of kGroupTiles whole tiles from tile on into out (the first tile's first column).
+// The rows left after groups of kGroupRows run as a group of their own over the same tiles (rather than
+// a tile at a time, where one row is a single chain of dependent dot products).
 template <int T>
 void rows_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
     int64_t m = m0;
-    for (; m + kGroupRows <= m1; m += kGroupRows) tile_group_avx512<T, kGroupRows, kGroupTiles>(w, tile, a, m, out, ldo);
-    if (m < m1)
-        for (int h = 0; h < kGroupTiles; ++h)
-            rows_avx512_from<T, false>(w, tile + h, a, nullptr, m, m1, out + h * kTile, ldo);
+    for (; m + kGroupRows <= m1; m += kGroupRows)
+        tile_group_avx512<T, kGroupRows, kGroupTiles>(w, tile, a, m, out, ldo, m == m0);
+    static_assert(kGroupRows == 3);
+    switch (m1 - m) {
+        case 2: tile_group_avx512<T, 2, kGroupTiles>(w, tile, a, m, out, ldo, m == m0); break;
+        case 1: tile_group_avx512<T, 1, kGroupTiles>(w, tile, a, m, out, ldo, m == m0); break;
+        default: break;
+    }
 }
 
 constexpr int64_t kDecodeRows512 = 12;  // rows from which a call decodes its tiles first

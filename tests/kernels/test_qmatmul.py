@@ -145,6 +145,21 @@ def test_batch_and_thread_invariance(variant, t):
         assert torch.equal(one, full) and torch.equal(two, full)
 
 
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_few_rows_give_each_row_its_bits_alone(variant, t):
+    """1 to 8 rows: groups of three with one or two rows left over (run as a group of their own over
+    the same tiles), each row bitwise what it gives alone, whether AMX takes the full call or not."""
+    n, k = 53, k_for(t, 3)
+    w = QuantizedWeight.from_gguf(random_gguf(t, n, k, seed=7), t, (n, k))
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
+    with native.use_variant(variant):
+        alone = torch.cat([qmatmul(x[i:i + 1], w) for i in range(8)])
+        for m in range(2, 9):
+            assert torch.equal(qmatmul(x[:m], w), alone[:m]), f"{m} rows"
+            assert torch.equal(qmatmul(x[8 - m:], w), alone[8 - m:]), f"the last {m} rows"
+
+
 def _amx_runs() -> bool:
     with native.use_variant(native.variant()), native.use_amx(True) as on:
         return on
