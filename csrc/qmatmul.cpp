@@ -132,8 +132,8 @@ static void rows(const Weight& w, int64_t tile, const Acts& a, [[maybe_unused]] 
 // The logits are read once, by sampling, after the call.
 constexpr int64_t kStreamColumns = 16384;
 
-// The next weight tile, into L2, on the first pass over the rows of a tile at a time (the K-quants on
-// AVX-512, every type on AVX2). In the engine the weights come from memory (a step reads more than the
+// The next weight tile, into L2, on the first pass over the rows of a tile at a time (on AVX-512 only
+// where the kernel decodes each tile first: the K-quants at many rows). In the engine the weights come from memory (a step reads more than the
 // caches hold), and the per-tile work of a many-row call leaves the hardware prefetcher too far behind:
 // the 64-sequence decode step ran 44-46 ms without this, 42.7-43.7 with it (bench/profile_step.py
 // --batch 64, Zen 4; the output head alone 8.0 -> 7.5 ms). Few-row calls, and AVX-512's groups of
@@ -204,9 +204,12 @@ static void tile_range(const Weight& w, const Acts& a, int64_t M, [[maybe_unused
                 }
             }
 #endif
-#if !defined(TM_AVX512)
-            if (m0 == 0 && t + 1 < t1 && M > 2) prefetch_tile(w, t + 1);
+#if defined(TM_AVX512)
+            const bool prefetch_next = prefetches_next_tile<T>(m1 - m0);
+#else
+            const bool prefetch_next = M > 2;
 #endif
+            if (m0 == 0 && t + 1 < t1 && prefetch_next) prefetch_tile(w, t + 1);
             rows<T>(w, t, a, X == nullptr ? nullptr : X + m0 * w.K, m0, m1, out + t * kTile, ldo);
             ++t;
         }

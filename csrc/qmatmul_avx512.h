@@ -306,6 +306,14 @@ void rows_group_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0,
 
 constexpr int64_t kDecodeRows512 = 12;  // rows from which a call decodes its tiles first
 
+// Whether a pass of `rows` rows over one tile at a time wants the next tile prefetched whole
+// (qmatmul.cpp's prefetch_tile): only where it decodes each tile first, reading it all at once;
+// otherwise tile_avx512 asks for its blocks ahead itself.
+template <int T>
+constexpr bool prefetches_next_tile(int64_t rows) {
+    return (T == Q4_K || T == Q6_K) && rows >= kDecodeRows512;
+}
+
 template <int T>
 void rows_avx512(const Weight& w, int64_t tile, const Acts& a, int64_t m0, int64_t m1, float* out, int64_t ldo) {
     // With VNNI only the K-quants gain from decoding first (bench/qmatmul.py at 64-512 rows, Zen 5:
