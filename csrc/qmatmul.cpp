@@ -132,12 +132,19 @@ static void rows(const Weight& w, int64_t tile, const Acts& a, [[maybe_unused]] 
 // The logits are read once, by sampling, after the call.
 constexpr int64_t kStreamColumns = 16384;
 
-// The next weight tile, into L2, on the first pass over the rows of a tile at a time (on AVX-512 only
-// where the kernel decodes each tile first: the K-quants at many rows). In the engine the weights come from memory (a step reads more than the
-// caches hold), and the per-tile work of a many-row call leaves the hardware prefetcher too far behind:
-// the 64-sequence decode step ran 44-46 ms without this, 42.7-43.7 with it (bench/profile_step.py
-// --batch 64, Zen 4; the output head alone 8.0 -> 7.5 ms). Few-row calls, and AVX-512's groups of
-// tiles at any row count, prefetch inside the kernel instead (qmatmul_avx512.h, tile_group_avx512).
+// The next weight tile, into L2, on the first pass over the rows of a tile at a time. In the engine the
+// weights come from memory (a step reads more than the caches hold), and the per-tile work of a
+// many-row call leaves the hardware prefetcher too far behind: the 64-sequence decode step ran 44-46 ms
+// without this, 42.7-43.7 with it (bench/profile_step.py --batch 64, Zen 4; the output head alone 8.0
+// -> 7.5 ms). On AVX-512 only where the kernel decodes each tile first (the K-quants at many rows):
+// its other kernels ask for their blocks ahead themselves (qmatmul_avx512.h, tile_group_avx512). On
+// the other variants only from kPrefetchTileRows rows: below, their kernels run one long stream per
+// tile that the hardware prefetcher follows, and the bursts of requests only got in its way (AVX2 on
+// the 2-core Sapphire Rapids box, 1 thread, alternated builds: SmolLM2's head at 3 / 4 rows 3.5 / 4.1
+// -> 2.9-3.0 / 3.6-3.7 ms, its decode step of 3 / 4 sequences 22.0-22.5 / 23.6 -> 20.1-20.3 / 21.0-21.8
+// ms; 8 and 32 sequences within the noise).
+constexpr int64_t kPrefetchTileRows = 16;
+
 static inline void prefetch_tile(const Weight& w, int64_t tile) {
 #if defined(__x86_64__)
     const char* qs = reinterpret_cast<const char*>(w.qs_at(tile, 0));
@@ -207,7 +214,7 @@ static void tile_range(const Weight& w, const Acts& a, int64_t M, [[maybe_unused
 #if defined(TM_AVX512)
             const bool prefetch_next = prefetches_next_tile<T>(m1 - m0);
 #else
-            const bool prefetch_next = M > 2;
+            const bool prefetch_next = M >= kPrefetchTileRows;
 #endif
             if (m0 == 0 && t + 1 < t1 && prefetch_next) prefetch_tile(w, t + 1);
             rows<T>(w, t, a, X == nullptr ? nullptr : X + m0 * w.K, m0, m1, out + t * kTile, ldo);
