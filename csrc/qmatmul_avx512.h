@@ -134,7 +134,7 @@ inline void add_block_avx512(const Weight& w, int64_t tile, int64_t b, const Act
 // call's pass, whose weight comes from memory (the next rows find it in cache).
 template <int T, int MR, bool kDecoded>
 void tile_avx512(const Weight& w, int64_t tile, const Acts& a, const uint8_t* dec, int64_t m0, float* out,
-                 int64_t ldo, bool first_pass = true) {
+                 int64_t ldo, bool first_pass) {
     const int64_t nb = w.blocks();
     const int64_t left = w.N - tile * kTile;
     const __mmask16 cols = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
