@@ -148,16 +148,18 @@ def test_batch_and_thread_invariance(variant, t):
 @pytest.mark.parametrize("variant", VARIANTS[1:])
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_few_rows_give_each_row_its_bits_alone(variant, t):
-    """1 to 8 rows: groups of three with one or two rows left over (run as a group of their own over
-    the same tiles), each row bitwise what it gives alone, whether AMX takes the full call or not."""
-    n, k = 53, k_for(t, 3)
+    """1 to 14 rows: groups of three, with a row left over joining one as a group of four (4, 7, 10,
+    13 rows), two left over either running as a group of their own over the same tiles (5 rows) or
+    joining two groups as two of four (8, 11, 14): each row bitwise what it gives alone, whether AMX
+    takes the full call or not."""
+    n, k, most = 53, k_for(t, 3), 14
     w = QuantizedWeight.from_gguf(random_gguf(t, n, k, seed=7), t, (n, k))
-    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(most, k, generator=torch.Generator().manual_seed(3))
     with native.use_variant(variant):
-        alone = torch.cat([qmatmul(x[i:i + 1], w) for i in range(8)])
-        for m in range(2, 9):
+        alone = torch.cat([qmatmul(x[i:i + 1], w) for i in range(most)])
+        for m in range(2, most + 1):
             assert torch.equal(qmatmul(x[:m], w), alone[:m]), f"{m} rows"
-            assert torch.equal(qmatmul(x[8 - m:], w), alone[8 - m:]), f"the last {m} rows"
+            assert torch.equal(qmatmul(x[most - m:], w), alone[most - m:]), f"the last {m} rows"
 
 
 def _amx_runs() -> bool:
