@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""What prompt lookup could give at best here: is `bench speculative`'s shortfall in the policy (how many
+tokens to propose) or in the proposals themselves?
+
+1. Each prompt of `tokenmill bench speculative` (bench/speculative_prompts.py) is answered greedily once,
+   speculation off: with greedy decoding the answer is fixed, whatever speculation does.
+2. What a step of R rows costs here: one sequence at a grounded prompt's context, R - 1 proposals forced
+   each step (copies of its last token, so rejected; a verification's cost does not depend on what it
+   accepts), for each R (1, 2, 3, ... --max-rows) the median of --steps steps, in the least disturbed
+   of three rounds (the machine is shared).
+3. The answers replayed offline through the engine's own prompt lookup (NgramIndex, its min/max n):
+   at each step, the proposal the engine would look up, cut to exactly the tokens the answer accepts
+   (a proposer that knew where its lookup goes wrong: the bound), or not cut (--fixed K: K tokens each
+   time a lookup matches). A replayed step costs what step 2 measured for its rows; the ratio is decode
+   time without speculation over time with it, per prompt, and the geometric mean per kind.
+
+    PYTHONPATH=src .venv/bin/python bench/speculative_bound.py --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from tokenmill.bench.common import cpu_flags, cpu_model, loadavg, set_threads
+from tokenmill.bench.speculative_prompts import all_prompts
+from tokenmill.engine.speculative.ngram import NgramIndex, continuation
+from tokenmill.store import resolve_model
+
+COST_PROMPT = "extract-actions"  # a grounded prompt of typical length (~320 tokens): the context step costs are measured at
+
+
+class ForcedProposals:
+    """Stands in for the engine's proposer: every decoding sequence proposes `k` copies of its last token."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.costs = inner.costs
+        self.nbytes = 0
+        self.k = 0
+
+    def propose_many(self, asks, num_rows=1):
+        return [(self.inner.propose(state, ids, shifted, 0, num_rows)[0], [ids[-1]] * self.k)
+                for state, ids, shifted, _ in asks]
+
+    def observe(self, *args):
+        pass
+
+    def forget(self, state):
+        self.inner.forget(state)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def greedy_answers(engine, tokenizer, max_tokens: int) -> dict[str, tuple[str, list[int], list[int]]]:
+    from tokenmill.engine import SamplingParams
+
+    out = {}
+    for name, (kind, text) in all_prompts().items():
+        ids = chat_ids(tokenizer, text)
+        engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0, speculative=False))
+        answer: list[int] = []
+        while engine.has_unfinished():
+            for ev in engine.step():
+                answer += ev.token_ids
+        out[name] = (kind, ids, answer)
+    return out
+
+
+def step_costs(engine, prompt: list[int], max_rows: int, steps: int) -> dict[int, float]:
+    """Median seconds of a step of R rows (one sequence, R - 1 forced proposals), R = 1..max_rows."""
+    from tokenmill.engine import SamplingParams
+
+    spec = engine.scheduler.speculator
+    forced = ForcedProposals(spec.proposer)
+    spec.proposer = forced
+    try:
+        costs: dict[int, list[float]] = {}
+        for _ in range(3):  # rounds over the row counts, so a busy minute touches them all
+            for rows in range(1, max_rows + 1):
+                forced.k = 0
+                # Each step emits one token (the proposals are rejected): the answer's first tokens,
+                # far from its end (a stop-token-suppressing sampler, ignore_eos, would cost more).
+                rid = engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0))
+                for _ in range(3):
+                    engine.step()
+                forced.k = rows - 1
+                engine.step()  # the first step of this size pays for its buffers
+                times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    engine.step()
+                    times.append(time.perf_counter() - start)
+                costs.setdefault(rows, []).append(statistics.median(times))
+                if not engine.has_unfinished():
+                    raise RuntimeError("the sequence ended while its steps were timed")
+                engine.abort(rid)
+                forced.k = 0
+                while engine.has_unfinished():
+                    engine.step()
+        return {rows: min(ts) for rows, ts in costs.items()}  # the least disturbed round's median
+    finally:
+        spec.proposer = forced.inner
+
+
+def replay(prompt: list[int], answer: list[int], cost: dict[int, float], cfg, fixed: int | None) -> float:
+    """Decode time without speculation over the time with it, the answer's steps replayed."""
+    index = NgramIndex(cfg.ngram_min, cfg.ngram_max)
+    most = max(cost)
+    cap = min(cfg.num_tokens, most - 1)
+    context = prompt + answer[:1]  # the first token comes with the prompt's step
+    i, seconds = 1, 0.0
+    while i < len(answer):
+        match = index.find(context)
+        proposal = continuation(context, match, cap if fixed is None else min(fixed, cap)) if match is not None else []
+        accepted = 0
+        for p, t in zip(proposal, answer[i:]):
+            if p != t:
+                break
+            accepted += 1
+        rows = 1 + (len(proposal) if fixed is not None else accepted)
+        seconds += cost[rows]
+        emitted = min(accepted + 1, len(answer) - i)
+        context += answer[i:i + emitted]
+        i += emitted
+    return (len(answer) - 1) * cost[1] / seconds if seconds else 1.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-rows", type=int, default=17, help="largest step measured (1 + the engine's cap of 16)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per row count and round")
+    p.add_argument("--fixed", type=int, action="append", default=[],
+                   help="also replay a proposer that proposes K tokens whenever its lookup matches (repeatable)")
+    args = p.parse_args()
+    from tokenmill.engine import EngineConfig, LLMEngine
+
+    set_threads(args.threads)
+    engine = LLMEngine.from_path(str(resolve_model(args.model)), EngineConfig(max_total_tokens=32768))
+    if engine.scheduler.speculator is None:
+        raise SystemExit("this model does not speculate here (no native kernels): nothing to bound")
+    # Costs first: on a fresh engine (after the answers' requests, steps measured ~5% slower here).
+    cost = step_costs(engine, chat_ids(engine.tokenizer, all_prompts()[COST_PROMPT][1]), args.max_rows, args.steps)
+    answers = greedy_answers(engine, engine.tokenizer, args.max_tokens)
+    cfg = engine.scheduler.speculator.cfg
+    print(f"{cpu_model()} [{cpu_flags()}], {engine.threads.count} threads, load {loadavg()}")
+    print("step of R rows, ms: " + "  ".join(f"{r}: {t * 1e3:.2f}" for r, t in sorted(cost.items())))
+    sides = [("perfect length", None)] + [(f"always {k}", k) for k in args.fixed]
+    print(f"\n{'prompt':18}{'kind':10}" + "".join(f"{name:>16}" for name, _ in sides))
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for name, (kind, prompt, answer) in answers.items():
+        row = [replay(prompt, answer, cost, cfg, k) for _, k in sides]
+        for (side, _), r in zip(sides, row):
+            ratios.setdefault(kind, {}).setdefault(side, []).append(r)
+        print(f"{name:18}{kind:10}" + "".join(f"{r:15.2f}x" for r in row))
+    for kind, by_side in ratios.items():
+        print(f"{kind + ' (geomean)':28}" + "".join(f"{statistics.geometric_mean(by_side[s]):15.2f}x"
+                                                    for s, _ in sides))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
