@@ -25,6 +25,8 @@ import time
 from tokenmill.bench.common import cpu_flags, cpu_model, loadavg, set_threads
 from tokenmill.bench.speculative_prompts import all_prompts
 from tokenmill.engine.speculative.ngram import NgramIndex, continuation
+from tokenmill.engine.speculative.policy import StepCosts
+from tokenmill.engine.speculative.proposer import NgramProposer
 from tokenmill.store import resolve_model
 
 COST_PROMPT = "extract-actions"  # a grounded prompt of typical length (~320 tokens): the context step costs are measured at
@@ -83,11 +85,12 @@ def step_costs(engine, prompt: list[int], max_rows: int, steps: int) -> dict[int
                 forced.k = 0
                 # Each step emits one token (the proposals are rejected): the answer's first tokens,
                 # far from its end (a stop-token-suppressing sampler, ignore_eos, would cost more).
-                rid = engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0))
-                for _ in range(3):
+                rid = engine.add_request(prompt, SamplingParams(max_tokens=steps + 16, temperature=0))
+                for _ in range(8):  # a request's first decode steps run slower (~10% here)
                     engine.step()
                 forced.k = rows - 1
-                engine.step()  # the first step of this size pays for its buffers
+                for _ in range(2):  # the first step of this size pays for its buffers
+                    engine.step()
                 times = []
                 for _ in range(steps):
                     start = time.perf_counter()
@@ -128,13 +131,43 @@ def replay(prompt: list[int], answer: list[int], cost: dict[int, float], cfg, fi
     return (len(answer) - 1) * cost[1] / seconds if seconds else 1.0
 
 
+def replay_policy(answers: dict[str, tuple[str, list[int], list[int]]], cost: dict[int, float], cfg,
+                  proposer_cls=NgramProposer) -> dict[str, float]:
+    """The engine's own proposer (its policy, back-off and learned acceptance, one proposer over all the
+    prompts in turn, as in the bench), its step costs taught from `cost`: decode time without
+    speculation over the time with it, per prompt."""
+    costs = StepCosts(cfg.row_cost)
+    for rows, seconds in cost.items():
+        costs.record(rows, seconds, 0.0)
+    proposer = proposer_cls(cfg, costs)
+    cap = min(cfg.num_tokens, max(cost) - 1)
+    out = {}
+    for name, (_, prompt, answer) in answers.items():
+        context = prompt + answer[:1]
+        state, i, seconds = None, 1, 0.0
+        while i < len(answer):
+            state, proposal = proposer.propose(state, context, 0, min(cap, len(answer) - i - 1))
+            accepted = 0
+            for p, t in zip(proposal, answer[i:]):
+                if p != t:
+                    break
+                accepted += 1
+            if proposal:
+                proposer.observe(state, len(proposal), accepted)
+            seconds += cost[1 + len(proposal)]
+            context += answer[i:i + accepted + 1]
+            i += accepted + 1
+        out[name] = (len(answer) - 1) * cost[1] / seconds if seconds else 1.0
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-rows", type=int, default=17, help="largest step measured (1 + the engine's cap of 16)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per row count and round")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per row count and round")
     p.add_argument("--fixed", type=int, action="append", default=[],
                    help="also replay a proposer that proposes K tokens whenever its lookup matches (repeatable)")
     args = p.parse_args()
@@ -150,11 +183,12 @@ def main() -> int:
     cfg = engine.scheduler.speculator.cfg
     print(f"{cpu_model()} [{cpu_flags()}], {engine.threads.count} threads, load {loadavg()}")
     print("step of R rows, ms: " + "  ".join(f"{r}: {t * 1e3:.2f}" for r, t in sorted(cost.items())))
-    sides = [("perfect length", None)] + [(f"always {k}", k) for k in args.fixed]
+    sides = [("the engine's", "policy"), ("perfect length", None)] + [(f"always {k}", k) for k in args.fixed]
+    policy = replay_policy(answers, cost, cfg)
     print(f"\n{'prompt':18}{'kind':10}" + "".join(f"{name:>16}" for name, _ in sides))
     ratios: dict[str, dict[str, list[float]]] = {}
     for name, (kind, prompt, answer) in answers.items():
-        row = [replay(prompt, answer, cost, cfg, k) for _, k in sides]
+        row = [policy[name] if k == "policy" else replay(prompt, answer, cost, cfg, k) for _, k in sides]
         for (side, _), r in zip(sides, row):
             ratios.setdefault(kind, {}).setdefault(side, []).append(r)
         print(f"{name:18}{kind:10}" + "".join(f"{r:15.2f}x" for r in row))
