@@ -121,15 +121,41 @@ void run_decode_item(const Problem& P, const WorkItem& it) {
     });
     finish_item(P, it, st, total, G, row0, head0);
 }
+
+// A few rows (a speculative verification, a prefill's last rows) run as decode rows, one after
+// another, rather than through a converted and transposed tile shared by the rows: the per-key path's
+// work a row is less, and the shared conversion pays only from about 8 rows. On the 2-core Sapphire
+// Rapids box (bench/paged_attention.py's shapes, 300 keys in L2, one call, alternated builds) SmolLM2's
+// 2 / 4 / 8 rows took 31 / 53 / 96 us against 43 / 62 / 105 (1 thread), 12 rows at 2 threads 76 against
+// 85; Gemma 3's 2 / 4 / 8 rows 47 / 84 / 157 us against 76 / 117 / 182 (1 thread); in SmolLM2's
+// engine step of one sequence verifying 2 / 3 / 5 / 7 proposals (2 threads, ~330 keys), attention 0.83 /
+// 1.05 / 1.48 / 1.89 ms against 1.09 / 1.51 / 1.85 / 2.23. Only while a row's keys fit in L2
+// (kDecodePathBytes of K and V), where the rows after the first find them: a long context's rows would
+// each read them from further away, once a row.
+constexpr int kDecodePathRows = 8;
+constexpr int64_t kDecodePathBytes = int64_t(1) << 20;
+
+bool takes_decode_path(const Problem& P, const WorkItem& it) {
+    if (it.num_rows > kDecodePathRows || it.num_heads > DECODE_MAX_HEADS || P.D > DECODE_MAX_D) return false;
+    if (it.num_rows == 1) return true;
+    const int64_t pos_last = int64_t(P.start_pos[it.seq]) + it.first_row + it.num_rows - 1;
+    const int64_t keys = pos_last + 1 - (P.window > 0 ? std::max<int64_t>(0, pos_last - it.num_rows + 2 - P.window) : 0);
+    return keys * 2 * P.k.row_bytes <= kDecodePathBytes;
+}
 #endif
 
 template <int TYPE>
 void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
 #if defined(TM_AVX512) || defined(TM_AVX2)
-    if (it.num_rows == 1 && it.num_heads <= DECODE_MAX_HEADS && P.D <= DECODE_MAX_D) {
-        if (P.D == 64) run_decode_item<TYPE, 64>(P, it);
-        else if (P.D == 256) run_decode_item<TYPE, 256>(P, it);
-        else run_decode_item<TYPE, 0>(P, it);
+    if (takes_decode_path(P, it)) {
+        for (int r = 0; r < it.num_rows; ++r) {  // a multi-row item is never a segment's (split_into_segments)
+            WorkItem row = it;
+            row.first_row = it.first_row + r;
+            row.num_rows = 1;
+            if (P.D == 64) run_decode_item<TYPE, 64>(P, row);
+            else if (P.D == 256) run_decode_item<TYPE, 256>(P, row);
+            else run_decode_item<TYPE, 0>(P, row);
+        }
         return;
     }
 #endif
