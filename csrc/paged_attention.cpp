@@ -7,7 +7,8 @@
 // in position order, and every row runs the same fp32 operations on a tile: 16 scores at once,
 // masked to the row's own keys, one online-softmax update, then V accumulated key by key
 // (csrc/attention_tile.h). Rows of a work item only share the tile's loads (K converted and
-// transposed once, V converted once); a decode row reads K and V straight from the cache.
+// transposed once, V converted once); a decode row, and each row of an item of a few rows
+// (takes_decode_path), reads K and V straight from the cache.
 // Work items are (sequence, kv head, run of query rows). A row's keys are walked in fixed segments
 // folded in order (attention_tile.h), so a long decode row's segments may run on different threads
 // without changing its bits.
