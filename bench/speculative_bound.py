@@ -23,10 +23,12 @@ import statistics
 import time
 
 from tokenmill.bench.common import cpu_flags, cpu_model, loadavg, set_threads
+from tokenmill.bench.speculative import encode_chat
 from tokenmill.bench.speculative_prompts import all_prompts
 from tokenmill.engine.speculative.ngram import NgramIndex, continuation
 from tokenmill.engine.speculative.policy import StepCosts
 from tokenmill.engine.speculative.proposer import NgramProposer
+from tokenmill.engine.speculative.verify import num_accepted
 from tokenmill.store import resolve_model
 
 COST_PROMPT = "extract-actions"  # a grounded prompt of typical length (~320 tokens): the context step costs are measured at
@@ -52,16 +54,12 @@ class ForcedProposals:
         self.inner.forget(state)
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
-
-
 def greedy_answers(engine, tokenizer, max_tokens: int) -> dict[str, tuple[str, list[int], list[int]]]:
     from tokenmill.engine import SamplingParams
 
     out = {}
     for name, (kind, text) in all_prompts().items():
-        ids = chat_ids(tokenizer, text)
+        ids = encode_chat(tokenizer, text)
         engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0, speculative=False))
         answer: list[int] = []
         while engine.has_unfinished():
@@ -108,6 +106,11 @@ def step_costs(engine, prompt: list[int], max_rows: int, steps: int) -> dict[int
         spec.proposer = forced.inner
 
 
+def accepted_tokens(proposal: list[int], rest: list[int]) -> int:
+    """How many leading proposals the rest of the answer agrees with (the engine's rule, verify.py)."""
+    return num_accepted(proposal[:len(rest)], rest)
+
+
 def replay(prompt: list[int], answer: list[int], cost: dict[int, float], cfg, fixed: int | None) -> float:
     """Decode time without speculation over the time with it, the answer's steps replayed."""
     index = NgramIndex(cfg.ngram_min, cfg.ngram_max)
@@ -118,11 +121,7 @@ def replay(prompt: list[int], answer: list[int], cost: dict[int, float], cfg, fi
     while i < len(answer):
         match = index.find(context)
         proposal = continuation(context, match, cap if fixed is None else min(fixed, cap)) if match is not None else []
-        accepted = 0
-        for p, t in zip(proposal, answer[i:]):
-            if p != t:
-                break
-            accepted += 1
+        accepted = accepted_tokens(proposal, answer[i:])
         rows = 1 + (len(proposal) if fixed is not None else accepted)
         seconds += cost[rows]
         emitted = min(accepted + 1, len(answer) - i)
@@ -147,11 +146,7 @@ def replay_policy(answers: dict[str, tuple[str, list[int], list[int]]], cost: di
         state, i, seconds = None, 1, 0.0
         while i < len(answer):
             state, proposal = proposer.propose(state, context, 0, min(cap, len(answer) - i - 1))
-            accepted = 0
-            for p, t in zip(proposal, answer[i:]):
-                if p != t:
-                    break
-                accepted += 1
+            accepted = accepted_tokens(proposal, answer[i:])
             if proposal:
                 proposer.observe(state, len(proposal), accepted)
             seconds += cost[1 + len(proposal)]
@@ -178,7 +173,7 @@ def main() -> int:
     if engine.scheduler.speculator is None:
         raise SystemExit("this model does not speculate here (no native kernels): nothing to bound")
     # Costs first: on a fresh engine (after the answers' requests, steps measured ~5% slower here).
-    cost = step_costs(engine, chat_ids(engine.tokenizer, all_prompts()[COST_PROMPT][1]), args.max_rows, args.steps)
+    cost = step_costs(engine, encode_chat(engine.tokenizer, all_prompts()[COST_PROMPT][1]), args.max_rows, args.steps)
     answers = greedy_answers(engine, engine.tokenizer, args.max_tokens)
     cfg = engine.scheduler.speculator.cfg
     print(f"{cpu_model()} [{cpu_flags()}], {engine.threads.count} threads, load {loadavg()}")

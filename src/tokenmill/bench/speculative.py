@@ -83,6 +83,15 @@ class PromptResult:
         return (accepted / proposed if proposed else 0.0), (1 + accepted / drafts if drafts else 0.0)
 
 
+def encode_chat(tokenizer, text: str) -> list[int]:
+    """text as a user's message in the model's chat template, as token ids."""
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        return tokenizer.encode(rendered, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - a model without a chat template gets the text itself
+        return tokenizer.encode(text)
+
+
 class Side:
     """One engine; requests choose speculation on or off."""
 
@@ -99,12 +108,7 @@ class Side:
         self.tokenizer = self.engine.tokenizer
 
     def encode_chat(self, text: str) -> list[int]:
-        tok = self.tokenizer
-        try:
-            rendered = tok.apply_chat_template([{"role": "user", "content": text}])
-            return tok.encode(rendered, add_special_tokens=False)
-        except Exception:  # noqa: BLE001 - a model without a chat template gets the text itself
-            return tok.encode(text)
+        return encode_chat(self.tokenizer, text)
 
     def _params(self, n: int, spec: bool):
         from tokenmill.engine import SamplingParams
