@@ -205,7 +205,8 @@ static void tile_range(const Weight& w, const Acts& a, int64_t M, [[maybe_unused
 #if defined(TM_AVX512)
             if constexpr (kGrouped<T>) {
                 if (takes_group(w, t, t1, m1 - m0)) {  // it prefetches its tiles itself
-                    rows_group_avx512<T>(w, t, a, m0, m1, out + t * kTile, ldo);
+                    const int64_t next = takes_group(w, t + kGroupTiles, t1, m1 - m0) ? t + kGroupTiles : -1;
+                    rows_group_avx512<T>(w, t, a, m0, m1, out + t * kTile, ldo, next);
                     t += kGroupTiles;
                     continue;
                 }

@@ -30,6 +30,13 @@ inline void prefetch_ahead(int t, const uint8_t* qs, const uint8_t* sc) {
     __builtin_prefetch(sc + kPrefetch / 8, 0, 3);  // the scales stream about 1/8 as fast
 }
 
+// One block's weight lines and its scales, into L2 (a block the next group of tiles reads: L1 holds
+// the current group's).
+inline void prefetch_block(int t, const uint8_t* qs, const uint8_t* sc) {
+    for (int i = 0; i < qs_bytes(t); i += 64) __builtin_prefetch(qs + i, 0, 2);
+    __builtin_prefetch(sc, 0, 2);
+}
+
 // Symmetric types: w = d * (u - offset), so the offset folds into the integer dot product.
 constexpr int int_offset(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q8_0 ? 128 : t == Q6_K ? 32 : 0; }
 
