@@ -18,8 +18,8 @@ from tokenmill.server.streaming import ndjson_response
 from tokenmill.server.validation import get_bool, get_model_name, model_field, read_json, warn_unknown
 from tokenmill.store import StoreError
 from tokenmill.store.catalog import UnknownModelError, lookup
-from tokenmill.store.derived import ModelInUseError, find_derived, save_derived
-from tokenmill.store.names import copy_model, delete_model, resolve_requested
+from tokenmill.store.derived import ModelInUseError, find_derived, normalize_name, save_derived
+from tokenmill.store.names import DeletedModel, copy_model, delete_model, resolve_requested
 from tokenmill.server.model_create import CREATE_FIELDS, create_request
 
 # Clients gate features on the Ollama version they talk to; this is the API level we implement.
@@ -91,18 +91,30 @@ async def delete(request: Request) -> Response:
         # looked up as any request's name is (never a path).
         if await run_in_threadpool(find_derived, name) is None:
             await run_in_threadpool(resolve_requested, name, host.served_files())
-            if host.unload(name):
-                await _unloaded(host, name)  # as Ollama: a deleted model stops being served
+        # The store checks (models made from it, where its file is) before it removes anything, and
+        # only then does the model stop being served: a refused delete changes nothing.
         deleted = await run_in_threadpool(delete_model, name)
-        if deleted.derived and not deleted.path.exists():
-            host.unload(str(deleted.path))  # its blob went with it: so does the engine that served it
     except UnknownModelError:
         raise APIError(404, f"model \"{name}\" not found", param="model") from None
     except ModelInUseError as exc:
         raise APIError(409, str(exc), param="model") from None
     except StoreError as exc:
         raise APIError(400, str(exc), param="model") from None
+    for key in _served_by(host, deleted):  # as Ollama: a deleted model stops being served
+        if host.unload(key):
+            await _unloaded(host, key)
     return JSONResponse({})
+
+
+def _served_by(host, deleted: DeletedModel) -> list[str]:
+    """Names that unload what served the deleted model. A base model: its own name. A derived model:
+    the engine loaded under its own name (one made from a blob), or the one on the blob that went
+    with it; never its base's, which a copy of an installed model shares with the base."""
+    if not deleted.derived:
+        return [deleted.name]
+    gone = normalize_name(deleted.name)
+    removed = deleted.removed.resolve() if deleted.removed is not None else None
+    return [str(m.path) for m in host.loaded_models() if normalize_name(m.name) == gone or m.path.resolve() == removed]
 
 
 async def _unloaded(host, name: str, timeout: float = 10.0) -> None:

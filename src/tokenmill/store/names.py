@@ -103,15 +103,23 @@ def base_names(path: Path) -> set[str]:
     return names
 
 
-def delete_model(name: str) -> ResolvedModel:
+@dataclass(frozen=True)
+class DeletedModel:
+    name: str                  # canonical: the derived name or the catalog name / file stem
+    derived: bool
+    # The GGUF that went with it: a base model's file, or a derived model's blob that no other model
+    # used. None when the weights stay: a copy of an installed model leaves its base's file alone.
+    removed: Path | None
+
+
+def delete_model(name: str) -> DeletedModel:
     """Remove a derived model's record (and its blob, if no other model uses it), or a base model's
-    file (refused while others derive from it)."""
+    file (refused while others derive from it). Every check comes before anything is removed."""
     derived = find_derived(name)
     if derived is not None:  # not resolved first: a model whose blob is gone can still be removed
         delete_derived(derived.name)
-        path = blob_path(parse_digest(derived.base)) if is_digest(derived.base) else Path(derived.base)
-        remove_unused_blob(derived.base)
-        return ResolvedModel(derived.name, path, derived.profile, derived=True)
+        removed = remove_unused_blob(derived.base)
+        return DeletedModel(derived.name, True, blob_path(parse_digest(derived.base)) if removed else None)
     resolved = resolve_named(name)
     if resolved.path.parent.resolve() != models_dir().resolve():
         raise StoreError(f"{resolved.path} is not in the models directory; delete the file yourself")
@@ -120,7 +128,7 @@ def delete_model(name: str) -> ResolvedModel:
         raise ModelInUseError(f"model {resolved.name!r} is the base of {', '.join(users)}; remove those first")
     resolved.path.unlink()
     manifest_path(resolved.path).unlink(missing_ok=True)
-    return resolved
+    return DeletedModel(resolved.name, False, resolved.path)
 
 
 def remove_unused_blob(base: str) -> bool:
