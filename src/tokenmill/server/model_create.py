@@ -4,7 +4,8 @@ the base (a model name, or the digest of a pushed GGUF blob) and the derived mod
 checked before anything is stored. A model is made from a name or a blob, never from a path."""
 from __future__ import annotations
 
-from tokenmill.server.errors import bad_request
+from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.ollama_params import check_options
 from tokenmill.server.profiles import jinja_template
 from tokenmill.server.validation import check_name_field, get_dict, get_model_name, get_str
 from tokenmill.store.blobs import digest_ref, is_digest, parse_digest
@@ -39,12 +40,25 @@ def create_request(body: dict) -> tuple[str, Profile]:
         base = blob or get_model_name(body, "from", required=True, reference=True)
         profile = Profile(get_str(body, "system"), get_str(body, "template"), _parameters(body),
                           _messages(body.get("messages")))
+    _check_parameters(profile.parameters, modelfile=bool(text))
     if profile.template:
         try:
             ChatTemplate(jinja_template(profile.template))
         except ChatTemplateError as exc:
             raise bad_request(f"template: {exc}", "template") from None
     return base, profile
+
+
+def _check_parameters(parameters: dict, *, modelfile: bool) -> None:
+    """The model's PARAMETERs are options every request naming it will carry: checked now by the
+    request options' own validator, so a bad one is this 400, not one on every later request."""
+    if not modelfile:
+        check_options(parameters, "/api/create", "parameters.")
+        return
+    try:
+        check_options(parameters, "/api/create", "PARAMETER ")
+    except APIError as exc:
+        raise bad_request(f"modelfile: {exc.message}", "modelfile") from None
 
 
 def _blob(body: dict) -> str | None:
@@ -75,11 +89,15 @@ def _parameters(body: dict) -> dict:
             if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
                 raise bad_request("parameters.stop must be a string or a list of strings", "parameters.stop")
             out[name] = stops
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        elif (isinstance(value, bool) or not isinstance(value, (int, float))
+              or (kind is int and isinstance(value, float) and not value.is_integer())):
             raise bad_request(f"parameters.{name} must be {'an integer' if kind is int else 'a number'}",
                               f"parameters.{name}")
         else:
-            out[name] = kind(value)
+            try:
+                out[name] = kind(value)
+            except OverflowError:  # an integer too large for a float
+                raise bad_request(f"parameters.{name} is out of range", f"parameters.{name}") from None
     return out
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.engine import SamplingParams
-from tokenmill.engine.sampling_params import MAX_SPECULATIVE_TOKENS
+from tokenmill.engine.sampling_params import MAX_SPECULATIVE_TOKENS, InvalidSamplingParams
+from tokenmill.server.errors import bad_request
 from tokenmill.server.validation import get_bool, get_dict, get_float, get_int, get_stop, warn_unknown
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "typical_p": 1.0,
@@ -38,15 +39,17 @@ class OllamaOptions:
     fill_context: bool = False  # num_predict -2: stop when the context is full (never shift)
 
 
-def parse_options(body: dict, where: str) -> OllamaOptions:
+def parse_options(body: dict, where: str, *, prefix: str = "options.") -> OllamaOptions:
+    """`prefix` starts each field's name in error messages (a derived model's PARAMETERs are checked
+    by this too, see check_options)."""
     opts = get_dict(body, "options")
     warn_unknown(opts, KNOWN, f"{where} options")
 
     def f(name: str) -> float:
-        return get_float(opts, name, DEFAULTS[name], label=f"options.{name}")
+        return get_float(opts, name, DEFAULTS[name], label=f"{prefix}{name}")
 
     def i(name: str, default=None, **kw):
-        return get_int(opts, name, default, label=f"options.{name}", **kw)
+        return get_int(opts, name, default, label=f"{prefix}{name}", **kw)
 
     # num_predict: -1 = until the model stops (shifting the context as needed), -2 = until the model
     # stops or the context is full; neither caps max_tokens.
@@ -65,13 +68,25 @@ def parse_options(body: dict, where: str) -> OllamaOptions:
         presence_penalty=f("presence_penalty"),
         frequency_penalty=f("frequency_penalty"),
         seed=seed if seed is not None and seed >= 0 else None,  # Ollama's -1 means random
-        stop=get_stop(opts, "stop", label="options.stop"),
+        stop=get_stop(opts, "stop", label=f"{prefix}stop"),
         logprobs=bool(get_bool(body, "logprobs", False)) or top_logprobs > 0,
         top_logprobs=top_logprobs,
-        speculative=get_bool(opts, "speculative", None, label="options.speculative"),
+        speculative=get_bool(opts, "speculative", None, label=f"{prefix}speculative"),
         num_speculative_tokens=i("num_speculative_tokens", lo=0, hi=MAX_SPECULATIVE_TOKENS),
     )
     # Ollama treats top_k <= 0 as "off".
     if params.top_k < 0:
         params.top_k = 0
     return OllamaOptions(params, i("num_ctx", lo=2), i("num_keep", DEFAULT_NUM_KEEP, lo=-1), num_predict == -2)
+
+
+def check_options(options: dict, where: str, prefix: str) -> None:
+    """400 for options a request carrying them would get a 400 for, by the very same checks (the
+    request's own, then the sampling parameters' ranges): a derived model's PARAMETERs are checked
+    so when it is created, not on each later request that never sent them."""
+    params = parse_options({"options": options}, where, prefix=prefix).params
+    try:
+        params.validate()
+    except InvalidSamplingParams as exc:
+        name = FIELD_NAMES.get(exc.field, exc.field).removeprefix("options.")
+        raise bad_request(str(exc).replace(exc.field, f"{prefix}{name}", 1), f"{prefix}{name}") from None

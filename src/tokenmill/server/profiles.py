@@ -31,9 +31,15 @@ def ollama_body(body: dict, profile: Profile) -> dict:
 
 
 def openai_body(body: dict, profile: Profile) -> dict:
-    defaults = {field: profile.parameters[name] for name, field in _OPENAI_FIELDS.items()
-                if name in profile.parameters and body.get(field) is None}
+    params = profile.parameters
+    defaults = {field: params[name] for name, field in _OPENAI_FIELDS.items()
+                if name in params and body.get(field) is None and not _ollama_off(name, params[name])}
     return {**defaults, **body} if defaults else body
+
+
+def _ollama_off(name: str, value) -> bool:
+    """Ollama's values for "no limit" / "random", which OpenAI's fields spell by leaving them out."""
+    return (name == "num_predict" and value <= 0) or (name == "seed" and value < 0)
 
 
 def system_prompt(requested: str | None, profile: Profile) -> str | None:

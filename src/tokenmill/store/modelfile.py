@@ -73,10 +73,12 @@ def _parameter(number: int, rest: str, params: dict) -> None:
     if name == "stop":
         params.setdefault("stop", []).append(value)
         return
+    kind = PARAMETER_TYPES[name]
     try:
-        params[name] = PARAMETER_TYPES[name](value)
+        params[name] = kind(value)
     except ValueError:
-        raise ModelfileError(f"line {number}: PARAMETER {name} must be a number, got {value!r}") from None
+        what = "an integer" if kind is int else "a number"
+        raise ModelfileError(f"line {number}: PARAMETER {name} must be {what}, got {value!r}") from None
 
 
 def parse_modelfile(text: str) -> Modelfile:
