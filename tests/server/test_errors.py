@@ -143,7 +143,8 @@ def test_truncation_when_asked_for(client, tiny):
 def test_full_queue_is_503_with_retry_after(client, tiny):
     host = tiny[1]
     saved = host.admission.max_queue
-    host.admission.max_queue = 0
+    host.admission.max_queue = 1
+    host.admission.in_flight += 1  # as if one request were running: the next could fit once it ends
     try:
         r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
         err = openai_error(r, 503)
@@ -153,6 +154,7 @@ def test_full_queue_is_503_with_retry_after(client, tiny):
         assert client.post("/api/embed", json={"model": model_name(host), "input": "x"}).status_code == 503
     finally:
         host.admission.max_queue = saved
+        host.admission.in_flight -= 1
     metrics = client.get("/metrics").text
     assert "tokenmill:requests_rejected_total" in metrics
 
@@ -160,10 +162,20 @@ def test_full_queue_is_503_with_retry_after(client, tiny):
 def test_n_counts_against_the_queue(client, tiny):
     host = tiny[1]
     saved = host.admission.max_queue
-    host.admission.max_queue = 2
+    host.admission.max_queue = 3
     try:
-        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": 3}).status_code == 503
-        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": 2}).status_code == 200
+        host.admission.in_flight += 1  # one request running: 3 sequences fit once it ends
+        try:
+            r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": 3})
+            assert openai_error(r, 503)["code"] == "queue_full" and r.headers["retry-after"] == "1"
+        finally:
+            host.admission.in_flight -= 1
+        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": 3}).status_code == 200
+        # More sequences than the limit itself can never run: 400, and no Retry-After to retry it by.
+        r = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1, "n": 2})
+        err = openai_error(r, 400)
+        assert err["code"] == "too_many_sequences" and "4 sequences" in err["message"] and "limit of 3" in err["message"]
+        assert "retry-after" not in r.headers
     finally:
         host.admission.max_queue = saved
 

@@ -1,6 +1,7 @@
 """Admission control: a bounded count of in-flight engine requests (running + waiting). Rejecting
 at the door with 503 + Retry-After keeps latency bounded under overload instead of letting an
-unbounded queue grow; while draining for shutdown, everything new is turned away."""
+unbounded queue grow; while draining for shutdown, everything new is turned away. A request that
+could not fit even in an empty server is a 400: no wait would let it in."""
 from __future__ import annotations
 
 from tokenmill.server.errors import APIError
@@ -33,6 +34,12 @@ class Admission:
         if self.draining:
             self.num_rejected += n
             raise APIError(503, "server is shutting down", code="shutting_down", retry_after=RETRY_AFTER_SECONDS)
+        if n > self.max_queue:
+            # Retrying could never help: 503 + Retry-After would have clients retry it forever.
+            self.num_rejected += n
+            raise APIError(400, f"this request alone needs {n} sequences (prompts x n), more than the server's "
+                                f"limit of {self.max_queue} in flight; send fewer prompts or a smaller n",
+                           code="too_many_sequences")
         if self.in_flight + n > self.max_queue:
             self.num_rejected += n
             raise APIError(503, f"server busy: {self.in_flight} requests in flight, the limit is {self.max_queue}",
