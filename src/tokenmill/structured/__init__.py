@@ -6,9 +6,10 @@ Lark/GBNF grammars) with llguidance token masks.
 while the model runs."""
 from tokenmill.structured.compiler import GrammarCompiler, compiler_for
 from tokenmill.structured.constraint import Constraint
-from tokenmill.structured.grammar import Grammar, GrammarError, GrammarSpec
+from tokenmill.structured.grammar import Grammar, GrammarError, GrammarSpec, check_finite
 from tokenmill.structured.masks import MaskWorker, PendingMasks, TokenMasks, apply_token_masks
+from tokenmill.structured.schema_refs import rebase_refs
 from tokenmill.structured.vocab import grammar_tokenizer
 
 __all__ = ["Constraint", "Grammar", "GrammarCompiler", "GrammarError", "GrammarSpec", "MaskWorker", "PendingMasks",
-           "TokenMasks", "apply_token_masks", "compiler_for", "grammar_tokenizer"]
+           "TokenMasks", "apply_token_masks", "check_finite", "compiler_for", "grammar_tokenizer", "rebase_refs"]

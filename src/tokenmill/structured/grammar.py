@@ -12,6 +12,7 @@ from typing import Any, Literal
 import llguidance
 
 from tokenmill.structured.constraint import Constraint
+from tokenmill.structured.schema_finite import unfinishable_refs
 
 Kind = Literal["json", "json_schema", "regex", "choice", "grammar"]
 
@@ -48,6 +49,7 @@ class GrammarSpec:
             if not isinstance(self.value, (dict, bool)):
                 raise GrammarError(f"a JSON schema must be an object, got {type(self.value).__name__}")
             _check_size(json.dumps(self.value))
+            check_finite(self.value)
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(self.value, overrides=JSON_OPTIONS)
             except ValueError as exc:
@@ -74,6 +76,17 @@ class GrammarSpec:
                 "grammar": "grammar"}[self.kind]
 
 
+def check_finite(schema: Any) -> None:
+    """GrammarError if the JSON schema allows no value (see schema_finite)."""
+    refs = unfinishable_refs(schema)
+    if refs:
+        raise GrammarError(f"the JSON schema allows no value: it is recursive without a base case (a value "
+                           f"of $ref {', '.join(map(json.dumps, refs[:3]))} must always contain another one, "
+                           f"so none can ever be complete)")
+    if refs is not None:
+        raise GrammarError("the JSON schema allows no value: a part every value must have can never be satisfied")
+
+
 def _check_text(value: Any, what: str) -> None:
     if not isinstance(value, str) or not value:
         raise GrammarError(f"{what} must be a non-empty string")
@@ -98,12 +111,24 @@ class Grammar:
         matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=limits)
         if matcher.is_error():
             raise GrammarError(f"invalid {spec.describe()}: {_summary([matcher.get_error()])}")
+        _check_can_start(matcher, spec)
         self.spec = spec
         self.vocab_size = vocab_size
         self._template = matcher
 
     def new_constraint(self) -> Constraint:
         return Constraint(self._template.deep_copy(), self.vocab_size)
+
+
+def _check_can_start(matcher: llguidance.LLMatcher, spec: GrammarSpec) -> None:
+    """A grammar whose start has no way to finish (a rule that only refers to itself) compiles, but
+    its parser fails on the first mask; that is asked here, on a copy, so it is a 400 and not an
+    empty answer."""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        raise GrammarError(f"the {spec.describe()} allows no output: its parser stops before the first token "
+                           f"({_summary([probe.get_error()])}); is a rule recursive without a base case?")
 
 
 def _summary(messages: list[str], limit: int = 400) -> str:
