@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
-from tokenmill.server.errors import bad_request
+from tokenmill.server.errors import bad_request, shown_value
 from tokenmill.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 T = TypeVar("T")
@@ -48,7 +48,7 @@ def normalize_messages(messages: Any, field: str = "messages") -> list[dict]:
             raise bad_request(f"{where} must be an object with role and content", where)
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}",
+            raise bad_request(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {shown_value(role)}",
                               f"{where}.role")
         if m.get("images"):
             raise bad_request(f"{where}.images: this model accepts text only", f"{where}.images")

@@ -94,6 +94,16 @@ def client_safe(text: str) -> str:
     return redact_paths(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def shown_value(value: object, limit: int = 60) -> str:
+    """A bad value as an error message repeats it: as JSON, cut to `limit` characters, so a value
+    the client sent by mistake (a 300-digit number, a whole prompt) does not come back in full."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 

@@ -4,6 +4,7 @@ the base (a model name, or the digest of a pushed GGUF blob) and the derived mod
 checked before anything is stored. A model is made from a name or a blob, never from a path."""
 from __future__ import annotations
 
+from tokenmill.server.client_json import check_value
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.ollama_params import check_options
 from tokenmill.server.profiles import jinja_template
@@ -36,6 +37,9 @@ def create_request(body: dict) -> tuple[str, Profile]:
             raise bad_request(f"modelfile: {exc}", "modelfile") from None
         # Over HTTP, FROM names a model (or a blob), never a file on the server's disk.
         base, profile = check_name_field(parsed.base, "modelfile", reference=True, what="FROM"), parsed.profile
+        # Its quoted values are JSON strings, which may spell a lone surrogate: never stored.
+        check_value({"SYSTEM": profile.system, "TEMPLATE": profile.template, "PARAMETER": profile.parameters,
+                     "MESSAGE": list(profile.messages)}, "modelfile")
     else:
         base = blob or get_model_name(body, "from", required=True, reference=True)
         profile = Profile(get_str(body, "system"), get_str(body, "template"), _parameters(body),

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, off_loop
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.model_host import model_for
-from tokenmill.server.errors import bad_request
+from tokenmill.server.errors import bad_request, shown_value
 from tokenmill.server.openai_params import truncate_prompt
 from tokenmill.server.validation import get_int, get_model_name, get_str, read_json, warn_unknown
 
@@ -52,7 +52,7 @@ async def embeddings(request: Request) -> Response:
     served = await model_for(request, get_model_name(body))
     fmt = get_str(body, "encoding_format", "float")
     if fmt not in ("float", "base64"):
-        raise bad_request(f"encoding_format must be float or base64, got {fmt!r}", "encoding_format")
+        raise bad_request(f"encoding_format must be float or base64, got {shown_value(fmt)}", "encoding_format")
     dims = get_int(body, "dimensions", lo=1)
     truncate = get_int(body, "truncate_prompt_tokens", lo=-1)
     limit = embedding_limit(served)

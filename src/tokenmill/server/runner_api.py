@@ -13,7 +13,7 @@ from tokenmill.config import Config
 from tokenmill.engine import ConfigError, SamplingParams
 from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, normalize_messages, off_loop, render_chat
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
-from tokenmill.server.errors import APIError, bad_request, client_safe
+from tokenmill.server.errors import APIError, bad_request, client_safe, shown_value
 from tokenmill.server.generation import Generation
 from tokenmill.server.logprobs import token_text
 from tokenmill.server.model_host import LoadSpec, ModelHost, model_for
@@ -62,7 +62,7 @@ async def load(request: Request) -> Response:
         raise bad_request("model is required", "model")
     dtype = get_str(body, "dtype", settings.dtype)
     if dtype not in DTYPE_CHOICES:
-        raise bad_request(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}", "dtype")
+        raise bad_request(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {shown_value(dtype)}", "dtype")
     # The server's configuration, with what the body overrides.
     engine = replace(
         settings.engine_config(),

@@ -6,11 +6,11 @@ and vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` o
 request; a bad one is a 400 naming the field and what the grammar compiler said."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from tokenmill.engine import SamplingParams
-from tokenmill.server.errors import bad_request
+from tokenmill.server.client_json import decode_json
+from tokenmill.server.errors import bad_request, shown_value
 from tokenmill.structured import GrammarError, GrammarSpec, compiler_for
 from tokenmill.tokenizer import Tokenizer
 
@@ -32,7 +32,7 @@ def ollama_spec(body: dict) -> Found | None:
         return GrammarSpec("json"), "format"
     if isinstance(fmt, dict):
         return GrammarSpec("json_schema", fmt), "format"
-    raise bad_request(f'format must be "json" or a JSON schema object, got {json.dumps(fmt)[:100]}', "format")
+    raise bad_request(f'format must be "json" or a JSON schema object, got {shown_value(fmt)}', "format")
 
 
 def openai_spec(body: dict) -> Found | None:
@@ -86,7 +86,7 @@ def _response_format(rf: Any) -> Found | None:
             raise bad_request("response_format.json_schema.schema is required", "response_format.json_schema.schema")
         where = "response_format.json_schema.schema"
         return GrammarSpec("json_schema", _schema(spec["schema"], where)), where
-    raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+    raise bad_request(f"response_format.type must be text, json_object or json_schema, got {shown_value(kind)}",
                       "response_format.type")
 
 
@@ -115,10 +115,7 @@ def _structured_outputs(so: Any) -> Found | None:
 def _schema(value: Any, field: str) -> Any:
     """A schema may come as an object or as its JSON text (vLLM accepts both)."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise bad_request(f"{field} is not valid JSON: {exc}", field) from None
+        value = decode_json(value, field)
     if not isinstance(value, (dict, bool)):
         raise bad_request(f"{field} must be a JSON schema object", field)
     return value

@@ -149,7 +149,7 @@ class CallScanner:
         key = self.member
         try:
             value = json.loads("".join(self.value))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or a number or nesting Python will not hold
             value = None
         if key == "name":
             if isinstance(value, str):

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.server.client_json import loads_checked
 from tokenmill.server.errors import bad_request
 from tokenmill.server.tool_stream import ToolCallStream, new_call_id
 from tokenmill.server.validation import get_bool
@@ -175,7 +176,7 @@ def _tools(value: Any) -> list[Tool]:
 def _calls_in(text: str, names: set[str]) -> list[ToolCall]:
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or a number or nesting Python will not hold
         return []
     items = value if isinstance(value, list) else [value]
     calls = []
@@ -186,7 +187,7 @@ def _calls_in(text: str, names: set[str]) -> list[ToolCall]:
         if isinstance(args, str):  # some models write the arguments as a JSON string, as OpenAI sends them
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 return []
         if item.get("name") not in names or not isinstance(args, dict):
             return []
@@ -204,9 +205,9 @@ def _arguments(call: Any) -> tuple[str, Any]:
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = loads_checked(args, "tool_calls[].function.arguments")
         except json.JSONDecodeError:
-            pass
+            pass  # not JSON: the template gets the text as the client wrote it
     return str(fn.get("name", "")), args
 
 

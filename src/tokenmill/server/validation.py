@@ -3,7 +3,6 @@ client learns exactly which value to fix. Unknown fields are tolerated (clients 
 but logged once, so a silently ignored option is at least visible to the operator."""
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterable
@@ -11,7 +10,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from tokenmill.server.errors import bad_request
+from tokenmill.server.client_json import decode_json
+from tokenmill.server.errors import bad_request, shown_value
 from tokenmill.store.model_name import InvalidModelName, check_model_name, check_model_reference
 
 log = logging.getLogger("tokenmill.server")
@@ -24,10 +24,7 @@ async def read_json(request: Request) -> dict:
     raw = await request.body()  # its size is held to the limit by access.BodyLimitMiddleware
     if not raw.strip():
         return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"invalid JSON body: {exc}") from None
+    body = decode_json(raw)
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -100,7 +97,7 @@ def get_bool(body: dict, name: str, default: Any = None, *, label: str | None = 
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad_request(f"{label} must be true or false, got {json.dumps(v)}", label)
+        raise bad_request(f"{label} must be true or false, got {shown_value(v)}", label)
     return v
 
 
@@ -114,11 +111,11 @@ def get_int(body: dict, name: str, default: Any = None, *, lo: int | None = None
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise bad_request(f"{label} must be an integer, got {json.dumps(v)}", label)
+        raise bad_request(f"{label} must be an integer, got {shown_value(v)}", label)
     if lo is not None and v < lo:
-        raise bad_request(f"{label} must be at least {lo}, got {v}", label)
+        raise bad_request(f"{label} must be at least {lo}, got {shown_value(v)}", label)
     if hi is not None and v > hi:
-        raise bad_request(f"{label} must be at most {hi}, got {v}", label)
+        raise bad_request(f"{label} must be at most {hi}, got {shown_value(v)}", label)
     return v
 
 
@@ -128,7 +125,7 @@ def get_float(body: dict, name: str, default: Any = None, *, label: str | None =
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad_request(f"{label} must be a number, got {json.dumps(v)}", label)
+        raise bad_request(f"{label} must be a number, got {shown_value(v)}", label)
     return float(v)
 
 
