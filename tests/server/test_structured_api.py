@@ -16,6 +16,12 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"e
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["ok", "tag", "n"], "additionalProperties": False}
 SAMPLED = {"temperature": 1.0, "seed": 4}
+# Every object needs a `next` of its own kind: no finite value exists.
+CHAIN = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
+# Recursive too, but a node without children ends it.
+TREE = {"type": "object", "properties": {"value": {"enum": [1, 2]},
+                                         "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["value"], "additionalProperties": False}
 
 
 def valid(text: str) -> dict:
@@ -108,6 +114,16 @@ SCHEMA_RF = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"typ
     ("/v1/completions", {"guided_json": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 3,
                                                                              "maximum": 1}}, "required": ["a"]}},
      "guided_json", "nsatisfiable"),
+    # Recursion without a base case: no value is finite, so it is refused before the request is queued.
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "t", "schema": {"$ref": "#"}}}}, "response_format.json_schema.schema", "recursive without a base case"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+                              "tool_choice": "required"}, "tools[0].function.parameters", "recursive without a base case"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": CHAIN}}],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tools[0].function.parameters", "recursive without a base case"),
+    ("/v1/completions", {"guided_json": CHAIN}, "guided_json", "recursive without a base case"),
+    ("/v1/completions", {"guided_grammar": "start: a\na: a\n"}, "guided_grammar", "allows no output"),
 ])
 def test_openai_bad_constraints_are_400_naming_the_field(client, tiny, path, extra, param, message):
     body = {"model": model_name(tiny[1]), "max_tokens": 5, **extra}
@@ -124,6 +140,9 @@ def test_openai_bad_constraints_are_400_naming_the_field(client, tiny, path, ext
     ("/api/chat", {"format": {"type": "string", "pattern": "(("}}, "unclosed group"),
     ("/completion", {"grammar": "root ::= (("}, "grammar"),
     ("/completion", {"json_schema": {"type": 3}}, "json_schema"),
+    ("/api/chat", {"format": {"$ref": "#"}}, "recursive without a base case"),
+    ("/api/generate", {"format": CHAIN}, "recursive without a base case"),
+    ("/completion", {"json_schema": CHAIN}, "recursive without a base case"),
 ])
 def test_ollama_and_runner_bad_constraints_are_400(client, tiny, path, extra, message):
     body = {"model": model_name(tiny[1]), "stream": False, **extra}
@@ -131,6 +150,29 @@ def test_ollama_and_runner_bad_constraints_are_400(client, tiny, path, extra, me
     r = client.post(path, json=body)
     assert r.status_code == 400, r.text
     assert message in r.json()["error"], r.json()
+
+
+@pytest.mark.parametrize("api", ["openai", "ollama"])
+def test_a_recursive_schema_that_can_end_is_followed(client, tiny, api):
+    name, finished = model_name(tiny[1]), 0
+    for seed in range(3):
+        if api == "openai":
+            r = client.post("/v1/chat/completions", json={
+                "model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 150,
+                "temperature": 1.0, "seed": seed,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "tree", "schema": TREE}}})
+            assert r.status_code == 200, r.text
+            text, reason = r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"]
+        else:
+            r = client.post("/api/chat", json={"model": name, "messages": [{"role": "user", "content": "hi"}],
+                                               "format": TREE, "stream": False,
+                                               "options": {"temperature": 1.0, "seed": seed, "num_predict": 150}})
+            assert r.status_code == 200, r.text
+            text, reason = r.json()["message"]["content"], r.json()["done_reason"]
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), TREE)
+            finished += 1
+    assert finished  # a tree that may stop at any node ends well within the budget
 
 
 def test_a_constrained_stream_left_early_frees_everything(tiny):

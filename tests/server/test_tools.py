@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from server_helpers import model_name, start_server, stream_calls, wait_idle
 from tiny_model import TinyLlamaSpec, write_tiny_llama
+from tokenmill.server.chat import normalize_messages
 from tokenmill.server.errors import APIError
 from tokenmill.server.tool_stream import ToolCallStream
 from tokenmill.server.tools import parse_tool_use, prepare_messages
@@ -129,7 +130,7 @@ def test_default_format_lists_the_tools_and_writes_calls_and_results_back(tiny_t
                     {"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "-3 C, snow"}]
-    out, tools = prepare_messages(tiny_tokenizer, messages, USE)
+    out, tools = prepare_messages(tiny_tokenizer, normalize_messages(messages), USE)
     assert tools is None  # the tiny model's ChatML template knows nothing of tools
     assert out[0]["content"].startswith("Be brief.\n\nYou can call") and '"name": "get_time"' in out[0]["content"]
     assert out[2]["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>'
@@ -142,7 +143,7 @@ def test_a_template_with_tools_gets_them_and_the_arguments_as_objects(tiny_token
     monkeypatch.setattr(tiny_tokenizer, "chat_template", ChatTemplate(source))
     messages = [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}]
-    out, tools = prepare_messages(tiny_tokenizer, messages, USE)
+    out, tools = prepare_messages(tiny_tokenizer, normalize_messages(messages), USE)
     assert tiny_tokenizer.chat_template.render(out, tools=tools, add_generation_prompt=False) == \
         "[get_weather][get_time]<Oslo>"
 
@@ -274,3 +275,43 @@ def test_ollama_tools_come_back_as_tool_calls_with_object_arguments(client, tiny
     jsonschema.validate(call["function"]["arguments"], PARAMS["get_weather"])
     lines = [json.loads(x) for x in client.post("/api/chat", json=body).text.splitlines()]
     assert len(lines) == 1 and lines[0]["done"] and lines[0]["message"]["tool_calls"] == message["tool_calls"]
+
+
+# A tree of nodes: recursive through its own $defs ("#/$defs/node") and through "#" (a forest of trees).
+NODE = {"type": "object", "properties": {"value": {"enum": [1, 2]},
+                                         "children": {"type": "array", "items": {"$ref": "#/$defs/node"},
+                                                      "maxItems": 2}},
+        "required": ["value"], "additionalProperties": False}
+PLANT = {"type": "function", "function": {"name": "plant", "parameters": {
+    "$defs": {"node": NODE}, "type": "object", "additionalProperties": False, "required": ["tree"],
+    "properties": {"tree": {"$ref": "#/$defs/node"},
+                   "more": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}}}}}
+
+
+def test_a_recursive_parameters_schema_keeps_its_meaning_when_a_call_is_forced(oai, tiny):
+    # The call's schema holds the parameters in its own $defs, their refs rewritten to point there:
+    # before, "#/$defs/node" did not resolve (a 400) and "#" meant the whole call schema.
+    params, finished = PLANT["function"]["parameters"], 0
+    for seed in range(3):
+        r = oai.chat.completions.create(model=model_name(tiny[1]), messages=[{"role": "user", "content": "plant"}],
+                                        tools=[PLANT, TIME], tool_choice={"type": "function",
+                                                                          "function": {"name": "plant"}},
+                                        max_tokens=200, temperature=1.0, seed=seed)
+        choice = r.choices[0]
+        if choice.finish_reason == "tool_calls":
+            [call] = choice.message.tool_calls
+            assert call.function.name == "plant"
+            jsonschema.validate(json.loads(call.function.arguments), params)
+            finished += 1
+    assert finished
+
+
+def test_a_parameters_schema_with_no_finite_value_is_400_naming_the_tool(client, tiny):
+    endless = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}
+    r = client.post("/v1/chat/completions", json={
+        "model": model_name(tiny[1]), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "tools": [TIME, endless], "tool_choice": "required"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools[1].function.parameters" and "recursive without a base case" in err["message"]

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 from starlette.concurrency import run_in_threadpool
 
 from tokenmill.server.errors import bad_request, shown_value
+from tokenmill.server.tool_messages import check_tool_parts
 from tokenmill.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 T = TypeVar("T")
@@ -38,7 +39,9 @@ def _content_text(content: Any, where: str) -> str | None:
     raise bad_request(f"{where} must be a string or a list of content parts", where)
 
 
-def normalize_messages(messages: Any, field: str = "messages") -> list[dict]:
+def normalize_messages(messages: Any, field: str = "messages", *, text_arguments: bool = True) -> list[dict]:
+    """Messages as templates take them; a 400 naming the first bad part. `text_arguments`: a past
+    tool call's arguments may be JSON text (OpenAI), not only an object (Ollama)."""
     if not isinstance(messages, list):
         raise bad_request(f"{field} must be a list of messages", field)
     out = []
@@ -56,7 +59,7 @@ def normalize_messages(messages: Any, field: str = "messages") -> list[dict]:
         # "developer" is OpenAI's newer name for "system"; templates only know the latter.
         msg["role"] = "system" if role == "developer" else role
         msg["content"] = _content_text(m.get("content"), f"{where}.content") or ""
-        out.append(msg)
+        out.append(check_tool_parts(msg, where, text_arguments=text_arguments))
     return out
 
 

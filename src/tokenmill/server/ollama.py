@@ -199,7 +199,7 @@ async def chat(request: Request) -> Response:
     warn_unknown(body, CHAT_FIELDS, "/api/chat")
     keep_alive = keep_alive_field(body)
     tool_use = parse_tool_use(body, allow_choice=False)  # Ollama has no tool_choice: the model decides
-    messages = normalize_messages(body.get("messages") or [])
+    messages = normalize_messages(body.get("messages") or [], text_arguments=False)
     _ignore_unsupported(body, "/api/chat")
     if not messages:
         return await _load_or_unload(request, body, keep_alive, chat=True)

@@ -17,11 +17,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.server.client_json import loads_checked
 from tokenmill.server.errors import bad_request
 from tokenmill.server.tool_stream import ToolCallStream, new_call_id
 from tokenmill.server.validation import get_bool
-from tokenmill.structured import GrammarSpec
+from tokenmill.structured import GrammarError, GrammarSpec, check_finite, rebase_refs
 from tokenmill.tokenizer import Tokenizer
 
 _CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -76,16 +75,30 @@ class ToolUse:
         return bool(self.tools)
 
     def constraint(self) -> tuple[GrammarSpec, str] | None:
-        """For required or a named function: one call, as JSON, with validating arguments."""
+        """For required or a named function: one call, as JSON, with validating arguments. Each
+        function's parameters go in the schema's `$defs`, their own refs ("#", "#/$defs/node")
+        rewritten to point there, so a recursive parameters schema means what it meant alone."""
         if self.choice not in ("required", "function"):
             return None
-        tools = [t for t in self.tools if self.choice == "required" or t.name == self.function]
-        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        defs, calls = {}, []
+        for i, t in enumerate(self.tools):
+            if self.choice == "function" and t.name != self.function:
+                continue
+            where = f"tools[{i}].function.parameters"
+            try:
+                check_finite(t.parameters)
+                defs[f"tool_{i}"] = rebase_refs(t.parameters, f"#/$defs/tool_{i}")
+            except GrammarError as exc:
+                raise bad_request(f"{where}: {exc}", where) from None
+            except RecursionError:
+                raise bad_request(f"{where} is nested too deeply", where) from None
+            calls.append({"type": "object", "properties": {"name": {"const": t.name},
+                                                           "arguments": {"$ref": f"#/$defs/tool_{i}"}},
+                          "required": ["name", "arguments"], "additionalProperties": False})
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         if self.choice == "required" and self.parallel:
             schema = {"type": "array", "items": schema, "minItems": 1}
-        return GrammarSpec("json_schema", schema), "tools"
+        return GrammarSpec("json_schema", {**schema, "$defs": defs}), "tools"
 
     def stream(self) -> ToolCallStream:
         """A parser that finds this request's calls in text as it is generated."""
@@ -138,8 +151,8 @@ def template_renders_tools(tokenizer: Tokenizer) -> bool:
 
 def prepare_messages(tokenizer: Tokenizer, messages: list[dict], use: ToolUse) -> tuple[list[dict], list | None]:
     """(messages, tools) for the chat template: its own tool format if it has one, else the default."""
-    if template_renders_tools(tokenizer):
-        return [_native_message(m) for m in messages], ([_openai_tool(t) for t in use.tools] or None)
+    if template_renders_tools(tokenizer):  # normalized calls already hold their arguments as objects
+        return messages, ([_openai_tool(t) for t in use.tools] or None)
     out = [_default_message(m) for m in messages]
     if use.tools:
         listing = "\n".join(json.dumps(_openai_tool(t)["function"], ensure_ascii=False) for t in use.tools)
@@ -200,40 +213,16 @@ def _openai_tool(t: Tool) -> dict:
     return {"type": "function", "function": fn}
 
 
-def _arguments(call: Any) -> tuple[str, Any]:
-    fn = call.get("function", call) if isinstance(call, dict) else {}
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = loads_checked(args, "tool_calls[].function.arguments")
-        except json.JSONDecodeError:
-            pass  # not JSON: the template gets the text as the client wrote it
-    return str(fn.get("name", "")), args
-
-
-def _native_message(m: dict) -> dict:
-    """Templates expect a call's arguments as an object (OpenAI sends a JSON string)."""
-    if not m.get("tool_calls"):
-        return m
-    calls = []
-    for c in m["tool_calls"]:
-        name, args = _arguments(c)
-        calls.append({**(c if isinstance(c, dict) else {}), "type": "function",
-                      "function": {"name": name, "arguments": args}})
-    return {**m, "tool_calls": calls}
-
-
 def _default_message(m: dict) -> dict:
+    """Messages come normalized (chat.normalize_messages): each call is {"function": {"name": str,
+    "arguments": dict}}, whatever shape the client sent it in."""
     if m.get("role") == "tool":
         name = m.get("name") or m.get("tool_name")
         head = f"<tool_response name={json.dumps(name)}>" if name else "<tool_response>"
         return {"role": "user", "content": f"{head}\n{m.get('content') or ''}\n</tool_response>"}
     if m.get("role") == "assistant" and m.get("tool_calls"):
-        blocks = []
-        for c in m["tool_calls"]:
-            name, args = _arguments(c)
-            blocks.append("<tool_call>" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
-                          + "</tool_call>")
+        blocks = ["<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                             ensure_ascii=False) + "</tool_call>" for c in m["tool_calls"]]
         text = "\n".join(filter(None, [m.get("content") or "", *blocks]))
         return {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
     return m
