@@ -270,6 +270,27 @@ def test_short_chunk_alone_split_by_rows_is_bitwise_invariant(variant, d, dtype,
         native.set_num_threads(saved)
 
 
+@dims
+@dtypes
+@pytest.mark.parametrize("window", [0, 100])
+def test_few_rows_of_one_sequence_keep_each_rows_decode_bits(variant, d, dtype, window):
+    """A few rows of one sequence (a verification: up to 8 take the decode path) give each row the
+    bits it has as a decode row alone and beside another sequence: 8 rows whose windows start in
+    different tiles and segments (window 100: first keys 254-261, across the 256 boundary), rows
+    whose last keys end in different tiles."""
+    c = make_cache([700, 30], d, dtype, seed=13)
+    saved = torch.get_num_threads()
+    try:
+        native.set_num_threads(1)
+        for first, rows in ((353, 8), (350, 8), (600, 6), (696, 4)):
+            together = run(c, [(0, first, rows)], window)
+            decodes = torch.cat([run(c, [(0, p, 1)], window) for p in range(first, first + rows)])
+            assert torch.equal(together, decodes), (first, rows)
+            assert torch.equal(run(c, [(1, 29, 1), (0, first, rows)], window)[1:], together), (first, rows)
+    finally:
+        native.set_num_threads(saved)
+
+
 @dtypes
 def test_window_rows_are_bitwise_invariant(variant, dtype):
     c = make_cache([90], 64, dtype, seed=8)
