@@ -78,6 +78,21 @@ def test_a_number_of_thousands_of_digits_is_400(client, tiny, path, field):
     assert "invalid JSON" in message and "digits" in message and "9" * 50 not in message, message
 
 
+@pytest.mark.parametrize("path, field", [
+    ("/api/generate", '"options": {"temperature": %s}'),
+    ("/api/generate", '"options": {"top_p": -%s}'),
+    ("/v1/completions", '"frequency_penalty": %s'),
+    ("/v1/chat/completions", '"top_p": %s'),
+    ("/completion", '"temperature": %s'),
+])
+def test_an_integer_too_large_for_a_float_option_is_400(client, tiny, path, field):
+    """Within the digit limit but past a double's range: float() overflows rather than giving inf."""
+    body = request_body(path, model_name(tiny[1]))
+    text = json.dumps(body)[:-1] + ", " + field % ("1" + "0" * 400) + "}"
+    message = error_message(post_raw(client, path, text))
+    assert "finite number" in message and "0" * 100 not in message, message
+
+
 @pytest.mark.parametrize("option, value", [("num_ctx", -1e308), ("num_speculative_tokens", 1e300),
                                            ("num_ctx", "x" * 5000), ("temperature", ["a"] * 2000)])
 def test_a_bad_option_is_not_echoed_in_full(client, tiny, option, value):

@@ -126,8 +126,8 @@ def test_create_refuses_parameters_a_request_would_be_refused(served, parameters
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ("PARAMETER temperature nan", "modelfile: PARAMETER temperature must be a number, got NaN"),
-    ("PARAMETER temperature inf", "modelfile: PARAMETER temperature must be a number, got Infinity"),
+    ("PARAMETER temperature nan", "modelfile: PARAMETER temperature must be a finite number, got NaN"),
+    ("PARAMETER temperature inf", "modelfile: PARAMETER temperature must be a finite number, got Infinity"),
     ("PARAMETER top_p 5", "modelfile: PARAMETER top_p must be between 0 and 1, got 5"),
     ("PARAMETER num_predict -100", "modelfile: PARAMETER num_predict must be at least -2, got -100"),
     ("PARAMETER top_k 1.5", "modelfile: line 2: PARAMETER top_k must be an integer, got '1.5'"),

@@ -124,9 +124,15 @@ def get_float(body: dict, name: str, default: Any = None, *, label: str | None =
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad_request(f"{label} must be a number, got {shown_value(v)}", label)
-    return float(v)
+    try:
+        f = float(v)  # an integer of hundreds of digits has no float: OverflowError, not inf
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise bad_request(f"{label} must be a finite number, got {shown_value(v)}", label)
+    return f
 
 
 def get_stop(body: dict, name: str = "stop", *, label: str | None = None) -> list[str]:
