@@ -69,7 +69,7 @@ class SequenceTimes:
     finished: float | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself, not its fields: the queues remove it by identity
 class Sequence:
     seq_id: int
     request_id: str
