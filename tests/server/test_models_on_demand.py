@@ -137,6 +137,34 @@ def test_keep_alive_zero_unloads_after_the_request_and_expiry_unloads_idle_model
         server.stop()
 
 
+def test_the_keep_alive_received_last_wins_over_the_request_finishing_last(store):
+    server, host = start_server("tiny-a", kv_size=2048)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            assert host.wait_ready(30)
+            assert generate(c, "tiny-b").status_code == 200
+            # An unload received while a stream runs: the stream finishes, then the model unloads
+            # (the stream's own default keep_alive, applied as it ends, does not bring it back).
+            with busy_stream(server, host.find_loaded("tiny-b").engine, "tiny-b") as lines:
+                r = c.post("/api/generate", json={"model": "tiny-b", "keep_alive": 0})
+                assert r.status_code == 200 and r.json()["done_reason"] == "unload"
+                assert "tiny-b" in loaded(c)  # busy: not unloaded under the stream
+                assert '"done":true' in [line for line in lines if line][-1].replace(" ", "")
+            assert wait_for(lambda: "tiny-b" not in loaded(c), 5)
+
+            # A request with its own keep_alive received after the unload supersedes it.
+            assert generate(c, "tiny-b").status_code == 200
+            with busy_stream(server, host.find_loaded("tiny-b").engine, "tiny-b") as lines:
+                assert c.post("/api/generate", json={"model": "tiny-b", "keep_alive": 0}).json()["done_reason"] == "unload"
+                assert generate(c, "tiny-b", keep_alive="10m").status_code == 200
+                for _ in lines:
+                    pass
+            time.sleep(0.6)  # more than the reaper's period
+            assert 590 < expires_in(loaded(c)["tiny-b"]) <= 600
+    finally:
+        server.stop()
+
+
 def test_max_loaded_models_evicts_the_idle_model_but_never_a_busy_one(store):
     server, host = start_server("tiny-a", kv_size=2048, max_loaded_models=1)
     try:

@@ -184,14 +184,18 @@ class ModelHost:
         with self._lock:
             served.leases += 1
             served.last_used = time.monotonic()
+            served.latest_keep_alive = seconds
             served.expires_at = None if seconds is None else time.time() + seconds
 
         def release(_: ModelLease) -> None:
+            # The model's latest keep_alive, not this request's: an unload or a later request's
+            # keep_alive received while this one ran is not undone by this one finishing last.
             with self._lock:
                 served.leases -= 1
                 served.last_used = time.monotonic()
-                served.expires_at = None if seconds is None else time.time() + seconds
-            if seconds is not None and seconds <= 0:
+                latest = served.latest_keep_alive
+                served.expires_at = None if latest is None else time.time() + latest
+            if latest is not None and latest <= 0:
                 self._wake_reaper.set()
 
         return ModelLease(served, name, profile, release)
@@ -428,7 +432,7 @@ class ModelHost:
         if served is None:
             return False
         with self._lock:
-            served.expires_at = time.time()
+            served.latest_keep_alive, served.expires_at = 0, time.time()
         self._wake_reaper.set()
         return True
 

@@ -69,6 +69,9 @@ class ServedModel:
     names: frozenset[str] = field(default_factory=frozenset)
     size_bytes: int = 0                   # weights + KV cache
     keep_alive: float | None = None       # for requests that do not say; None = forever
+    # The keep_alive of the request received last: it decides when the model unloads once idle
+    # (Ollama's rule), whichever request finishes last; an unload (keep_alive 0) sets it to 0.
+    latest_keep_alive: float | None = None
     leases: int = 0                       # requests using it now: never unloaded while > 0
     last_used: float = field(default_factory=time.monotonic)
     expires_at: float | None = None       # wall clock; None = never
