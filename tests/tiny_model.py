@@ -53,6 +53,7 @@ class TinyLlamaSpec:
     # GGML type for the 2-D weight matrices; norms stay F32 as in real files.
     weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32
     seed: int = 0
+    file_type: int | None = None  # general.file_type; None: the weight type's number
 
 
 def _add(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
@@ -87,7 +88,7 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     w.add_layer_norm_rms_eps(spec.norm_eps)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(vocab)
-    w.add_file_type(int(spec.weight_type))
+    w.add_file_type(int(spec.weight_type) if spec.file_type is None else spec.file_type)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)

@@ -8,9 +8,11 @@ import datetime as dt
 import threading
 import time
 
+import gguf
 import httpx
 
 from server_helpers import start_server
+from tiny_model import TinyLlamaSpec, write_tiny_llama
 
 
 
@@ -161,6 +163,28 @@ def test_the_keep_alive_received_last_wins_over_the_request_finishing_last(store
                     pass
             time.sleep(0.6)  # more than the reaper's period
             assert 590 < expires_in(loaded(c)["tiny-b"]) <= 600
+    finally:
+        server.stop()
+
+
+def test_quantization_is_the_declared_file_type_loaded_or_not(store):
+    # As gemma3's Q4_K_M file: its tensors are mostly Q8_0, but the converter declared Q4_K_M.
+    write_tiny_llama(store / "tiny-q.gguf", TinyLlamaSpec(seed=3, weight_type=gguf.GGMLQuantizationType.Q8_0,
+                                                          file_type=int(gguf.LlamaFileType.MOSTLY_Q4_K_M)))
+    server, host = start_server("tiny-a", kv_size=2048)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            assert host.wait_ready(30)
+
+            def levels() -> tuple[str, str]:
+                [tag] = [m for m in c.get("/api/tags").json()["models"] if m["name"] == "tiny-q"]
+                shown = c.post("/api/show", json={"model": "tiny-q"}).json()
+                return tag["details"]["quantization_level"], shown["details"]["quantization_level"]
+
+            assert levels() == ("Q4_K_M", "Q4_K_M")  # not loaded: read from the file's header
+            assert generate(c, "tiny-q").status_code == 200
+            assert loaded(c)["tiny-q"]["details"]["quantization_level"] == "Q4_K_M"
+            assert levels() == ("Q4_K_M", "Q4_K_M")  # loaded: the same answer
     finally:
         server.stop()
 

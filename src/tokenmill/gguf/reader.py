@@ -87,6 +87,16 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: required metadata key {key!r} is missing")
         return self.metadata[key]
 
+    def quantization_label(self) -> str:
+        """The model's quantization as users know it (Q4_K_M): the file type the converter declared,
+        else the dominant weight type. The two can differ: Gemma's huge Q8_0 embedding outweighs
+        its Q4_K layers. Every listing (the CLI, /api/tags, /api/ps, /api/show) uses this one."""
+        try:
+            file_type = gguf.LlamaFileType(int(self.metadata.get("general.file_type")))
+        except (TypeError, ValueError):
+            return self.quantization_summary()
+        return file_type.name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
     def quantization_summary(self) -> str:
         """The dominant weight type of 2-D tensors, e.g. 'Q4_1'."""
         counts: dict[str, int] = {}

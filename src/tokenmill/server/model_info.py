@@ -67,7 +67,7 @@ def served_entry(served: ServedModel) -> ModelEntry:
         size, mtime = served.size_bytes, served.loaded_at
     loaded = served.engine.loaded
     return ModelEntry(served.name, served.path, size, mtime, _digest(served.path),
-                      loaded.config.architecture, loaded.gguf.quantization_summary(),
+                      loaded.config.architecture, loaded.gguf.quantization_label(),
                       loaded.config.context_length, parameter_size(served))
 
 

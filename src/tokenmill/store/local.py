@@ -152,18 +152,6 @@ class InstalledModel:
     parameters: int | None = None  # weights' element count (Ollama's parameter_size)
 
 
-def _quantization(gguf_file) -> str:
-    # The file type the converter declared (Q4_K_M) is what users know a file by; the dominant
-    # tensor type can differ (Gemma's huge Q8_0 embedding outweighs its Q4_K layers).
-    import gguf
-
-    try:
-        file_type = gguf.LlamaFileType(int(gguf_file.get("general.file_type")))
-    except (TypeError, ValueError):
-        return gguf_file.quantization_summary()
-    return file_type.name.removeprefix("MOSTLY_").removeprefix("ALL_")
-
-
 def _read_info(path: Path) -> dict:
     from tokenmill.gguf import open_gguf  # numpy/gguf only when listing
 
@@ -172,7 +160,7 @@ def _read_info(path: Path) -> dict:
     context = gguf_file.get(f"{arch}.context_length")
     return {
         "architecture": arch,
-        "quantization": _quantization(gguf_file),
+        "quantization": gguf_file.quantization_label(),
         "context_length": int(context) if context is not None else None,
         "parameters": sum(math.prod(t.shape) for t in gguf_file.tensors.values()),
     }
