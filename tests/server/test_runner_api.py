@@ -27,6 +27,21 @@ def test_completion_streaming_matches(client):
     assert sum(len(e.get("tokens", [])) for e in events) == 5
 
 
+def test_completion_names_the_stop_string_that_ended_it(client):
+    free = client.post("/completion", json={"prompt": [10, 11, 12], "n_predict": 12, "temperature": 0}).json()
+    word = free["content"][4:6]
+    assert len(word) == 2
+    ask = {"prompt": [10, 11, 12], "n_predict": 12, "temperature": 0, "stop": ["never-generated", word]}
+    body = client.post("/completion", json=ask).json()
+    assert body["stop_type"] == "word" and body["stopping_word"] == word
+    assert body["content"] == free["content"][:free["content"].index(word)]
+    r = client.post("/completion", json={**ask, "stream": True})
+    final = json.loads([e for e in r.text.split("\n\n") if e][-1].removeprefix("data: "))
+    assert final["stop_type"] == "word" and final["stopping_word"] == word
+    # Ended otherwise: no stopping word.
+    assert (free["stop_type"], free["stopping_word"]) == ("limit", "")
+
+
 def test_completion_bad_option_names_llama_server_field(client):
     r = client.post("/completion", json={"prompt": "x", "n_probs": 99})
     assert r.status_code == 400 and "n_probs" in r.json()["error"]

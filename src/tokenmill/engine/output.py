@@ -24,6 +24,7 @@ class TextDelta:
     num_cached_tokens: int
     num_output_tokens: int
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # on the first delta only
+    stop_string: str | None = None            # with hit_stop_string: which of the request's stop strings
 
     @property
     def finished(self) -> bool:
@@ -102,4 +103,5 @@ class OutputAssembler:
             num_cached_tokens=ev.num_cached_tokens,
             num_output_tokens=self._num_output_tokens(ev),
             prompt_logprobs=ev.prompt_logprobs,
+            stop_string=self.stops.stop_string if hit else None,
         )

@@ -133,8 +133,8 @@ def _params(body: dict) -> SamplingParams:
     )
 
 
-def _stop_type(finish_reason: str | None, hit_stop_string: bool) -> str:
-    if hit_stop_string:
+def _stop_type(finish_reason: str | None, stopping_word: str | None) -> str:
+    if stopping_word is not None:
         return "word"
     return "limit" if finish_reason == "length" else "eos"
 
@@ -146,7 +146,9 @@ def _probs(gen: Generation, ids: list[int], lps, top) -> list[dict]:
             for i, t in enumerate(ids)]
 
 
-def _final(gen: Generation, text: str, finish_reason: str | None, hit: bool, num_output: int) -> dict:
+def _final(gen: Generation, text: str, finish_reason: str | None, stopping_word: str | None,
+           num_output: int) -> dict:
+    """The last object of a completion; `stopping_word`: the stop string that ended it, if one did."""
     t = gen.timings
     end = t.finish_time()
     submitted = t.submitted or end
@@ -155,7 +157,7 @@ def _final(gen: Generation, text: str, finish_reason: str | None, hit: bool, num
     return {
         "content": text, "stop": True, "model": gen.served.name, "tokens_predicted": num_output,
         "tokens_evaluated": gen.num_prompt_tokens, "tokens_cached": gen.num_cached_tokens, "truncated": False,
-        "stop_type": _stop_type(finish_reason, hit), "stopping_word": "",
+        "stop_type": _stop_type(finish_reason, stopping_word), "stopping_word": stopping_word or "",
         "timings": {"prompt_n": gen.num_prompt_tokens, "prompt_ms": prompt_ms,
                     "predicted_n": num_output, "predicted_ms": predicted_ms,
                     "predicted_per_second": num_output / predicted_ms * 1000 if predicted_ms > 0 else 0.0},
@@ -202,20 +204,20 @@ async def _stream(gen: Generation):
         if d.finished:
             if d.text or d.token_ids:
                 yield chunk
-            yield _final(gen, "", d.finish_reason, d.hit_stop_string, count)
+            yield _final(gen, "", d.finish_reason, d.stop_string, count)
         elif d.text or d.token_ids:
             yield chunk
 
 
 async def _collect(gen: Generation) -> dict:
-    text, ids, lps, tops, reason, hit = "", [], [], [], None, False
+    text, ids, lps, tops, reason, stopping_word = "", [], [], [], None, None
     async for _, d in gen.deltas():
         text += d.text
         ids += d.token_ids
         lps += d.logprobs or []
         tops += d.top_logprobs or []
-        reason, hit = d.finish_reason or reason, hit or d.hit_stop_string
-    out = _final(gen, text, reason, hit, len(ids))
+        reason, stopping_word = d.finish_reason or reason, stopping_word or d.stop_string
+    out = _final(gen, text, reason, stopping_word, len(ids))
     out["tokens"] = ids
     if gen.params.logprobs:
         out["completion_probabilities"] = _probs(gen, ids, lps, tops)
