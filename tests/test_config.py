@@ -171,3 +171,23 @@ def test_reliability_settings_reach_the_server_and_the_engine():
     assert load_config(None, env={}).engine_config().max_new_tokens is None  # 0: the model's context length
     with pytest.raises(ConfigError, match="TOKENMILL_REQUEST_TIMEOUT"):
         load_config(None, env={"TOKENMILL_REQUEST_TIMEOUT": "-1"})
+
+
+@pytest.mark.parametrize("data", [b"threads = 1\n# caf\xe9\n", bytes(range(256)) * 4])
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, capsys, data):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(data)
+    assert main(["serve", "--config", str(path), "--print-config"]) == 1
+    assert capsys.readouterr().err == f"error: config file {path} is not valid UTF-8\n"
+
+
+@pytest.mark.parametrize("value,words", [(":::::", "invalid host in ':::::'"),
+                                         ("a b:80", "invalid host in 'a b:80'"),
+                                         ("127.0.0.1:80/x", "invalid port in '127.0.0.1:80/x'")])
+def test_serve_with_a_bad_host_says_the_host_is_invalid(monkeypatch, capsys, value, words):
+    monkeypatch.setenv("TOKENMILL_HOST", value)
+    assert main(["serve", "--print-config"]) == 1
+    assert capsys.readouterr().err == f"error: env TOKENMILL_HOST: {words}\n"
+    monkeypatch.delenv("TOKENMILL_HOST")
+    assert main(["serve", "--host", "fe80::1::2", "--print-config"]) == 1
+    assert "flag --host: invalid host in 'fe80::1::2'" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import json
 import os
 import tomllib
@@ -312,7 +313,22 @@ def split_host_port(value: str) -> tuple[str, int | None]:
         raise ConfigError(f"invalid port in {value!r}") from None
     if port_num is not None and not 0 <= port_num <= 65535:
         raise ConfigError(f"port out of range in {value!r}")
+    if not _plausible_host(host):
+        raise ConfigError(f"invalid host in {value!r}")
     return host or DEFAULT_HOST, port_num
+
+
+def _plausible_host(host: str) -> bool:
+    """A name or an address that could be looked up: a colon only in an IPv6 address, and none of
+    the characters a URL gives other meanings (whether a name exists is for the lookup to say)."""
+    if any(c.isspace() or c in "/?#@[]" for c in host):
+        return False
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+    return True
 
 
 def parse_host_port(value: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
@@ -351,6 +367,8 @@ def read_file(path: Path) -> Layer:
         raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:  # TOML is UTF-8; tomllib decodes before it parses
+        raise ConfigError(f"config file {path} is not valid UTF-8") from None
     for key in data:
         if key not in BY_NAME:
             close = difflib.get_close_matches(key, BY_NAME, n=1)

@@ -66,6 +66,14 @@ def test_busy_port_is_a_one_line_error(tiny_gguf, capsys):
     assert f"127.0.0.1:{port}" in err and "already in use" in err
 
 
+def test_a_host_that_cannot_be_looked_up_is_not_called_a_busy_port(tiny_gguf, capsys):
+    code = cmd_serve(argparse.Namespace(model=str(tiny_gguf), host="no-such-host.invalid", port=free_port()))
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1
+    assert "cannot listen on no-such-host.invalid:" in err and "check --host or TOKENMILL_HOST" in err
+    assert "another server" not in err
+
+
 def test_unknown_model_fails_before_serving(capsys):
     code = cmd_serve(argparse.Namespace(model="no-such-model-xyz", host="127.0.0.1", port=free_port()))
     assert code == 1 and "unknown model" in capsys.readouterr().err

@@ -123,9 +123,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
-        reason = "the address is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
-        print(f"error: cannot listen on {settings.host}:{settings.port}: {reason} "
-              f"(another server running? pick one with --port or TOKENMILL_HOST=host:port)", file=sys.stderr)
+        if exc.errno == errno.EADDRINUSE:
+            reason = ("the address is already in use (another server running? pick one with --port or "
+                      "TOKENMILL_HOST=host:port)")
+        elif isinstance(exc, socket.gaierror):  # the host is no address or name this machine knows
+            reason = f"{exc.strerror or exc} (check --host or TOKENMILL_HOST)"
+        else:
+            reason = exc.strerror or str(exc)
+        print(f"error: cannot listen on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
         return 1
     server, _ = build_server(settings)
     print(f"tokenmill listening on http://{settings.host}:{settings.port}, loading {model}", file=sys.stderr)
