@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator
 
 from tokenmill.engine import EngineConfig, LLMEngine, OutputAssembler, SamplingParams
-from tokenmill.server_client import answers, server_url, stream
+from tokenmill.server_client import answers, call, server_url, stream
 
 
 class LocalChat:
@@ -51,6 +51,11 @@ class RemoteChat:
         self.base_url = server_url(base_url)
         self.model = model
         self.options = options or {}
+
+    def load(self) -> None:
+        """Ollama's load request (a model and no prompt): an unknown model, or one that cannot load,
+        is an error before the interactive prompt opens rather than after the first message."""
+        call(self.base_url, "POST", "/api/generate", {"model": self.model, "stream": False})
 
     def stream(self, prompt: str, params: SamplingParams, *, raw: bool = False,
                history: list[dict] | None = None) -> Iterator[str]:
@@ -128,6 +133,8 @@ def cmd_run(args) -> int:
     try:
         chat = choose_chat(args)
         if args.prompt is None:
+            if isinstance(chat, RemoteChat):
+                chat.load()
             return interactive(chat, params)
         _print_stream(chat.stream(args.prompt, params, raw=args.raw))
         return 0

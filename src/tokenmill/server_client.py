@@ -10,7 +10,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenmill.config import DEFAULT_PORT, split_host_port
+from tokenmill.config import DEFAULT_PORT, ConfigError, split_host_port
 
 
 class ServerError(RuntimeError):
@@ -22,8 +22,16 @@ class ServerError(RuntimeError):
 
 
 def server_url(explicit: str | None = None) -> str:
-    value = explicit or os.environ.get("TOKENMILL_HOST") or os.environ.get("OLLAMA_HOST") or ""
-    host, port = split_host_port(value) if value else ("127.0.0.1", None)
+    """The server's base URL; a value that is no host[:port] is a ServerError naming where it came from."""
+    if explicit:
+        source, value = "--server", explicit
+    else:
+        source = next((n for n in ("TOKENMILL_HOST", "OLLAMA_HOST") if os.environ.get(n)), "")
+        value = os.environ.get(source, "") if source else ""
+    try:
+        host, port = split_host_port(value) if value else ("127.0.0.1", None)
+    except ConfigError as exc:
+        raise ServerError(f"{source}: {exc}") from None
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1"  # a server listening everywhere is reached on loopback
     host = f"[{host}]" if ":" in host else host
@@ -43,7 +51,9 @@ def _headers(content_type: str) -> dict[str, str]:
     return headers
 
 
-def _error(exc: urllib.error.HTTPError) -> ServerError:
+def _error(base: str, exc: urllib.error.HTTPError) -> ServerError:
+    if exc.code == 401:
+        return _unauthorized(base)
     detail = exc.read().decode(errors="replace")
     try:
         obj = json.loads(detail)
@@ -54,12 +64,19 @@ def _error(exc: urllib.error.HTTPError) -> ServerError:
     return ServerError(f"server answered {exc.code}: {detail}", exc.code)
 
 
+def _unauthorized(base: str) -> ServerError:
+    """A 401: a server is there, but wants a key (no fallback to the local store or in-process)."""
+    if os.environ.get("TOKENMILL_API_KEY"):
+        return ServerError(f"the server at {base} refused the API key in TOKENMILL_API_KEY", 401)
+    return ServerError(f"the server at {base} requires an API key (set TOKENMILL_API_KEY)", 401)
+
+
 def call(base: str, method: str, path: str, body: dict | None = None, timeout: float = 600) -> dict:
     try:
         with urllib.request.urlopen(_request(base + path, method, body), timeout=timeout) as resp:
             raw = resp.read()
     except urllib.error.HTTPError as exc:
-        raise _error(exc) from None
+        raise _error(base, exc) from None
     except (urllib.error.URLError, OSError) as exc:
         raise ServerError(f"cannot reach {base}: {getattr(exc, 'reason', exc)}") from None
     return json.loads(raw) if raw.strip() else {}
@@ -75,7 +92,7 @@ def has_blob(base: str, digest: str, timeout: float = 30) -> bool:
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             return False
-        raise _error(exc) from None
+        raise _error(base, exc) from None
     except (urllib.error.URLError, OSError) as exc:
         raise ServerError(f"cannot reach {base}: {getattr(exc, 'reason', exc)}") from None
 
@@ -89,7 +106,7 @@ def push_blob(base: str, digest: str, path: Path, timeout: float = 600) -> None:
             with urllib.request.urlopen(request, timeout=timeout) as resp:
                 resp.read()
         except urllib.error.HTTPError as exc:
-            raise _error(exc) from None
+            raise _error(base, exc) from None
         except (urllib.error.URLError, OSError) as exc:
             raise ServerError(f"cannot reach {base}: {getattr(exc, 'reason', exc)}") from None
 
@@ -105,15 +122,20 @@ def stream(base: str, path: str, body: dict) -> Iterator[dict]:
                         raise ServerError(str(obj["error"]))
                     yield obj
     except urllib.error.HTTPError as exc:
-        raise _error(exc) from None
+        raise _error(base, exc) from None
     except urllib.error.URLError as exc:
         raise ServerError(f"cannot reach {base}: {exc.reason}") from None
 
 
 def answers(base: str, timeout: float = 0.5) -> bool:
-    """True if something speaking the Ollama API listens at `base`."""
+    """True if something speaking the Ollama API listens at `base`. One that wants an API key this
+    client lacks is there all the same: a ServerError saying so, not False."""
     try:
         with urllib.request.urlopen(_request(base + "/api/version", "GET", None), timeout=timeout) as resp:
             return "version" in json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise _unauthorized(base) from None
+        return False
     except (OSError, ValueError, urllib.error.URLError):
         return False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import sys
 
 import httpx
 import pytest
@@ -127,3 +128,71 @@ def test_run_through_a_server_sends_only_the_options_given(monkeypatch, capsys):
     assert "arr" in capsys.readouterr().out
     assert [(p, b["options"]) for p, b in bodies] == [
         ("/api/chat", {}), ("/api/chat", {"num_predict": 5}), ("/api/chat", {"temperature": 0.0})]
+
+
+@pytest.mark.parametrize("value,words", [
+    ("127.0.0.1:abc", "TOKENMILL_HOST: invalid port in '127.0.0.1:abc'"),
+    ("127.0.0.1:99999", "TOKENMILL_HOST: port out of range in '127.0.0.1:99999'"),
+    ("127.0.0.1:11600/x", "TOKENMILL_HOST: invalid port in '127.0.0.1:11600/x'"),
+    (":::::", "TOKENMILL_HOST: invalid host in ':::::'"),
+])
+@pytest.mark.parametrize("argv", [["ps"], ["show", "x"], ["stop", "x"], ["rm", "x"], ["cp", "x", "y"],
+                                  ["run", "x", "hi"]])
+def test_a_bad_server_address_is_one_line_for_every_command(monkeypatch, capsys, value, words, argv):
+    monkeypatch.setenv("TOKENMILL_HOST", value)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {words}\n"
+
+
+def test_a_bad_server_flag_names_the_flag(capsys):
+    assert main(["run", "x", "hi", "--server", "1:2:3"]) == 1
+    assert capsys.readouterr().err == "error: --server: invalid host in '1:2:3'\n"
+
+
+def test_a_server_that_wants_an_api_key_is_a_server_not_a_fallback(store, monkeypatch, capsys):
+    # Without the key every command says what is wrong: nothing runs in-process, nothing touches the
+    # local store (rm/cp/show would otherwise act on it as if no server were there).
+    server, host = start_server("tiny-a", kv_size=2048, api_key="s3cret")
+    monkeypatch.setenv("TOKENMILL_HOST", f"127.0.0.1:{server.port}")
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+    wanted = f"error: the server at http://127.0.0.1:{server.port} requires an API key (set TOKENMILL_API_KEY)\n"
+    try:
+        assert host.wait_ready(30)
+        for argv in (["ps"], ["run", "tiny-a", "hi"], ["run", "tiny-a"], ["show", "tiny-a"], ["stop", "tiny-a"],
+                     ["rm", "tiny-b"], ["cp", "tiny-a", "mine"]):
+            assert main(argv) == 1, argv
+            assert capsys.readouterr().err == wanted, argv
+        assert (store / "tiny-b.gguf").exists()
+        monkeypatch.setenv("TOKENMILL_API_KEY", "wrong")
+        assert main(["ps"]) == 1
+        assert "refused the API key in TOKENMILL_API_KEY" in capsys.readouterr().err
+        monkeypatch.setenv("TOKENMILL_API_KEY", "s3cret")
+        assert main(["run", "tiny-a", "hi", "--max-tokens", "2"]) == 0
+        assert "using the server at" in capsys.readouterr().err
+        assert main(["ps"]) == 0 and "tiny-a" in capsys.readouterr().out
+        assert main(["show", "tiny-a"]) == 0 and "llama" in capsys.readouterr().out
+        assert main(["show", "mine"]) == 1 and 'not found' in capsys.readouterr().err  # cp made nothing
+    finally:
+        server.stop()
+
+
+def test_interactive_run_checks_the_model_before_the_prompt(store, monkeypatch, capsys):
+    import io
+
+    server, host = start_server("tiny-a", kv_size=2048)
+    monkeypatch.setenv("TOKENMILL_HOST", f"127.0.0.1:{server.port}")
+    try:
+        assert host.wait_ready(30)
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))  # never read: the model is unknown
+        assert main(["run", "nosuchmodel"]) == 1
+        err = capsys.readouterr().err
+        assert 'model "nosuchmodel" not found' in err and "Type a message" not in err
+        assert "hello" in sys.stdin.read()
+        # A known model is loaded first (as Ollama's run does), then the prompt opens.
+        monkeypatch.setattr("sys.stdin", io.StringIO("/bye\n"))
+        assert main(["run", "tiny-b"]) == 0
+        assert "Type a message" in capsys.readouterr().err
+        assert "tiny-b" in {m.name for m in host.loaded_models()}
+    finally:
+        server.stop()
