@@ -143,6 +143,66 @@ def test_slow_or_huge_headers_cannot_hold_a_connection():
         server.stop()
 
 
+def _reply(sock) -> bytes:
+    """What the server sent on `sock` until it closed it (or 5 s passed)."""
+    import socket
+
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except (ConnectionResetError, socket.timeout):
+        pass
+    return out
+
+
+def test_headers_over_the_limit_are_431_json_however_they_arrive():
+    import json
+    import socket
+    import time
+
+    from server_helpers import LiveServer
+    from tokenmill.server.connections import MAX_HEADER_BYTES, protocol_with_timeout
+
+    def send_in_pieces(sock, head: bytes) -> None:
+        for at in range(0, len(head), 20_000):  # each piece reaches the server on its own
+            sock.sendall(head[at:at + 20_000])
+            time.sleep(0.02)
+
+    def get(size: int) -> bytes:
+        return b"GET /api/version HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * size + b"\r\n\r\n"
+
+    server = LiveServer(app_with(), http=protocol_with_timeout(5)).start()
+    try:
+        for size in (70_000, 200_000):
+            # A fresh connection, then a kept-alive one after a first request.
+            for first in (b"", get(10)):
+                with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+                    if first:
+                        sock.sendall(first)
+                        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+                    try:
+                        send_in_pieces(sock, get(size))
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # the server answered and closed before the rest was sent
+                    head, _, body = _reply(sock).partition(b"\r\n\r\n")
+                    assert head.startswith(b"HTTP/1.1 431") and b"application/json" in head, (size, first, head)
+                    assert json.loads(body) == {"error": f"request headers exceed {MAX_HEADER_BYTES} bytes"}
+        # Under the limit, in pieces larger than h11's own default limit (16 KiB): served.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            send_in_pieces(sock, get(MAX_HEADER_BYTES - 1000))
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            # The blank line that ends a head split between two pieces: still one head, counted once.
+            for _ in range(3):
+                head = get(MAX_HEADER_BYTES // 2)
+                sock.sendall(head[:-1])
+                time.sleep(0.02)
+                sock.sendall(head[-1:])
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        server.stop()
+
+
 def test_a_body_dribbled_too_slowly_gets_408_json_and_the_connection_closes():
     import json
     import socket
