@@ -51,6 +51,9 @@ def test_body_must_be_an_object(client):
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"priority": "urgent"}, "priority"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": False, "stream_options": {}}, "stream_options"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -59,6 +62,27 @@ def test_body_must_be_an_object(client):
 def test_bad_openai_options_name_the_field(client, body, param):
     err = openai_error(client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **body}), 400)
     assert err["param"] == param and param.split("[")[0] in err["message"]
+
+
+def test_openai_options_refused_on_completions_too(client):
+    for body, param in (({"stream_options": {"include_usage": True}}, "stream_options"),
+                        ({"include_stop_str_in_output": True}, "include_stop_str_in_output")):
+        err = openai_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}), 400)
+        assert err["param"] == param
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "include_stop_str_in_output": False,
+                                             "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and '"usage"' in r.text
+
+
+@pytest.mark.parametrize("path,field", [("/v1/embeddings", "input"), ("/api/embed", "input")])
+def test_dimensions_over_the_embedding_size_name_the_maximum(client, tiny, path, field):
+    host = tiny[1]
+    name, dim = model_name(host), host.current.engine.loaded.config.dim
+    r = client.post(path, json={"model": name, field: "hello", "dimensions": dim})
+    vec = r.json()["data"][0]["embedding"] if path.startswith("/v1") else r.json()["embeddings"][0]
+    assert r.status_code == 200 and len(vec) == dim
+    r = client.post(path, json={"model": name, field: "hello", "dimensions": dim + 1})
+    assert r.status_code == 400 and f"dimensions must be at most {dim}, got {dim + 1}" in r.text
 
 
 @pytest.mark.parametrize("options,field", [

@@ -9,6 +9,7 @@ from tokenmill.engine.engine import CacheFullError
 from tokenmill.server.admission import RETRY_AFTER_SECONDS
 from tokenmill.server.errors import APIError
 from tokenmill.server.model_host import ServedModel
+from tokenmill.server.validation import get_int
 
 
 async def embed(served: ServedModel, ids: list[int]) -> list[float]:
@@ -35,3 +36,9 @@ def fit_to_context(ids: list[int], limit: int, truncate: bool, field: str) -> li
 def embedding_limit(served: ServedModel) -> int:
     eng = served.engine
     return min(eng.max_model_len, eng.cfg.num_blocks * eng.cfg.block_size)
+
+
+def requested_dimensions(body: dict, served: ServedModel) -> int | None:
+    """The request's `dimensions`: between 1 and the model's embedding size (more than it has is
+    a 400 naming the maximum, not all of them quietly)."""
+    return get_int(body, "dimensions", lo=1, hi=served.engine.loaded.config.dim)

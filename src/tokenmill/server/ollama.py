@@ -28,7 +28,7 @@ from tokenmill.server.chat import (
     render_chat,
     render_prompt,
 )
-from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
+from tokenmill.server.embedding import embed, embedding_limit, fit_to_context, requested_dimensions
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation, Result, Timings
 from tokenmill.server.logprobs import chat_entries
@@ -288,7 +288,7 @@ async def embed_endpoint(request: Request) -> Response:
     warn_unknown(body, EMBED_FIELDS, "/api/embed")
     served = await model_for(request, _model_field(body), keep_alive_field(body))
     texts = _inputs(body.get("input"), "input")
-    dims = get_int(body, "dimensions", lo=1)
+    dims = requested_dimensions(body, served)
     num_ctx = get_int(get_dict(body, "options"), "num_ctx", lo=2, label="options.num_ctx")
     # Ollama truncates over-long inputs unless told not to.
     vectors, count = await _embed_all(request, served, texts, get_bool(body, "truncate", True), num_ctx, "input")

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, off_loop
-from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
+from tokenmill.server.embedding import embed, embedding_limit, fit_to_context, requested_dimensions
 from tokenmill.server.model_host import model_for
 from tokenmill.server.errors import bad_request, shown_value
 from tokenmill.server.openai_params import truncate_prompt
@@ -53,7 +53,7 @@ async def embeddings(request: Request) -> Response:
     fmt = get_str(body, "encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise bad_request(f"encoding_format must be float or base64, got {shown_value(fmt)}", "encoding_format")
-    dims = get_int(body, "dimensions", lo=1)
+    dims = requested_dimensions(body, served)
     truncate = get_int(body, "truncate_prompt_tokens", lo=-1)
     limit = embedding_limit(served)
     inputs = await off_loop(lambda: _inputs(body.get("input"), served.engine.tokenizer), chars_in(body.get("input")))

@@ -26,7 +26,7 @@ SAMPLING_FIELDS = {
     "presence_penalty", "frequency_penalty", "logprobs", "priority", "user",
     # vLLM / llama.cpp extensions
     "top_k", "min_p", "typical_p", "repetition_penalty", "repeat_last_n", "min_tokens", "ignore_eos",
-    "stop_token_ids", "truncate_prompt_tokens",
+    "stop_token_ids", "truncate_prompt_tokens", "include_stop_str_in_output",
     "speculative", "num_speculative_tokens",  # tokenmill's: speculative decoding per request
     *OPENAI_FIELDS,  # response_format, vLLM's guided_* and structured_outputs
 }
@@ -72,6 +72,13 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
     top_k = get_int(body, "top_k", 0)
     stream = bool(get_bool(body, "stream", False))
     stream_options = get_dict(body, "stream_options")
+    if body.get("stream_options") is not None and not stream:
+        # As OpenAI and vLLM: the options of a stream, with no stream to apply them to.
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if get_bool(body, "include_stop_str_in_output", False):
+        # vLLM's: the matched stop string kept in the output. Refused rather than ignored.
+        raise bad_request("include_stop_str_in_output is not supported: the stop string that ended the "
+                          "output is never part of it", "include_stop_str_in_output")
     params = SamplingParams(
         max_tokens=max_tokens,
         min_tokens=get_int(body, "min_tokens", 0),

@@ -107,6 +107,7 @@ FIELDS: dict[str, dict] = {
     "stop": STOP,
     "stop_token_ids": TOKEN_IDS,
     "ignore_eos": BOOLEAN,
+    "include_stop_str_in_output": described(BOOLEAN, "vLLM's; only false: the stop string is never kept"),
     "logprobs": BOOLEAN,
     "top_logprobs": {"type": "integer", "minimum": 0},
     "n_probs": {"type": "integer", "minimum": 0},
