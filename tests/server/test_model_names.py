@@ -79,7 +79,9 @@ def assert_refused(r: httpx.Response, path: str, field: str, models) -> None:
         message = body["error"]["message"]
     else:
         message = body["error"]
-    assert message.startswith(f"{field}: invalid model name"), message
+    # A lone surrogate is refused where the body is decoded (server/client_json.py), before any name check.
+    assert (message.startswith(f"{field}: invalid model name")
+            or message.startswith(f"{field} is not valid Unicode: it holds a lone UTF-16 surrogate")), message
     assert str(models.parent) not in r.text and "root:" not in r.text
 
 
