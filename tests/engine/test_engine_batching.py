@@ -108,6 +108,8 @@ def test_max_tokens_eos_and_context_limit(loaded):
     with pytest.raises(PromptTooLongError) as err:
         engine.add_request(prompts(1, seed=7, lo=45, hi=45)[0], GREEDY)
     assert err.value.num_prompt_tokens == 45 and err.value.limit == 40
+    with pytest.raises(PromptTooLongError, match="holds 40, with no room left to generate"):
+        engine.add_request(prompts(1, seed=8, lo=40, hi=40)[0], GREEDY)  # fills the context exactly
     assert_all_free(engine)
 
 

@@ -48,7 +48,9 @@ class CacheFullError(RuntimeError):
 
 class PromptTooLongError(RequestError):
     def __init__(self, num_prompt_tokens: int, limit: int):
-        super().__init__(f"prompt is {num_prompt_tokens} tokens, but the context holds {limit}")
+        # A prompt that exactly fills the context is refused too: no room is left for a token.
+        room = "" if num_prompt_tokens > limit else ", with no room left to generate"
+        super().__init__(f"prompt is {num_prompt_tokens} tokens, but the context holds {limit}{room}")
         self.num_prompt_tokens = num_prompt_tokens
         self.limit = limit
 
