@@ -92,13 +92,19 @@ class DeviceModelRunner:
             raise ValueError(f"{len(chunks)} rows exceed a micro-batch ({self.n_ubatch})")
         tables = [self.blocks.block_table(c.seq.seq_id) for c in chunks]
         first_ids = [c.seq.token_ids_between(c.start, c.start + 1)[0] for c in chunks]
+        self._check_positions([c.start + steps - 1 for c in chunks])
         tokens: list[torch.Tensor] = []
+        replaying = False  # the run's first step went into a graph's buffers: the rest advance there
         for j in range(steps):
-            positions = [c.start + j for c in chunks]
-            self._check_positions(positions)
-            specs = [ChunkSpec(t, p, 1) for t, p in zip(tables, positions)]
             prev = tokens[-1] if tokens else None
-            hidden = self._run_graph(first_ids, positions, specs, prev, tables)
+            if replaying:
+                self.graph_steps += 1
+                hidden = self.graphs.run_next(prev)
+            else:
+                positions = [c.start + j for c in chunks]
+                specs = [ChunkSpec(t, p, 1) for t, p in zip(tables, positions)]
+                hidden = self._run_graph(first_ids, positions, specs, prev, tables, steps_ahead=steps - 1 - j)
+                replaying = hidden is not None
             if hidden is None:
                 step = upload(HostBatch.build(specs, self.kv.block_size), first_ids, positions, [],
                               self.kv.block_size, self.device)
@@ -123,20 +129,22 @@ class DeviceModelRunner:
             raise ValueError(f"position {max(positions)} beyond the rotary table ({self.max_positions})")
 
     def _run_graph(self, ids: list[int], positions: list[int], specs: list[ChunkSpec],
-                   device_ids: torch.Tensor | None = None, tables: list | None = None) -> torch.Tensor | None:
+                   device_ids: torch.Tensor | None = None, tables: list | None = None,
+                   steps_ahead: int = 0) -> torch.Tensor | None:
         """Decode-only micro-batches replay a captured graph; None when this one cannot (no graphs,
         a prefill chunk, more rows or blocks than were captured): the caller runs it eagerly.
         device_ids: the rows' input ids on the device, in place of ids; tables: the specs' block
         tables as one list, the same for every step of a run, whose buffers then keep them
-        (run_decode_steps)."""
+        (run_decode_steps); steps_ahead: how many steps of a run will follow this one in the graph's
+        buffers (its blocks must fit them too)."""
         g = self.graphs
         if g is None or any(s.num_new != 1 for s in specs):
             return None
         bs = self.kv.block_size
         lens = [s.num_cached + 1 for s in specs]
-        if not g.accepts(len(specs), -(-max(lens) // bs)):
+        if not g.accepts(len(specs), -(-(max(lens) + steps_ahead) // bs)):
             return None
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(specs, positions)]
         self.graph_steps += 1
         tables = [s.block_table for s in specs] if tables is None else tables
-        return g.run(DecodeRows(ids, positions, slots, tables, lens), device_ids)
+        return g.run(DecodeRows(ids, positions, slots, tables, lens), device_ids, steps_ahead)

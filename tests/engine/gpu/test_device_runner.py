@@ -32,14 +32,25 @@ class EagerReplay:
         return self.buffers.accepts(num_rows, num_blocks)
 
     @torch.inference_mode()
-    def run(self, rows: DecodeRows, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, rows: DecodeRows, input_ids: torch.Tensor | None = None, steps_ahead: int = 0) -> torch.Tensor:
         b = self.buffers
-        bucket = b.fill(rows)
+        bucket = b.fill(rows, steps_ahead)
         if input_ids is not None:
             b.input_ids[:len(input_ids)].copy_(input_ids)
+        return self._replay(bucket, len(rows.input_ids))
+
+    @torch.inference_mode()
+    def run_next(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b = self.buffers
+        bucket = b.advance()
+        b.input_ids[:len(input_ids)].copy_(input_ids)
+        return self._replay(bucket, len(input_ids))
+
+    def _replay(self, bucket: int, num_rows: int) -> torch.Tensor:
         self.buckets_used.append(bucket)
+        b = self.buffers
         hidden = self.model(b.input_ids[:bucket], b.positions[:bucket], b.batch(bucket), self.kv)
-        return hidden[:len(rows.input_ids)]
+        return hidden[:num_rows]
 
 
 def recording(runner) -> list[torch.Tensor]:

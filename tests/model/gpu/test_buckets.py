@@ -150,3 +150,31 @@ def test_a_decode_row_attends_the_same_way_in_a_mixed_step():
     alone = attend([decode_spec], slice(0, 1))
     assert torch.equal(mixed[:1], alone)
     assert torch.equal(mixed[1:], attend([prefill_spec], slice(1, 5)))
+
+
+def test_advance_moves_every_row_one_position_on_as_a_fill_of_the_next_step_would():
+    """Decode steps in a row after the first: positions, lengths and slots moved on in the buffers
+    themselves, across block boundaries, the padding rows untouched."""
+    tables = [[3, 1, 7], [2, 5], [6]]
+    starts = [3, 1, 0]  # row 0 crosses into block 7 at position 4, row 1 into block 5 at position 2
+    moved = DecodeBuffers(4, 4, 2, "cpu")
+    bucket = moved.fill(rows_of([ChunkSpec(t, p, 1) for t, p in zip(tables, starts)], 2, [1, 2, 3]), steps_ahead=1)
+    assert bucket == 4
+    assert moved.advance() == 4
+    fresh = DecodeBuffers(4, 4, 2, "cpu")
+    fresh.fill(rows_of([ChunkSpec(t, p + 1, 1) for t, p in zip(tables, starts)], 2, [1, 2, 3]))
+    assert moved.positions.tolist() == fresh.positions.tolist() == [4, 2, 1, 0]
+    assert moved.seq_lens.tolist() == fresh.seq_lens.tolist() == [5, 3, 2, 0]
+    assert moved.slot_mapping.tolist() == fresh.slot_mapping.tolist() == [14, 10, 13, -1]
+    assert moved.block_tables.tolist() == fresh.block_tables.tolist()
+
+
+def test_advance_needs_a_fill_and_a_run_must_fit_its_tables():
+    b = DecodeBuffers(4, 4, 2, "cpu")
+    with pytest.raises(ValueError, match="fill"):
+        b.advance()
+    # Position 3 fits the table's two blocks; two steps ahead (position 5) would need a third.
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        b.fill(rows_of([ChunkSpec([0, 1], 3, 1)], 2, [1]), steps_ahead=2)
+    with pytest.raises(ValueError, match="fill"):  # a fill that failed leaves nothing to advance
+        b.advance()

@@ -65,6 +65,7 @@ class DecodeBuffers:
         # The block tables the staging buffer holds: (the list object filled from, its bucket, each
         # table's length). Decode steps in a row fill from the same list every step.
         self._staged: tuple[object, int, list[int]] | None = None
+        self._rows = 0  # the rows of the last fill()
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -87,9 +88,11 @@ class DecodeBuffers:
         """Whether a step of num_rows sequences, the longest using num_blocks blocks, fits."""
         return self.bucket_for(num_rows) is not None and num_blocks <= self.max_blocks
 
-    def fill(self, rows: DecodeRows) -> int:
-        """Write a step's rows into the buffers, pad them to their bucket, and return the bucket."""
+    def fill(self, rows: DecodeRows, steps_ahead: int = 0) -> int:
+        """Write a step's rows into the buffers, pad them to their bucket, and return the bucket.
+        steps_ahead: how many times advance() will move these rows on (each table must hold them)."""
         n = len(rows.input_ids)
+        self._rows = 0  # until this fill has succeeded
         bucket = self.bucket_for(n)
         if bucket is None:
             raise ValueError(f"{n} rows fit no bucket (largest {self.buckets[-1]})")
@@ -116,6 +119,7 @@ class DecodeBuffers:
                 tables[i, :min(len(table), width)] = table[:width]
             staged = self._staged = (rows.block_tables, bucket, [len(t) for t in rows.block_tables])
         for i, (length, seq_len) in enumerate(zip(staged[2], rows.seq_lens)):
+            seq_len += steps_ahead
             used = -(-seq_len // self.block_size)
             if used > width or length < used:
                 self._staged = None
@@ -125,7 +129,26 @@ class DecodeBuffers:
         self._dev[:used].copy_(self._host[:used], non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
+        self._rows = n
         return bucket
+
+    def advance(self) -> int:
+        """The next decode step of the rows fill() wrote: every row one position further, in the
+        same blocks (fill's steps_ahead checked that they hold it). Done on the device, in place, so a
+        run of decode steps uploads its inputs once: the host neither rebuilds the rows nor waits for
+        a copy. The input ids are the caller's (the tokens just sampled there). Returns the bucket."""
+        n = self._rows
+        if n == 0:
+            raise ValueError("advance() needs a fill() first")
+        positions, lens = self.positions[:n], self.seq_lens[:n]
+        positions += 1
+        lens += 1
+        bs = self.block_size
+        blocks = self.block_tables[:n].gather(1, (positions // bs).long().unsqueeze(1)).squeeze(1)
+        slots = self.slot_mapping[:n]
+        torch.mul(blocks, bs, out=slots)
+        slots += positions % bs
+        return self.bucket_for(n)
 
     def batch(self, bucket: int) -> DeviceBatch:
         """The first `bucket` rows of the buffers as a decode batch (views: a graph captured on it reads

@@ -57,12 +57,21 @@ class DecodeGraphs:
         """Replays a bucket's graph on whatever the buffers hold (the profile's GPU-only time)."""
         self._graphs[bucket].replay()
 
-    def run(self, rows: DecodeRows, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, rows: DecodeRows, input_ids: torch.Tensor | None = None, steps_ahead: int = 0) -> torch.Tensor:
         """The last layer's hidden states of rows ([len(rows), dim], a view of the bucket's output,
         valid until the next replay). input_ids: the rows' ids as a device tensor, in place of
-        rows.input_ids (the previous step's sampled tokens, which the host has not seen)."""
-        bucket = self.buffers.fill(rows)
+        rows.input_ids (the previous step's sampled tokens, which the host has not seen).
+        steps_ahead: how many run_next() steps will follow on these rows."""
+        bucket = self.buffers.fill(rows, steps_ahead)
         if input_ids is not None:  # queued after fill's upload, so it overwrites the host's ids
             self.buffers.input_ids[:len(input_ids)].copy_(input_ids)
         self._graphs[bucket].replay()
         return self._hidden[bucket][:len(rows.input_ids)]
+
+    def run_next(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The next decode step of the last run's rows, each one position further (DecodeBuffers.advance),
+        their input ids the device tensor given (the tokens the step before sampled)."""
+        bucket = self.buffers.advance()
+        self.buffers.input_ids[:len(input_ids)].copy_(input_ids)
+        self._graphs[bucket].replay()
+        return self._hidden[bucket][:len(input_ids)]
