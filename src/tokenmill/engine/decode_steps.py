@@ -21,7 +21,7 @@ import torch
 
 from tokenmill.engine.batch import ScheduledBatch
 from tokenmill.engine.request import Sequence
-from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput, device_index
+from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput, device_index, suppressed_tokens
 from tokenmill.engine.scheduler import Scheduler
 
 
@@ -91,11 +91,20 @@ def run_model(batch: ScheduledBatch, steps: int, runner, sampler: Sampler, stop_
     num_output = [len(s.output_ids) for s in seqs]
     stops = [stop_ids] * len(seqs)
     penalised = any(p.uses_penalties for p in params)
+    min_tokens = [p.min_tokens for p in params]
+    any_min = any(min_tokens)
+    # What a step suppresses changes only as rows reach their min_tokens: worked out (and uploaded)
+    # once for each side of it the rows are on, not for every step.
+    suppressions: dict[tuple[int, ...], tuple] = {}
 
     def sample(logits: torch.Tensor, step: int, previous: list[torch.Tensor]) -> torch.Tensor:
-        inp = SamplerInput(params=params, generators=generators, num_output_tokens=[n + step for n in num_output],
-                           stop_token_ids=stops,
+        counts = [n + step for n in num_output]
+        inp = SamplerInput(params=params, generators=generators, num_output_tokens=counts, stop_token_ids=stops,
                            penalty_windows=penalty_windows(batch, step, previous, logits.device) if penalised else None)
+        below = tuple(i for i, (n, m) in enumerate(zip(counts, min_tokens)) if n < m) if any_min else ()
+        inp.suppression = suppressions.get(below)
+        if inp.suppression is None:
+            inp.suppression = suppressions[below] = suppressed_tokens(inp, logits.shape[1], logits.device)
         return sampler.on_device(logits, inp)
 
     return [SampleResult(token_ids=r) for r in runner.run_decode_steps(batch, steps, sample)]

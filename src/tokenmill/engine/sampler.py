@@ -57,6 +57,10 @@ class SamplerInput:
     # lays them out, in place of recent_token_ids: decode steps in a row (engine/decode_steps.py)
     # build them with tokens that never came back to the host.
     penalty_windows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The (rows, token ids) suppression sets to -inf, already on the logits' device (suppressed_tokens
+    # of this input; () for none), in place of working it out from the lists above: decode steps in a
+    # row reuse one for every step whose rows are on the same side of their min_tokens.
+    suppression: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
 
 
 @dataclass
@@ -204,10 +208,12 @@ def _suppressed_ids(eos: frozenset[int], extra: tuple[int, ...], vocab: int) -> 
     return tuple(sorted(t for t in eos.union(extra) if 0 <= t < vocab))
 
 
-def _suppress_stop_tokens(logits: torch.Tensor, inp: SamplerInput, in_place: bool) -> torch.Tensor:
+def suppressed_tokens(inp: SamplerInput, vocab: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+    """The (rows, token ids) pairs a step suppresses, as index tensors on `device`: each row's end
+    tokens when it ignores EOS, and while it is below min_tokens its stop tokens too; () for none."""
     rows: list[int] = []
     toks: list[int] = []
-    vocab = logits.shape[1]
     for i, p in enumerate(inp.params):
         below_min = (inp.num_output_tokens[i] if inp.num_output_tokens else 0) < p.min_tokens
         if not (p.ignore_eos or below_min):
@@ -217,12 +223,19 @@ def _suppress_stop_tokens(logits: torch.Tensor, inp: SamplerInput, in_place: boo
         rows.extend([i] * len(ids))
         toks.extend(ids)
     if not toks:
+        return ()
+    return device_index(rows, device), device_index(toks, device)
+
+
+def _suppress_stop_tokens(logits: torch.Tensor, inp: SamplerInput, in_place: bool) -> torch.Tensor:
+    where = inp.suppression if inp.suppression is not None else suppressed_tokens(inp, logits.shape[1], logits.device)
+    if not where:
         return logits
     out = logits if in_place else logits.clone()
     # The value as a tensor on the logits' device: index_put_ copies a host scalar to the GPU
     # synchronously, which made every step of an ignore_eos request wait there for the model run.
     neg_inf = torch.full((), _NEG_INF, dtype=out.dtype, device=out.device)
-    out.index_put_((device_index(rows, logits.device), device_index(toks, logits.device)), neg_inf)
+    out.index_put_(where, neg_inf)
     return out
 
 
