@@ -189,6 +189,46 @@ public:
         }
     }
 
+    // The final norm and the output head (the model's logits), when both can run natively.
+    void set_head(uintptr_t norm, const std::vector<PartSpec>& parts) {
+        int64_t n = 0;
+        for (const auto& part : parts) n += std::get<4>(part);
+        head_ = projection(parts, n, dim_, "head");
+        head_norm_ = ptr<const float>(norm);
+    }
+
+    bool has_head() const { return head_norm_ != nullptr; }
+    int64_t vocab() const { return head_.N; }
+
+    // out [n_rows, vocab] fp32 = head(final_norm(x[rows])): the logits of the rows that sample, from
+    // the residual stream forward() left in x ([T, dim]); rows == 0 means all T. The per-op path's
+    // kernels (rms_norm, quantize_activations, qmatmul) row for row, so the logits are bitwise its;
+    // one call instead of several from Python between a step's layers and its sampler.
+    void logits(uintptr_t x_addr, int64_t T, uintptr_t rows_addr, int64_t n_rows, uintptr_t out_addr) {
+        if (head_norm_ == nullptr) throw std::logic_error("set_head before logits");
+        const int64_t* rows = ptr<const int64_t>(rows_addr);
+        if (rows != nullptr) {
+            for (int64_t r = 0; r < n_rows; ++r)
+                if (rows[r] < 0 || rows[r] >= T) throw std::out_of_range("a sampled row is outside the step");
+        } else if (n_rows != T) {
+            throw std::invalid_argument("without rows, every row of the step samples");
+        }
+        if (n_rows <= 0) return;
+        reserve(n_rows);
+        const float* x = ptr<const float>(x_addr);
+        float* h = h_.data();
+        uint8_t* acts = acts_.data();
+        const int64_t norm_grain = std::min(entry::row_grain(dim_), entry::quantize_grain());
+        parallel_for(n_rows, norm_grain, [&](int64_t b, int64_t e) {
+            for (int64_t r = b; r < e; ++r) {
+                const float* row = x + (rows != nullptr ? rows[r] : r) * dim_;
+                entry::rms_norm_rows(row, dim_, head_norm_, h + r * dim_, dim_, dim_, eps_, 0, 1);
+            }
+            entry::quantize_row_range(h, dim_, dim_, acts, b, e);
+        });
+        matmul(head_, acts, n_rows, ptr<float>(out_addr));
+    }
+
     void set_profiling(bool on) { profiling_ = on; }
 
     // Seconds per phase since the last call (and resets them).
@@ -265,6 +305,8 @@ private:
     int cache_type_;
     int64_t num_slots_;
     std::vector<Layer> layers_;
+    Projection head_;
+    const float* head_norm_ = nullptr;
     int64_t rows_ = 0;
     std::vector<float> h_, qkv_, att_, o_, gu_, act_;
     LineBuffer<uint8_t> acts_;  // on a line: AMX loads 32-byte halves of its rows, which must not straddle two
@@ -288,6 +330,10 @@ void register_decoder_step(py::module_& m) {
              "rope_rows"_a, "rope_stride"_a, "rope_dim"_a, "window"_a)
         .def("set_cache", &DecoderStep::set_cache, "layer"_a, "k"_a, "v"_a, "k_scale"_a, "v_scale"_a)
         .def_property_readonly("num_layers", &DecoderStep::num_layers)
+        .def("set_head", &DecoderStep::set_head, "norm"_a, "parts"_a)
+        .def_property_readonly("has_head", &DecoderStep::has_head)
+        .def_property_readonly("vocab", &DecoderStep::vocab)
+        .def("logits", &DecoderStep::logits, nogil, "x"_a, "T"_a, "rows"_a, "n_rows"_a, "out"_a)
         .def("set_profiling", &DecoderStep::set_profiling, "on"_a, "time each phase of the following steps")
         .def("take_profile", &DecoderStep::take_profile, "seconds per phase since the last call")
         .def("forward", &DecoderStep::forward, nogil, "x"_a, "T"_a, "positions"_a, "slot_mapping"_a, "cu_rows"_a,

@@ -44,7 +44,11 @@ def _run(model, prompts: list[list[int]], kv_dtype: torch.dtype) -> list[torch.T
         ids = [t for s, start, n in step for t in tokens[s][start:start + n]]
         positions = [p for _, start, n in step for p in range(start, start + n)]
         meta = PagedBatch.build([ChunkSpec(tables[s], start, n) for s, start, n in step], BLOCK)
-        hidden.append(model(torch.tensor(ids), torch.tensor(positions), meta, kv).clone())
+        out = model(torch.tensor(ids), torch.tensor(positions), meta, kv)
+        # The logits as the runner asks for them: every row, then the rows that sample (each chunk's last).
+        last = torch.tensor([sum(n for _, _, n in step[:i + 1]) - 1 for i in range(len(step))])
+        logits = (model.logits(out), model.logits(out, last))
+        hidden += [out.clone(), *logits]
     return hidden
 
 
@@ -52,8 +56,10 @@ def _assert_native_matches_per_op(model, kv_dtype: torch.dtype, prompts: list[li
     got = _run(model, prompts, kv_dtype)
     with native_step.disabled():
         want = _run(model, prompts, kv_dtype)
+    assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w), f"step {i}: max |diff| {float((g - w).abs().max())}"
+        assert torch.equal(g, w), f"step {i // 3} ({['hidden', 'logits', 'sampled logits'][i % 3]}): max |diff| " \
+                                  f"{float((g - w).abs().max())}"
 
 
 PROMPTS = [torch.randint(6, 260, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 29)]
@@ -78,6 +84,22 @@ def test_gemma3_native_step_is_bitwise_the_per_op_path_across_windows(tmp_path, 
     path = write_tiny_gemma3(tmp_path / "g.gguf", tiny_spm_metadata(), TinyGemma3Spec(weight_type=Q.Q5_0))
     with use_variant(variant):
         _assert_native_matches_per_op(load_model(path, "gguf").model, kv_dtype, PROMPTS)
+
+
+def test_logits_take_the_native_head_only_for_what_the_native_step_returned(tmp_path):
+    path = write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(weight_type=Q.Q8_0))
+    model = load_model(path, "gguf").model
+    cfg = model.config
+    kv = KVStorage(cfg.n_layers, 4, BLOCK, cfg.n_kv_heads, cfg.head_dim, torch.bfloat16)
+    meta = PagedBatch.build([ChunkSpec([0, 1], 0, 5)], BLOCK)
+    with torch.inference_mode():
+        hidden = model(torch.tensor([5, 6, 7, 8, 9]), torch.arange(5), meta, kv)
+        step = model.native_steps.head_for(hidden)
+        assert step is not None and step.has_head
+        assert model.native_steps.head_for(hidden.clone()) is None  # a copy is any tensor: the per-op path
+        with pytest.raises(IndexError, match="outside the step"):
+            step.logits(hidden, torch.tensor([5]))
+        assert torch.equal(model.logits(hidden, torch.tensor([4, 0])), model.logits(hidden.clone(), torch.tensor([4, 0])))
 
 
 def test_a_model_with_dense_parts_runs_per_op(tmp_path):

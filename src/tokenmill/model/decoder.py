@@ -89,6 +89,9 @@ class DecoderLM(nn.Module):
     def logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """Logits only for the rows that sample, as llama.cpp's output flags do, in the model's
         dtype (the head has already rounded them to it); the sampler widens them to float32."""
+        native = self.native_steps.head_for(hidden)
+        if native is not None:  # the layer stack ran natively: its norm and head in the same core, one call
+            return native.logits(hidden, indices)
         h = self.final_hidden(hidden, indices)
         if self.head_quantized is not None:
             return self.head_quantized.matmul(h)

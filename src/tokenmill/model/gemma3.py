@@ -70,7 +70,7 @@ class Gemma3Model(DecoderLM):
         x = self.embed_tokens(input_ids) * self.embed_scale
         native_step = self.native_steps.get(self, meta, kv, x)
         if native_step is not None:
-            return native_step(x, positions, meta)
+            return self.native_steps.run(native_step, x, positions, meta)
         caches = self.layer_caches(kv, k_caches, v_caches)
         options = self.rope_options(meta, x)
         ropes = {True: self.rope.at(positions, x.dtype, **options), False: self.local_rope.at(positions, x.dtype, **options)}

@@ -46,7 +46,7 @@ class LlamaModel(DecoderLM):
         x = self.embed_tokens(input_ids)
         native_step = self.native_steps.get(self, meta, kv, x)
         if native_step is not None:
-            return native_step(x, positions, meta)
+            return self.native_steps.run(native_step, x, positions, meta)
         caches = self.layer_caches(kv, k_caches, v_caches)
         rope = self.rope.at(positions, x.dtype, **self.rope_options(meta, x))
         h = self.blocks[0].attn_norm(x)

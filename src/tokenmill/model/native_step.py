@@ -42,8 +42,8 @@ def disabled() -> Iterator[None]:
 
 def _parts(linear) -> list[tuple] | None:
     """A projection's quantized parts as (type, qs, sc, sup, rows, columns), or None if any part is
-    not a native quantized weight."""
-    q = getattr(linear, "quantized", None)
+    not a native quantized weight (a model's head: its head_quantized)."""
+    q = getattr(linear, "quantized", None) or getattr(linear, "head_quantized", None)
     if q is None or not all(isinstance(w, qk.QuantizedWeight) for w, _, _ in q.parts):
         return None
     return [(int(w.ggml_type), w.qs.data_ptr(), w.sc.data_ptr(), w.sup.data_ptr(), w.out_features, w.in_features)
@@ -96,6 +96,10 @@ class NativeStep:
                            rope.cos.shape[0], rope.cos.stride(0), rope.cos.shape[1], attn.window or 0)
             layer = kv.layer(i)
             step.set_cache(i, layer.k.data_ptr(), layer.v.data_ptr(), _addr(layer.k_scale), _addr(layer.v_scale))
+        head = _parts(model) if model.head_quantized is not None else None
+        norm = model.norm.weight
+        if head is not None and norm.dtype == torch.float32 and norm.is_contiguous() and model.norm.eps == first.attn_norm.eps:
+            step.set_head(norm.data_ptr(), head)
         return cls(step, kv, rope_rows)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
@@ -110,6 +114,22 @@ class NativeStep:
                           batch.cu_rows.data_ptr(), batch.start_pos.data_ptr(), batch.cu_rows.numel() - 1,
                           tables.data_ptr(), tables.shape[1], batch.block_size)
         return x
+
+    @property
+    def has_head(self) -> bool:
+        return self.step.has_head
+
+    def logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """DecoderLM.logits of the hidden states this step returned (fp32 [T, dim]): the final norm and
+        the head of the rows `indices` (all when None) in one native call, bitwise the per-op path's."""
+        if indices is None:
+            n, rows = hidden.shape[0], 0
+        else:
+            indices = indices.to(torch.int64).contiguous()
+            n, rows = indices.numel(), indices.data_ptr()
+        out = torch.empty((n, self.step.vocab))
+        self.step.logits(hidden.data_ptr(), hidden.shape[0], rows, n, out.data_ptr())
+        return out
 
 
     def set_profiling(self, on: bool) -> None:
@@ -127,6 +147,8 @@ class NativeSteps:
 
     def __init__(self):
         self._steps: dict[tuple[str, torch.dtype], NativeStep | None] = {}
+        # The last step's output and the native step that made it, which can also take its logits.
+        self._produced: tuple[weakref.ref, NativeStep] | None = None
 
     def get(self, model: "DecoderLM", meta, kv: KVStorage | None, x: torch.Tensor) -> NativeStep | None:
         if not _enabled or kv is None or not isinstance(meta, PagedBatch) or x.dtype != torch.float32:
@@ -136,6 +158,21 @@ class NativeSteps:
         if step is False or (step is not None and step.kv() is not kv):
             step = self._steps[key] = NativeStep.build(model, kv)
         return step
+
+    def run(self, step: NativeStep, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """step(x, positions, batch), remembering what it returned: logits of exactly those hidden
+        states can then take the step's head (head_for)."""
+        out = step(x, positions, batch)
+        self._produced = (weakref.ref(out), step) if step.has_head else None
+        return out
+
+    def head_for(self, hidden: torch.Tensor) -> NativeStep | None:
+        """The native step that just returned `hidden`, when it also has the model's final norm and
+        head; None for any other tensor (the per-op path then takes the logits)."""
+        produced = self._produced
+        if produced is None or produced[0]() is not hidden:
+            return None
+        return produced[1]
 
     def built(self) -> list[NativeStep]:
         """The native steps built so far (for profiling)."""
