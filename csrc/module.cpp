@@ -21,6 +21,7 @@ void register_nucleus(py::module_& m);
 void register_penalties(py::module_& m);
 void register_topk(py::module_& m);
 void register_logsumexp(py::module_& m);
+void register_embedding(py::module_& m);
 
 PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     m.doc() = "tokenmill's compiled CPU kernels (one ISA variant)";
@@ -37,4 +38,5 @@ PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     register_penalties(m);
     register_topk(m);
     register_logsumexp(m);
+    register_embedding(m);
 }

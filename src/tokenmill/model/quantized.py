@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gguf import quants
 
 from tokenmill.kernels import qmatmul as qk
+from tokenmill.kernels.embedding import embed_rows_q8_0
 
 Q = gguf.GGMLQuantizationType
 
@@ -108,5 +109,7 @@ class EmbeddingRows:
         self.raw = raw
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.raw.ggml_type == Q.Q8_0:  # both real models' token_embd: one native call (kernels/embedding.py)
+            return embed_rows_q8_0(self.raw.data, ids, self.raw.shape[1])
         rows = RawTensor(np.asarray(self.raw.data)[ids.numpy()], self.raw.ggml_type, (ids.numel(), self.raw.shape[1]))
         return rows.dequantize()
