@@ -9,15 +9,21 @@ from torch import Tensor
 
 from tokenmill.kernels import native
 
-__all__ = ["Q8_0_BLOCK_BYTES", "embed_rows_q8_0", "embed_rows_q8_0_reference"]
+__all__ = ["Q8_0_BLOCK_BYTES", "dequantize_q8_0", "embed_rows_q8_0", "embed_rows_q8_0_reference"]
 
 Q8_0_BLOCK_BYTES = 34  # an fp16 scale, then 32 int8
 
 
+def dequantize_q8_0(data: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks (uint8, any shape holding whole blocks) -> float32 [blocks, 32]: gguf's own
+    arithmetic, float(q) * float(scale), without its generic per-type machinery."""
+    blocks = np.asarray(data).reshape(-1, Q8_0_BLOCK_BYTES)
+    return blocks[:, 2:].view(np.int8).astype(np.float32) * blocks[:, :2].view(np.float16).astype(np.float32)
+
+
 def embed_rows_q8_0_reference(table: np.ndarray, ids: Tensor, dim: int) -> Tensor:
     """fp32 [len(ids), dim]: rows `ids` of table (uint8 [vocab, dim / 32 * 34]), dequantized."""
-    blocks = np.asarray(table)[ids.numpy()].reshape(-1, Q8_0_BLOCK_BYTES)
-    rows = blocks[:, 2:].view(np.int8).astype(np.float32) * blocks[:, :2].view(np.float16).astype(np.float32)
+    rows = dequantize_q8_0(np.asarray(table)[ids.numpy()])
     return torch.from_numpy(np.array(rows, dtype=np.float32)).reshape(ids.numel(), dim)  # a copy: the map is read-only
 
 
