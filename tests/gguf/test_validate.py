@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from crafted_gguf import crafted_variants
+from hostile_gguf import DIM, DROP, VT, llama_tensors, small_llama
 from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
 from tiny_spm import tiny_spm_metadata
 from tokenmill.gguf import GGUFError, open_gguf
@@ -18,13 +19,6 @@ from tokenmill.gguf.validate import InvalidGGUF, validate_gguf
 
 ARCHS = ("llama", "gemma3")
 Q = gguf.GGMLQuantizationType
-
-
-def add_minimal_hyperparameters(w: gguf.GGUFWriter) -> None:
-    """The llama hyperparameters a model needs (validation checks them too), for hand-written files."""
-    for key, value in (("block_count", 1), ("embedding_length", 4), ("feed_forward_length", 8),
-                       ("attention.head_count", 1), ("vocab_size", 2)):
-        w.add_uint32(f"llama.{key}", value)
 
 
 @pytest.mark.parametrize("wtype", [Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0])
@@ -41,15 +35,8 @@ def test_tiny_gemma3_and_big_endian_files_pass(tmp_path):
     path = write_tiny_gemma3(tmp_path / "g.gguf", tiny_spm_metadata(), TinyGemma3Spec(weight_type=Q.Q8_0))
     assert validate_gguf(path, ARCHS).architecture == "gemma3"
     be = tmp_path / "be.gguf"
-    w = gguf.GGUFWriter(str(be), "llama", endianess=gguf.GGUFEndian.BIG)
-    w.add_array("test.tokens", ["a", "bc"])
-    add_minimal_hyperparameters(w)
-    w.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    assert validate_gguf(be, ARCHS).tensor_count == 1
+    small_llama(be, {"test.tokens": (["a", "bc"], VT.ARRAY)}, endianess=gguf.GGUFEndian.BIG)
+    assert validate_gguf(be, ARCHS).tensor_count == len(llama_tensors())
 
 
 def test_the_architecture_must_be_one_the_loader_has(tmp_path):
@@ -144,14 +131,7 @@ def test_a_huge_file_is_checked_by_its_header_only(tmp_path):
 def test_a_metadata_array_of_many_strings_is_walked_not_kept(tmp_path):
     # 100,000 eight-byte strings: held as Python strings they would take ~6 MB; the check keeps none.
     path = tmp_path / "wide.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_array("test.many", [f"{i:08d}" for i in range(100_000)])
-    add_minimal_hyperparameters(w)
-    w.add_tensor("w", np.zeros((2, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    small_llama(path, {"test.many": ([f"{i:08d}" for i in range(100_000)], VT.ARRAY)})
     tracemalloc.start()
     try:
         validate_gguf(path, ARCHS)
@@ -170,3 +150,93 @@ def test_real_models_pass(smollm2_path):
 @pytest.mark.real_model
 def test_gemma3_passes(gemma3_path):
     assert validate_gguf(gemma3_path, ARCHS).architecture == "gemma3"
+
+
+# --- files whose structure is sound but which no model can be made from --------------------------------
+
+def refusal(tmp_path, metadata=None, tensors=None) -> str:
+    """validate_gguf's message for the small Llama with these changes (the path never in it)."""
+    path = tmp_path / "secret-dir" / "m.gguf"
+    path.parent.mkdir(exist_ok=True)
+    small_llama(path, metadata, tensors)
+    with pytest.raises(InvalidGGUF) as info:
+        validate_gguf(path, ARCHS)
+    assert "secret-dir" not in str(info.value)
+    return str(info.value)
+
+
+def test_the_small_llama_passes(tmp_path):
+    small_llama(tmp_path / "m.gguf")
+    assert validate_gguf(tmp_path / "m.gguf", ARCHS).architecture == "llama"
+
+
+@pytest.mark.parametrize(("metadata", "tensors", "expected"), [
+    ({}, {"blk.0.ffn_up.weight": DROP}, "missing tensors ['blk.0.ffn_up.weight']"),
+    ({}, {"output_norm.weight": DROP}, "missing tensors ['output_norm.weight']"),
+    ({}, {"blk.0.attn_q.weight": np.zeros((16, DIM), np.float32)}, "blk.0.attn_q.weight has shape [16, 32]"),
+    ({}, {"blk.0.attn_norm.weight": np.ones(DIM + 1, np.float32)}, "blk.0.attn_norm.weight has shape [33]"),
+    # A vocab_size above the embedding's rows: those rows would have been uninitialised memory.
+    ({"llama.vocab_size": 5000}, {}, "token_embd.weight has shape [271, 32]"),
+    # Sizes that were allocated for before any tensor was read (2**31 x 32 floats: 256 GB).
+    ({"llama.vocab_size": 2**31}, {}, "make it [2147483648, 32]"),
+    ({"llama.feed_forward_length": 2**31}, {}, "make it [2147483648, 32]"),
+    ({"llama.attention.head_count": 1, "llama.rope.dimension_count": 32}, {}, "blk.0.attn_k.weight has shape [16, 32]"),
+    # Heads the attention kernels cannot run (every request was a 500 'head_dim must be a multiple of 16').
+    ({"llama.attention.head_count": 8, "llama.attention.head_count_kv": 8, "llama.rope.dimension_count": 4}, {},
+     "is 4: tokenmill's attention kernels need a multiple of 16"),
+    # A rotary table of 2**20 positions x 4096 (32 GB), claimed by a 65 KB file.
+    ({"llama.context_length": 2**20, "llama.attention.key_length": (4096, VT.UINT32),
+      "llama.rope.dimension_count": 4096}, {}, "the rotary tables are limited"),
+    ({"llama.context_length": 2**20, "llama.rope.dimension_count": 64}, {}, "must be even and 2 to the head size"),
+])
+def test_tensors_must_fit_the_hyperparameters(tmp_path, metadata, tensors, expected):
+    assert expected in refusal(tmp_path, metadata, tensors)
+
+
+@pytest.mark.parametrize(("metadata", "expected"), [
+    ({"tokenizer.ggml.tokens": DROP}, "no vocabulary"),
+    ({"tokenizer.ggml.tokens": ([], VT.ARRAY), "tokenizer.ggml.token_type": DROP}, "no vocabulary"),
+    ({"tokenizer.ggml.tokens": (list(range(271)), VT.ARRAY)}, "tokenizer.ggml.tokens is not an array of strings"),
+    ({"tokenizer.ggml.tokens": ("abc", VT.STRING)}, "tokenizer.ggml.tokens is not an array of strings"),
+    ({"tokenizer.ggml.tokens": ([f"t{i}" for i in range(300)], VT.ARRAY), "tokenizer.ggml.token_type": DROP,
+      "llama.vocab_size": DROP}, "make it [300, 32]"),
+    ({"llama.vocab_size": DROP, "tokenizer.ggml.tokens": ([f"t{i}" for i in range(100)], VT.ARRAY),
+      "tokenizer.ggml.token_type": DROP}, "make it [100, 32]"),
+    ({"tokenizer.ggml.token_type": (["a"] * 271, VT.ARRAY)}, "token_type is not an array of integers"),
+    ({"tokenizer.ggml.model": "bogus"}, "unsupported tokenizer.ggml.model='bogus'"),
+    ({"tokenizer.ggml.model": DROP}, "unsupported tokenizer.ggml.model=None"),
+    ({"tokenizer.ggml.model": "x" * 100_000}, "unsupported tokenizer.ggml.model='<a string of 100000 bytes>'"),
+    ({"tokenizer.ggml.model": "llama"}, "supported for Gemma only"),
+    ({"tokenizer.ggml.pre": "gpt9"}, "unsupported pre-tokenizer tokenizer.ggml.pre='gpt9'"),
+    ({"tokenizer.ggml.merges": DROP}, "needs tokenizer.ggml.merges"),
+    ({"tokenizer.ggml.merges": ([1, 2], VT.ARRAY)}, "tokenizer.ggml.merges is not an array of strings"),
+])
+def test_the_vocabulary_must_be_one_the_tokenizer_can_build(tmp_path, metadata, expected):
+    # Each loaded and then failed on every request (a 500) before; now the push is refused.
+    assert expected in refusal(tmp_path, metadata)
+
+
+def test_a_huge_claimed_size_is_refused_without_allocating(tmp_path):
+    small_llama(tmp_path / "m.gguf", {"llama.vocab_size": 2**31, "llama.feed_forward_length": 2**31})
+    tracemalloc.start()
+    try:
+        with pytest.raises(GGUFError, match="make it"):
+            ModelConfig.from_gguf(open_gguf(tmp_path / "m.gguf"))  # the loader's own check
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+
+
+def test_the_loaders_tensor_names_are_the_ones_checked():
+    # config.py's tensor list (what validation checks) and the model classes' (what loading reads)
+    # must agree, or a file could pass and still fail to load.
+    from tokenmill.model.registry import ARCHITECTURES
+
+    assert set(ARCHITECTURES) == {"llama", "gemma3"}
+    for arch, cls in ARCHITECTURES.items():
+        for tied in (True, False):
+            cfg = ModelConfig(arch, "t", vocab_size=8, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                              ffn_dim=64, context_length=16, norm_eps=1e-5, rope_theta=1e4, rope_dim=16,
+                              tied_embeddings=tied)
+            assert set(cfg.tensor_shapes()) == set(cls(cfg).gguf_tensor_names()), (arch, tied)

@@ -14,6 +14,21 @@ from tokenmill.gguf.reader import GGUFError, GGUFFile
 # modest: a file that claims 2**32 positions must be refused, not allocated for.
 MAX_CONTEXT = 1 << 20
 MAX_HEAD_DIM = 1 << 12
+# Positions x rotary dimension: the rotary tables (cos and sin, float32) are built whole when the
+# model is, whatever the file's size, so a 10 KB file claiming a million positions at a head size of
+# 4096 would cost 32 GB. 2**25 holds every model tokenmill serves (Gemma 3's 131,072 x 256; Llama
+# 3.1's 131,072 x 128) at 256 MB a table.
+MAX_ROTARY_TABLE = 1 << 25
+# The native attention kernels work on heads of a multiple of 16 values (every real model's 64 to 256).
+HEAD_DIM_MULTIPLE = 16
+
+# The tensors each architecture's blocks hold beyond Llama's, with their sizes: "dim" (the embedding)
+# or "head" (a head's size). model/ has the same lists in its classes' BLOCK_TENSORS (a test keeps
+# them in step); the shapes are checked here, before a model is built, so that a file whose tensors
+# do not fit its numbers is refused rather than loaded into uninitialised or mis-sized weights.
+_EXTRA_BLOCK_NORMS: dict[str, dict[str, str]] = {
+    "gemma3": {"attn_q_norm": "head", "attn_k_norm": "head", "post_attention_norm": "dim", "post_ffw_norm": "dim"},
+}
 
 
 @dataclass(frozen=True)
@@ -94,7 +109,8 @@ class ModelConfig:
         p = self.architecture + "."
 
         def fail(key: str, value, why: str) -> GGUFError:
-            return GGUFError(f"{p}{key} is {value}: {why}")
+            shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."  # a string of megabytes
+            return GGUFError(f"{p}{key} is {shown}: {why}")
 
         for key, value in (("embedding_length", self.dim), ("attention.head_count", self.n_heads),
                            ("attention.head_count_kv", self.n_kv_heads), ("feed_forward_length", self.ffn_dim),
@@ -117,7 +133,48 @@ class ModelConfig:
             raise fail("attention.layer_norm_rms_epsilon", self.norm_eps, "must be a positive number")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise fail("rope.freq_base", self.rope_theta, "must be a positive number")
+        if self.head_dim % HEAD_DIM_MULTIPLE:
+            raise GGUFError(f"a head's size ({p}attention.key_length, else embedding_length / head_count) is "
+                            f"{self.head_dim}: tokenmill's attention kernels need a multiple of {HEAD_DIM_MULTIPLE}")
+        if self.context_length * self.rope_dim > MAX_ROTARY_TABLE:
+            raise GGUFError(f"{p}context_length ({self.context_length}) x {p}rope.dimension_count ({self.rope_dim}) "
+                            f"is {self.context_length * self.rope_dim}: the rotary tables are limited to "
+                            f"{MAX_ROTARY_TABLE} values (e.g. 131072 positions at 256)")
+        scaling = self.extra.get("rope.scaling.factor")
+        if scaling is not None and not (isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0):
+            raise fail("rope.scaling.factor", scaling, "must be a positive number")
         embd = shapes.get("token_embd.weight")
         if embd is not None and embd[-1] != self.dim:
             raise fail("embedding_length", self.dim, f"token_embd.weight has rows of {embd[-1]}")
+        self._check_tensors(shapes)
         return self
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the model reads, with the shape (rows first) its hyperparameters give it."""
+        dim, head, ffn = self.dim, self.head_dim, self.ffn_dim
+        q_rows, kv_rows = self.n_heads * head, self.n_kv_heads * head
+        block = {"attn_norm": (dim,), "attn_q": (q_rows, dim), "attn_k": (kv_rows, dim), "attn_v": (kv_rows, dim),
+                 "attn_output": (dim, q_rows), "ffn_norm": (dim,), "ffn_gate": (ffn, dim), "ffn_up": (ffn, dim),
+                 "ffn_down": (dim, ffn)}
+        for name, size in _EXTRA_BLOCK_NORMS.get(self.architecture, {}).items():
+            block[name] = (head,) if size == "head" else (dim,)
+        shapes = {"token_embd.weight": (self.vocab_size, dim), "output_norm.weight": (dim,)}
+        if not self.tied_embeddings:
+            shapes["output.weight"] = (self.vocab_size, dim)
+        for i in range(self.n_layers):
+            shapes.update({f"blk.{i}.{name}.weight": shape for name, shape in block.items()})
+        return shapes
+
+    def _check_tensors(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Every tensor the model reads is in the file with the shape the hyperparameters give it:
+        the model is built from the numbers, so a vocab_size above the embedding's rows would leave
+        rows of uninitialised memory as weights, and a feed_forward_length of 2**31 would be
+        allocated for before any tensor was read."""
+        expected = self.tensor_shapes()
+        missing = [name for name in expected if name not in shapes]
+        if missing:
+            raise GGUFError(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for name, shape in expected.items():
+            if tuple(shapes[name]) != shape:
+                raise GGUFError(f"tensor {name} has shape {list(shapes[name])}, but the hyperparameters "
+                                f"({self.architecture}.*) make it {list(shape)}")

@@ -11,7 +11,9 @@ a hostile file is refused quickly and cheaply whatever its size:
   data inside the file, with no two tensors overlapping (llama.cpp's own loader checks as much; the
   "Bleeding Llama" out-of-bounds read, Ollama's CVE-2026-7482, was a tensor running past the end);
 - the architecture is one tokenmill serves, and its hyperparameters fit the tensors (gguf/config.py:
-  a head count of 0 or a rotary dimension of 2**31 is refused here, not divided by or allocated for).
+  a head count of 0 or a rotary dimension of 2**31 is refused here, not divided by or allocated for;
+  every tensor the model reads is there, with the shape the hyperparameters give it);
+- the vocabulary is one the tokenizer can be built from, with a token for every embedding row.
 
 Messages describe the problem by position and number, never by the file's path or its bytes."""
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import codecs
 import math
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -39,6 +41,7 @@ MAX_STRING = 1 << 24         # bytes in one string (a chat template is tens of K
 MAX_NAME = 1 << 10           # bytes in a key or a tensor name (llama.cpp's tensor names: 64)
 MAX_HEADER = 1 << 28         # bytes of header, metadata and tensor infos before the data
 MAX_DIMS = 4                 # GGML_MAX_DIMS
+KEPT_STRING = 256            # string values up to this many bytes are kept (names, tokenizer.ggml.model)
 
 _VT = gguf.GGUFValueType
 _SCALAR_SIZES = {_VT.UINT8: 1, _VT.INT8: 1, _VT.BOOL: 1, _VT.UINT16: 2, _VT.INT16: 2, _VT.UINT32: 4,
@@ -52,6 +55,28 @@ _READ_AHEAD = 1 << 20
 
 class InvalidGGUF(GGUFError):
     """The file is not a GGUF model tokenmill may load; the message says why (without the path)."""
+
+
+class ArrayInfo(Sequence):
+    """What the check keeps of a metadata array: its length and element type, not its elements (the
+    model's config needs the vocabulary's size, the tokenizer check that its tokens are strings)."""
+
+    def __init__(self, count: int, element_type: int):
+        self.count = count
+        self.element_type = element_type
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):
+        raise TypeError("the elements of a checked GGUF array are not kept")
+
+
+class LongString(str):
+    """A string value longer than KEPT_STRING: it reads as a placeholder saying its size."""
+
+    def __new__(cls, size: int) -> "LongString":
+        return super().__new__(cls, f"<a string of {size} bytes>")
 
 
 @dataclass(frozen=True)
@@ -100,12 +125,14 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return struct.unpack(self.endian + "Q", self.read(8, what))[0]
 
-    def string(self, what: str, limit: int = MAX_STRING, keep: bool = False) -> str | None:
-        """A length-prefixed UTF-8 string, checked in pieces; its text only when `keep`."""
+    def string(self, what: str, limit: int = MAX_STRING, keep_up_to: int = MAX_NAME) -> str:
+        """A length-prefixed UTF-8 string, checked in pieces: its text, or a LongString standing for
+        it when it is longer than `keep_up_to` bytes."""
         n = self.u64(f"length of {what}")
         if n > limit:
             raise InvalidGGUF(f"{what} at offset {self.pos - 8} claims {n} bytes; the limit is {limit}")
         self.need(n, what)
+        keep = n <= keep_up_to
         decoder = codecs.getincrementaldecoder("utf-8")()
         parts = []
         left = n
@@ -119,8 +146,7 @@ class _Cursor:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError:
             raise InvalidGGUF(f"{what} ending at offset {self.pos} is not valid UTF-8") from None
-        return "".join(parts) if keep else None
-
+        return "".join(parts) if keep else LongString(n)
 
     def strings(self, count: int, what: str) -> None:
         """`count` length-prefixed strings, each checked to be UTF-8 within MAX_STRING, none kept. The
@@ -170,20 +196,19 @@ class _Check:
         self.elements = 0
 
     def value(self, vtype: int, what: str):
-        """A number or a bool as itself, an array as a range of its length (what the model's config
-        needs of it, e.g. the vocabulary's size), a string as None (not kept)."""
+        """A number or a bool as itself, an array as an ArrayInfo (what the model's config needs of
+        it, e.g. the vocabulary's size), a string as itself up to KEPT_STRING bytes, else a LongString."""
         size = _SCALAR_SIZES.get(vtype)
         if size is not None:
             (value,) = struct.unpack(self.cur.endian + _SCALAR_FORMATS[vtype], self.cur.read(size, what))
             return value
         if vtype == _VT.STRING:
-            self.cur.string(what)
-            return None
+            return self.cur.string(what, keep_up_to=KEPT_STRING)
         if vtype == _VT.ARRAY:
-            return range(self.array(what))
+            return self.array(what)
         raise InvalidGGUF(f"{what} has unknown value type {vtype}")
 
-    def array(self, what: str) -> int:
+    def array(self, what: str) -> ArrayInfo:
         cur = self.cur
         etype = cur.u32(f"element type of {what}")
         count = cur.u64(f"element count of {what}")
@@ -202,7 +227,7 @@ class _Check:
             raise InvalidGGUF(f"{what} is an array of arrays, which GGUF models do not use")
         else:
             raise InvalidGGUF(f"{what} has unknown array element type {etype}")
-        return count
+        return ArrayInfo(count, etype)
 
 
 def _header(cur: _Cursor) -> int:
@@ -228,7 +253,7 @@ def _metadata(check: _Check, count: int) -> tuple[str | None, int, dict]:
     architecture, alignment = None, DEFAULT_ALIGNMENT
     values: dict = {}
     for i in range(count):
-        key = cur.string(f"metadata key #{i}", MAX_NAME, keep=True)
+        key = cur.string(f"metadata key #{i}", MAX_NAME)
         if not key:
             raise InvalidGGUF(f"metadata key #{i} is empty")
         if key in keys:
@@ -238,7 +263,7 @@ def _metadata(check: _Check, count: int) -> tuple[str | None, int, dict]:
         if key == "general.architecture":
             if vtype != _VT.STRING:
                 raise InvalidGGUF("general.architecture is not a string")
-            architecture = cur.string("general.architecture", MAX_NAME, keep=True)
+            architecture = cur.string("general.architecture", MAX_NAME)
         elif key == "general.alignment":
             if vtype != _VT.UINT32:
                 raise InvalidGGUF(f"general.alignment has value type {vtype}, expected UINT32")
@@ -260,7 +285,7 @@ class _Tensor:
 
 
 def _tensor_info(cur: _Cursor, i: int, names: set[str], alignment: int) -> _Tensor:
-    name = cur.string(f"name of tensor #{i}", MAX_NAME, keep=True)
+    name = cur.string(f"name of tensor #{i}", MAX_NAME)
     if name in names:
         raise InvalidGGUF(f"tensor #{i} has the name of an earlier tensor")
     names.add(name)
@@ -331,7 +356,9 @@ def _validate(cur: _Cursor, architectures: Collection[str]) -> GGUFSummary:
         if end > cur.size:
             raise InvalidGGUF(f"tensor #{t.index}'s data (bytes {start}..{end}) runs past the end of the file "
                               f"({cur.size} bytes)")
-    _hyperparameters(architecture, metadata, {t.name: t.shape for t in tensors})
+    shapes = {t.name: t.shape for t in tensors}
+    _hyperparameters(architecture, metadata, shapes)
+    _tokenizer(architecture, metadata, shapes)
     return GGUFSummary(architecture, version, tensor_count, kv_count, data_offset, cur.size)
 
 
@@ -344,3 +371,38 @@ def _hyperparameters(architecture: str, metadata: dict, shapes: dict[str, tuple[
         raise InvalidGGUF(str(exc)) from None
     except (ValueError, TypeError, OverflowError) as exc:  # a number stored as a string or an array, ...
         raise InvalidGGUF(f"the model's hyperparameters cannot be read ({type(exc).__name__})") from None
+
+
+def _tokenizer(architecture: str, metadata: Mapping, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The file's vocabulary is one the tokenizer can be built from (tokenizer/tokenizer.py), with a
+    token for every row of the embedding, so that the model made from it loads rather than failing
+    on every request."""
+    from tokenmill.tokenizer.tokenizer import unsupported_tokenizer
+
+    def strings(key: str) -> ArrayInfo | None:
+        value = metadata.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, ArrayInfo) or value.element_type != _VT.STRING:
+            raise InvalidGGUF(f"{key} is not an array of strings")
+        return value
+
+    tokens = strings("tokenizer.ggml.tokens")
+    if not tokens:
+        raise InvalidGGUF("the file has no vocabulary (tokenizer.ggml.tokens is missing or empty)")
+    rows = shapes["token_embd.weight"][0]  # the config's checks made sure it is there
+    if len(tokens) != rows:
+        raise InvalidGGUF(f"tokenizer.ggml.tokens has {len(tokens)} tokens, but token_embd.weight has {rows} rows")
+    types = metadata.get("tokenizer.ggml.token_type")
+    if types is not None and not (isinstance(types, ArrayInfo) and types.element_type in _INTEGER_TYPES):
+        raise InvalidGGUF("tokenizer.ggml.token_type is not an array of integers")
+    model = metadata.get("tokenizer.ggml.model")
+    problem = unsupported_tokenizer(model, metadata.get("tokenizer.ggml.pre"), architecture)
+    if problem:
+        raise InvalidGGUF(problem)
+    if model == "gpt2" and not strings("tokenizer.ggml.merges"):
+        raise InvalidGGUF("a byte-level BPE vocabulary (tokenizer.ggml.model 'gpt2') needs tokenizer.ggml.merges")
+
+
+_INTEGER_TYPES = frozenset({_VT.UINT8, _VT.INT8, _VT.UINT16, _VT.INT16, _VT.UINT32, _VT.INT32, _VT.UINT64,
+                            _VT.INT64})

@@ -67,10 +67,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)) / linear_scaling
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
-        self.register_buffer("cos", torch.cat([cos, cos], -1).float(), persistent=False)
+        # Rounded to float32 before the halves are joined (the same values): the float64 copies of
+        # the whole tables would cost twice what the tables do.
+        cos, sin = freqs.cos().float(), freqs.sin().float()
+        del freqs
+        self.register_buffer("cos", torch.cat([cos, cos], -1), persistent=False)
         # rotate_half(x) = cat(-x2, x1); the sign lives in the table so a swap of halves suffices.
-        self.register_buffer("sin", torch.cat([-sin, sin], -1).float(), persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin], -1), persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype, *, check: bool = True, fused: bool = False) -> "Rope":
         """The rotation for these positions: gathered cos/sin rows, or (fused) the positions and the

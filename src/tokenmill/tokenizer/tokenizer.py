@@ -108,13 +108,38 @@ def _vocab_key(token: str, kind: int) -> str:
     return "".join(_BYTE_TO_CHAR[b] for b in token.encode("utf-8"))
 
 
+def _shown(value: object) -> str:
+    """A metadata value in a message: its repr, cut short (a file may hold a name of megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def unsupported_tokenizer(model: object, pre: object, architecture: object) -> str | None:
+    """Why the tokenizer a GGUF names (tokenizer.ggml.model and .pre, for general.architecture) cannot
+    be built here, or None. gguf/validate.py asks it of a pushed file before anything is loaded."""
+    if model == "gpt2":
+        key = pre or "gpt-2"  # files older than the `pre` key were all GPT-2 style
+        if not isinstance(key, str) or key not in _PRE_SPLITS:
+            return (f"unsupported pre-tokenizer tokenizer.ggml.pre={_shown(pre)}; "
+                    f"supported: {', '.join(sorted(_PRE_SPLITS))}")
+        return None
+    if model == "llama":
+        if not isinstance(architecture, str) or architecture not in sentencepiece.GEMMA_ARCHITECTURES:
+            # transformers gives other SentencePiece models (Llama 2, Mistral, Phi-3...) a prefix space and a
+            # decoder that strips it again; that pipeline is not built here.
+            return (f"SentencePiece tokenizers (tokenizer.ggml.model='llama') are supported for Gemma only "
+                    f"(general.architecture {', '.join(sorted(sentencepiece.GEMMA_ARCHITECTURES))}), not "
+                    f"{_shown(architecture)}")
+        return None
+    return (f"unsupported tokenizer.ggml.model={_shown(model)}; supported: byte-level BPE ('gpt2') and "
+            "SentencePiece ('llama') for Gemma")
+
+
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    key = pre or "gpt-2"  # files older than the `pre` key were all GPT-2 style
-    if key not in _PRE_SPLITS:
-        raise TokenizerError(
-            f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {', '.join(sorted(_PRE_SPLITS))}"
-        )
-    split = _PRE_SPLITS[key]
+    problem = unsupported_tokenizer("gpt2", pre, None)
+    if problem:
+        raise TokenizerError(problem)
+    split = _PRE_SPLITS[pre or "gpt-2"]
     if split is None:
         return pre_tokenizers.ByteLevel(add_prefix_space=False)
     return pre_tokenizers.Sequence([
@@ -168,14 +193,9 @@ def _build_byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> _Backen
 
 def _build_sentencepiece(metadata: Mapping[str, Any],
                          tokens: list[str]) -> tuple[_Backend, list[bytes], frozenset[int]]:
-    architecture = metadata.get("general.architecture")
-    if architecture not in sentencepiece.GEMMA_ARCHITECTURES:
-        # transformers gives other SentencePiece models (Llama 2, Mistral, Phi-3...) a prefix space and a
-        # decoder that strips it again; that pipeline is not built here.
-        raise TokenizerError(
-            f"SentencePiece tokenizers (tokenizer.ggml.model='llama') are supported for Gemma only "
-            f"(general.architecture {', '.join(sorted(sentencepiece.GEMMA_ARCHITECTURES))}), not {architecture!r}"
-        )
+    problem = unsupported_tokenizer("llama", None, metadata.get("general.architecture"))
+    if problem:
+        raise TokenizerError(problem)
     named = {key: _token_id(metadata, key, len(tokens))
              for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")}
     return sentencepiece.build_gemma(metadata, tokens, {k: v for k, v in named.items() if v is not None})
@@ -325,10 +345,7 @@ class Tokenizer:
         if model == "llama":
             backend, table, byte_ids = _build_sentencepiece(metadata, tokens)
             return cls(backend, tokens, metadata, token_bytes=table, byte_fallback_ids=byte_ids)
-        raise TokenizerError(
-            f"unsupported tokenizer.ggml.model={model!r}; supported: byte-level BPE ('gpt2') and "
-            "SentencePiece ('llama') for Gemma"
-        )
+        raise TokenizerError(unsupported_tokenizer(model, None, None))
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
