@@ -196,7 +196,7 @@ def test_load_failures_and_old_records_reveal_no_file(served, tmp_path):
     c, models = served
     (models / "broken.gguf").write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 4)
     r = c.post("/api/generate", json={"model": "broken", "prompt": "hi", "stream": False})
-    message = assert_clean_error(r, 500, str(models), "root:", "b'")
+    message = assert_clean_error(r, 422, str(models), "root:", "b'")  # the file is at fault, not the server
     assert message == "model 'broken' could not be loaded: not a valid GGUF file"
     (models / "broken.gguf").unlink()
     # Records an older tokenmill let a client write: a model "made FROM" a file outside the store.

@@ -32,6 +32,11 @@ class ModelLoadError(Exception):
     """The model cannot be loaded; the message names the problem."""
 
 
+class ModelFileError(ModelLoadError):
+    """The model cannot be loaded because of what its file holds (not the machine's doing): a server
+    answers it as the request's fault, not its own."""
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
@@ -82,7 +87,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
         g = open_gguf(path)
         arch = g.architecture
         if arch not in ARCHITECTURES:
-            raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+            raise ModelFileError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
         check_supported(g)
         cfg = ModelConfig.from_gguf(g)
         with torch.device("cpu"):
@@ -97,7 +102,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
             model.load_tensor(name, device_weight(info, target) if on_device else _weight(info, mode, dtype, int4),
                               pending)
         if pending:
-            raise ModelLoadError(f"{path}: tensors without their fused siblings: {sorted(pending)[:4]}")
+            raise ModelFileError(f"{path}: tensors without their fused siblings: {sorted(pending)[:4]}")
         model.rope.to(torch.float32)
         if on_device:
             finish_on_device(model, target)
@@ -109,7 +114,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
         model.eval()
         g.release_pages()
     except GGUFError as exc:
-        raise ModelLoadError(str(exc)) from exc
+        raise ModelFileError(str(exc)) from exc
     return LoadedModel(model, cfg, g, dtype, time.perf_counter() - start, "gguf" if mode == "gguf" else "dense",
                        target)
 

@@ -26,6 +26,7 @@ from tokenmill.server.model_loads import (
     HostPolicy,
     NoRoomError,
     PendingLoad,
+    load_error_status,
     load_pool,
     path_key,
     public_load_error,
@@ -326,7 +327,8 @@ class ModelHost:
             if load.default:
                 raise APIError(503, f"no model is loaded: the last load failed: {load.error}",
                                code="model_load_failed")
-            raise APIError(500, load.error or f"model {load.label!r} could not be loaded", code="model_load_failed")
+            raise APIError(load.error_status, load.error or f"model {load.label!r} could not be loaded",
+                           code="model_load_failed")
         return load.served
 
     # --- loading ---------------------------------------------------------------------------------
@@ -351,6 +353,7 @@ class ModelHost:
             message = public_load_error(exc, load.label)  # what clients read: no path, no file bytes
             with self._lock:
                 load.error, load.no_room = message, isinstance(exc, NoRoomError)
+                load.error_status = load_error_status(exc)
                 if load.default:
                     self.error = message
                 self._pending.remove(load)

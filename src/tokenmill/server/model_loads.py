@@ -124,6 +124,7 @@ class PendingLoad:
     progress: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    error_status: int = 500               # of a failed load: load_error_status
     no_room: bool = False
     waiting_for_room: bool = False        # every loaded model is busy: the load waits for one to idle
     room: str = ""                        # then: the budget it waits under ("memory budget 12.00 GB")
@@ -158,6 +159,17 @@ def public_load_error(exc: BaseException, label: str) -> str:
         reason = _PATH_LIKE.sub("\0", text)
         reason = reason.removeprefix("\0: ").replace("\0", "the model file")
     return f"model {label!r} could not be loaded: {reason}"
+
+
+def load_error_status(exc: BaseException) -> int:
+    """The HTTP status of a failed load: 422 when the model's file is what is wrong with it (a model
+    made from a blob a client pushed, whose tensors or tokenizer cannot be used), 500 when the
+    failure is the server's (memory, a device, a bug)."""
+    from tokenmill.gguf import GGUFError
+    from tokenmill.model.registry import ModelFileError
+    from tokenmill.tokenizer import TokenizerError
+
+    return 422 if isinstance(exc, (ModelFileError, GGUFError, TokenizerError)) else 500
 
 
 def path_key(path: Path) -> str:
