@@ -144,7 +144,7 @@ async def create(request: Request) -> Response:
     warn_unknown(body, CREATE_FIELDS, "/api/create")
     name = model_field(body)
     try:
-        base, profile = create_request(body)
+        base, profile = await run_in_threadpool(create_request, body)  # compiles a TEMPLATE: off the loop
         await run_in_threadpool(save_derived, name, base, profile)
     except UnknownModelError as exc:
         raise APIError(404, f"base model not found: {exc}", param="from") from None

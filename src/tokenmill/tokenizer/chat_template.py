@@ -18,7 +18,8 @@ import jinja2.ext
 import jinja2.nodes
 import numpy as np
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tokenmill.tokenizer.template_budget import BudgetedSandbox, TemplateBudgetError, render_budget, size_of
 
 
 # Both errors live here rather than in tokenizer.py so that this module imports nothing from the
@@ -45,7 +46,14 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# strftime writes up to ~30 characters for a two-character directive (%c): a format this long is
+# already more than any template's date line, and a longer one would be an amplifier.
+MAX_STRFTIME_FORMAT = 256
+
+
 def _strftime_now(format: str) -> str:
+    if len(format) > MAX_STRFTIME_FORMAT:
+        raise ValueError(f"strftime_now's format is {len(format)} characters; the limit is {MAX_STRFTIME_FORMAT}")
     return datetime.now().strftime(format)
 
 
@@ -132,16 +140,25 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> BudgetedSandbox:
+    # The sandbox is Jinja's immutable one, with every render held to a budget (template_budget.py):
+    # a template that loops or recurses without end, or builds a gigabyte, fails as the template's error.
+    env = BudgetedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    env.meter_filters()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
     return env
+
+
+# Real chat templates are up to ~20 KB (tool-calling ones). Compiling costs far more than the text:
+# 128 KiB of `{{x}}` takes ~2 s and ~270 MB here (4 MB took 60 s and 4.6 GB), and a model file or an
+# /api/create TEMPLATE may carry megabytes.
+MAX_TEMPLATE_CHARS = 128 * 1024
 
 
 class ChatTemplate:
@@ -153,12 +170,16 @@ class ChatTemplate:
         self.source = source
         named = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token, "pad_token": pad_token}
         self._special_tokens = {name: token for name, token in named.items() if token is not None}
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise ChatTemplateError(f"chat template is {len(source)} characters; the limit is {MAX_TEMPLATE_CHARS}")
         try:
             self._template = _environment().from_string(source)
         except TemplateSyntaxError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc.message} (line {exc.lineno})") from exc
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+        except RecursionError:
+            raise ChatTemplateError("chat template does not compile: it is nested too deeply") from None
 
     @property
     def special_tokens(self) -> dict[str, str]:
@@ -177,16 +198,15 @@ class ChatTemplate:
             chat.append(_alias_reasoning_fields(_plain({k: v for k, v in message.items() if v is not None})))
         documents = extra.pop("documents", None)
         variables = _plain({**self._special_tokens, **extra})
+        tools, documents = _plain(tools), _plain(documents)
         try:
-            return self._template.render(
-                messages=chat,
-                tools=_plain(tools),
-                documents=_plain(documents),
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
+            with render_budget(size_of((chat, tools, documents, variables))):
+                return self._template.render(messages=chat, tools=tools, documents=documents,
+                                             add_generation_prompt=add_generation_prompt, **variables)
         except _RaisedByTemplate as exc:
             raise ChatTemplateError(exc.message or "") from exc
+        except TemplateBudgetError as exc:
+            raise ChatTemplateError(str(exc)) from exc
         except SecurityError as exc:
             raise ChatTemplateError(f"chat template broke a sandbox rule: {exc}") from exc
         except TemplateError as exc:
