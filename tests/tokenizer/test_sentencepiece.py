@@ -200,6 +200,18 @@ def test_merges_match_transformers(tokens):
         assert fast is None
 
 
+def test_a_duplicate_beside_a_huge_token_is_refused_not_sliced_for_minutes():
+    # A pushed file: one token listed twice sends the merges to the slicing path, whose cost is the
+    # square of each token's length (a million characters took 2 minutes of a model load here).
+    meta = tiny_spm_metadata()
+    tokens = [*meta["tokenizer.ggml.tokens"], "he", "a" * 1_000_000]
+    metadata = {**meta, "general.architecture": "gemma3", "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.scores": [*meta["tokenizer.ggml.scores"], 0.0, 0.0],
+                "tokenizer.ggml.token_type": [*meta["tokenizer.ggml.token_type"], NORMAL, NORMAL]}
+    with pytest.raises(TokenizerError, match="lists a token twice and holds tokens too long.*1000000 characters"):
+        Tokenizer.from_gguf_metadata(metadata)
+
+
 def test_tiny_merges_match_transformers(tiny_spm_reference):
     from tokenmill.tokenizer.sentencepiece import gemma_spelling
 

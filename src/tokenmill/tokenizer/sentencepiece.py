@@ -132,9 +132,20 @@ def _same_text(chars: np.ndarray, a: np.ndarray, b: np.ndarray, length: np.ndarr
     return np.bincount(row[differs], minlength=len(a)) == 0
 
 
+# Slicing copies both sides of every cut: a token of n characters costs about n**2. Gemma's whole
+# vocabulary costs ~10**7; a pushed file listing one token twice and another of a million characters
+# held a model load for 2 minutes here (16 MB, the most a token may be, would take hours).
+MAX_SLICING_COST = 10**9
+
+
 def gemma_merges(spelled: list[str]) -> list[tuple[str, str]]:
     merges = _merges_by_hashing(spelled)
-    return merges if merges is not None else _merges_by_slicing(spelled)
+    if merges is not None:
+        return merges
+    if sum(len(token) ** 2 for token in spelled) > MAX_SLICING_COST:
+        raise TokenizerError("the vocabulary lists a token twice and holds tokens too long to find its merges "
+                             f"(longest: {max(map(len, spelled))} characters)")
+    return _merges_by_slicing(spelled)
 
 
 def build_gemma(metadata: Mapping[str, Any], tokens: list[str],
