@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from crafted_gguf import crafted_variants
-from hostile_gguf import DIM, DROP, VT, llama_tensors, small_llama
+from hostile_gguf import DIM, DROP, VT, llama_tensors, minimal_llama_kvs, raw_gguf, small_llama, tensor_info
 from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
 from tiny_spm import tiny_spm_metadata
 from tokenmill.gguf import GGUFError, open_gguf
@@ -214,6 +214,14 @@ def test_tensors_must_fit_the_hyperparameters(tmp_path, metadata, tensors, expec
 def test_the_vocabulary_must_be_one_the_tokenizer_can_build(tmp_path, metadata, expected):
     # Each loaded and then failed on every request (a 500) before; now the push is refused.
     assert expected in refusal(tmp_path, metadata)
+
+
+def test_a_tensor_type_the_loader_cannot_run_is_refused(tmp_path):
+    # One IQ2_XXS block (256 values in 66 bytes): gguf knows the type, tokenmill's loader does not.
+    path = tmp_path / "iq.gguf"
+    path.write_bytes(raw_gguf(minimal_llama_kvs(), [tensor_info("w", (256,), Q.IQ2_XXS, 0)], b"\0" * 66))
+    with pytest.raises(InvalidGGUF, match="tensor #0 has type IQ2_XXS, which tokenmill cannot run"):
+        validate_gguf(path, ARCHS)
 
 
 def test_a_huge_claimed_size_is_refused_without_allocating(tmp_path):

@@ -282,6 +282,7 @@ class _Tensor:
     shape: tuple[int, ...]  # PyTorch order, as the reader has it
     offset: int
     nbytes: int
+    ggml_type: gguf.GGMLQuantizationType
 
 
 def _tensor_info(cur: _Cursor, i: int, names: set[str], alignment: int) -> _Tensor:
@@ -310,7 +311,7 @@ def _tensor_info(cur: _Cursor, i: int, names: set[str], alignment: int) -> _Tens
                           f"of its block size {block}")
     if offset % alignment:
         raise InvalidGGUF(f"tensor #{i} has data offset {offset}, not a multiple of the alignment {alignment}")
-    return _Tensor(i, name, tuple(reversed(dims)), offset, elements // block * type_size)
+    return _Tensor(i, name, tuple(reversed(dims)), offset, elements // block * type_size, ggml_type)
 
 
 def validate_gguf(path: str | Path, architectures: Collection[str]) -> GGUFSummary:
@@ -356,10 +357,23 @@ def _validate(cur: _Cursor, architectures: Collection[str]) -> GGUFSummary:
         if end > cur.size:
             raise InvalidGGUF(f"tensor #{t.index}'s data (bytes {start}..{end}) runs past the end of the file "
                               f"({cur.size} bytes)")
+    _tensor_types(tensors)
     shapes = {t.name: t.shape for t in tensors}
     _hyperparameters(architecture, metadata, shapes)
     _tokenizer(architecture, metadata, shapes)
     return GGUFSummary(architecture, version, tensor_count, kv_count, data_offset, cur.size)
+
+
+def _tensor_types(tensors: list[_Tensor]) -> None:
+    """Every tensor is of a type the loader can read (gguf/weights.py), as the loader itself requires:
+    an IQ2_XXS file was kept, made a model, and failed on every request naming it."""
+    from tokenmill.gguf.weights import SUPPORTED_TYPES
+
+    for t in tensors:
+        if t.ggml_type not in SUPPORTED_TYPES:
+            names = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
+            raise InvalidGGUF(f"tensor #{t.index} has type {t.ggml_type.name}, which tokenmill cannot run "
+                              f"(supported: {names})")
 
 
 def _hyperparameters(architecture: str, metadata: dict, shapes: dict[str, tuple[int, ...]]) -> None:
