@@ -19,7 +19,8 @@ import jinja2.nodes
 import numpy as np
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 
-from tokenmill.tokenizer.template_budget import BudgetedSandbox, TemplateBudgetError, render_budget, size_of
+from tokenmill.tokenizer.template_budget import TemplateBudgetError, render_budget, size_of
+from tokenmill.tokenizer.template_sandbox import BudgetedSandbox
 
 
 # Both errors live here rather than in tokenizer.py so that this module imports nothing from the

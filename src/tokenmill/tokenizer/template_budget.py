@@ -17,8 +17,9 @@ RenderBudget:
 Running out raises TemplateBudgetError (a SecurityError), which ChatTemplate reports as the
 template's error. A template outside a render (compiling) is not limited: nothing there runs.
 
-The checks are hooks Jinja offers a sandbox (call, getattr, getitem, intercepted operators), filters
-wrapped at the environment, and a rewrite of the parsed template that sends every loop's iterable,
+This module holds the budget and the size estimates; template_sandbox.py applies them: hooks Jinja
+offers a sandbox (call, getattr, getitem, intercepted operators), filters wrapped at the environment,
+and a rewrite of the parsed template that sends every loop's iterable,
 `~`, slice and printed value through metering filters (tokenmill_metered_*). What is left unchecked is
 what costs no more than its inputs, bounded by the above: the Jinja maintainers' advice is that no
 in-process limit can be complete, so these cover every amplifier found (tests/tokenizer/
@@ -34,12 +35,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import nodes
 from jinja2.exceptions import SecurityError
-from jinja2.runtime import LoopContext, Macro
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import Namespace, _PassArg, generate_lorem_ipsum, pass_context
-from jinja2.visitor import NodeTransformer
+from jinja2.utils import Namespace, generate_lorem_ipsum
 
 # A chat template's work grows with the conversation it renders: a fixed allowance plus so much per
 # byte of input. Measured here: ChatML takes 9 steps a message, Gemma's 15, the tool-calling test
@@ -100,6 +97,11 @@ def _describe(what: Any) -> str:
 
 
 _current: ContextVar[RenderBudget | None] = ContextVar("tokenmill_template_budget", default=None)
+
+
+def current_budget() -> RenderBudget | None:
+    """The budget of the render_budget block this thread or task is in, if any."""
+    return _current.get()
 
 
 @contextlib.contextmanager
@@ -164,7 +166,7 @@ def size_of(value: Any, budget: RenderBudget | None = None, *, limit: int | None
     return total
 
 
-def _printed_size(value: Any, budget: RenderBudget) -> int:
+def printed_size(value: Any, budget: RenderBudget) -> int:
     """What str(value) may take: a string's size, a container's parts times REPR_FACTOR."""
     if isinstance(value, str):
         return sys.getsizeof(value)
@@ -182,7 +184,7 @@ def _format_size(fmt: str, args: tuple, kwargs: Mapping, budget: RenderBudget, m
     for value in list(values):
         if isinstance(value, Mapping):  # format_map, or % with a dict
             values.extend(value.values())
-    widest = max((_printed_size(v, budget) for v in values), default=0)
+    widest = max((printed_size(v, budget) for v in values), default=0)
     pad = max((int(run) if len(run) < 12 else 1 << 40 for run in re.findall(r"[0-9]+", fmt)), default=0)
     pad = max(pad, _largest_int(*values))
     return sys.getsizeof(fmt) + fmt.count(marker) * (widest + 4 * pad)
@@ -190,7 +192,7 @@ def _format_size(fmt: str, args: tuple, kwargs: Mapping, budget: RenderBudget, m
 
 # --- what an operation may build, before it builds it -------------------------------------------------
 
-def _method_estimate(method: Any, args: tuple, kwargs: Mapping, budget: RenderBudget) -> int | None:
+def method_size(method: Any, args: tuple, kwargs: Mapping, budget: RenderBudget) -> int | None:
     """Bytes a call of a str method may build when it can build far more than its inputs; None for
     every other callable (its result is counted once it is built)."""
     if method is generate_lorem_ipsum:  # the lipsum() global: n paragraphs of up to `max` words
@@ -217,7 +219,7 @@ def _method_estimate(method: Any, args: tuple, kwargs: Mapping, budget: RenderBu
             return own + hits * _text_bytes(new)
         return None
     if name == "join":
-        return None  # counted by _join_size when the call is made (the iterable is read once)
+        return None  # counted by join_size when the call is made (the iterable is read once)
     if name == "translate":
         table = args[0] if args else None
         widest = max((_text_bytes(v) for v in table.values()), default=0) if isinstance(table, Mapping) else 4
@@ -225,7 +227,7 @@ def _method_estimate(method: Any, args: tuple, kwargs: Mapping, budget: RenderBu
     return None
 
 
-def _filter_estimate(name: str, args: tuple, kwargs: Mapping, budget: RenderBudget) -> int:
+def filter_size(name: str, args: tuple, kwargs: Mapping, budget: RenderBudget) -> int:
     """Bytes filter `name` may build from these arguments (args[0] is the filtered value)."""
     value = args[0] if args else None
     rest = args[1:]
@@ -278,144 +280,22 @@ _SMALL_FILTERS = frozenset({
     "abs", "attr", "count", "d", "default", "filesizeformat", "first", "float", "int", "last", "length", "max",
     "min", "random", "round", "wordcount", "map", "select", "reject", "selectattr", "rejectattr", "items",
 })
-_LAZY_FILTERS = frozenset({"map", "select", "reject", "selectattr", "rejectattr", "items", "default", "d"})
+LAZY_FILTERS = frozenset({"map", "select", "reject", "selectattr", "rejectattr", "items", "default", "d"})
 _LINEAR_FILTERS = frozenset({
     "capitalize", "lower", "upper", "title", "trim", "striptags", "safe", "list", "sort", "unique", "reverse",
     "dictsort", "groupby",
 })
 
 
-def _join_size(separator: Any, parts: list, budget: RenderBudget) -> int:
+def join_size(separator: Any, parts: list, budget: RenderBudget) -> int:
     return size_of(parts, budget, limit=budget.bytes) + max(len(parts) - 1, 0) * _text_bytes(separator)
 
 
-# --- the template rewrite -----------------------------------------------------------------------------
-
-def _metered(name: str, node: nodes.Expr, args: list, lineno: int) -> nodes.Filter:
-    # A filter compiles to a plain call of the function (the sandbox's call hook would cost as much
-    # again); taking the context keeps Jinja from running it at compile time on a constant.
-    return nodes.Filter(node, _METERING_FILTERS[name], args, [], None, None, lineno=lineno)
-
-
-class _Metering(NodeTransformer):
-    """Sends every loop's iterable, `~`, slice and printed value through the metering filters (Jinja
-    compiles them to plain Python, out of reach of the sandbox's hooks)."""
-
-    def visit_For(self, node: nodes.For) -> nodes.Node:
-        node = self.generic_visit(node)
-        node.iter = _metered("iter", node.iter, [], node.lineno)
-        return node
-
-    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
-        node = self.generic_visit(node)
-        return _metered("concat", nodes.Tuple(list(node.nodes), "load", lineno=node.lineno), [], node.lineno)
-
-    def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
-        node = self.generic_visit(node)
-        if not isinstance(node.arg, nodes.Slice):  # a plain lookup goes through the sandbox's getitem
-            return node
-        bounds = [nodes.Const(None) if part is None else part
-                  for part in (node.arg.start, node.arg.stop, node.arg.step)]
-        return _metered("slice", node.node, bounds, node.lineno)
-
-    def visit_Output(self, node: nodes.Output) -> nodes.Node:
-        node = self.generic_visit(node)
-        node.nodes = [_metered("output", child, [], child.lineno or node.lineno) for child in node.nodes]
-        return node
-
-
-class _Counted:
-    """An iterable whose iteration takes a step per item (keeps len() for loop.length)."""
-
-    def __init__(self, iterable: Any, budget: RenderBudget):
-        self._iterable = iterable
-        self._budget = budget
-
-    def __len__(self) -> int:
-        return len(self._iterable)
-
-    def __iter__(self) -> Iterator[Any]:
-        step = self._budget.step
-        for item in self._iterable:
-            step()
-            yield item
-
-
-class BudgetedSandbox(ImmutableSandboxedEnvironment):
-    """Jinja's immutable sandbox, with every render limited by the RenderBudget in effect."""
-
-    intercepted_binops = frozenset({"+", "*", "%", "**"})
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.meter_filters()
-
-    def meter_filters(self) -> None:
-        """Wrap every filter (call again after adding filters) so that it takes a step and counts
-        what it may build. Wrapped filters take the context, which also keeps Jinja from running them
-        at compile time on constant arguments, outside any budget."""
-        for name, fn in list(self.filters.items()):
-            if not getattr(fn, "_metered", False):
-                self.filters[name] = _metered_filter(name, fn)
-        for kind, name in _METERING_FILTERS.items():
-            self.filters[name] = _METERING[kind]
-
-    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
-        tree = _Metering().visit(super()._parse(source, name, filename))
-        tree.set_environment(self)
-        return tree
-
-    # -- the sandbox's hooks ------------------------------------------------------------------------
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's signature
-        budget = _current.get()
-        if budget is None:
-            return super().call(__context, __obj, *args, **kwargs)
-        budget.step()
-        if isinstance(__obj, (Macro, LoopContext)):
-            # What a macro, caller() or a recursive loop returns is output its body already counted.
-            if isinstance(__obj, LoopContext) and args:  # the loop's next level is counted as any loop
-                args = (_Counted(args[0], budget), *args[1:])
-            return super().call(__context, __obj, *args, **kwargs)
-        estimate = _method_estimate(__obj, args, kwargs, budget)
-        if estimate is None and args and _is_str_join(__obj):
-            parts = list(_Counted(args[0], budget))
-            estimate = _join_size(__obj.__self__, parts, budget)
-            args = (parts, *args[1:])
-        if estimate is not None:
-            budget.spend(estimate, __obj)
-            return super().call(__context, __obj, *args, **kwargs)
-        result = super().call(__context, __obj, *args, **kwargs)
-        budget.spend(size_of(result, budget, limit=budget.bytes), __obj)
-        return result
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        budget = _current.get()
-        if budget is not None:
-            budget.step()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        budget = _current.get()
-        if budget is None:
-            return super().getitem(obj, argument)
-        budget.step()
-        result = super().getitem(obj, argument)
-        if isinstance(argument, slice):  # a copy
-            budget.spend(size_of(result, budget, limit=budget.bytes), "a slice")
-        return result
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        budget = _current.get()
-        if budget is not None:
-            budget.step()
-            budget.spend(_binop_estimate(operator, left, right, budget), _OPERATORS[operator])
-        return self.binop_table[operator](left, right)
-
-def _is_str_join(obj: Any) -> bool:
+def is_str_join(obj: Any) -> bool:
     return getattr(obj, "__name__", "") == "join" and isinstance(getattr(obj, "__self__", None), str)
 
 
-def _binop_estimate(operator: str, left: Any, right: Any, budget: RenderBudget) -> int:
+def binop_size(operator: str, left: Any, right: Any, budget: RenderBudget) -> int:
     if operator == "*":
         for seq, times in ((left, right), (right, left)):
             if isinstance(times, int) and not isinstance(times, bool):
@@ -441,72 +321,3 @@ def _binop_estimate(operator: str, left: Any, right: Any, budget: RenderBudget) 
         args = right if isinstance(right, tuple) else (right,)
         return _format_size(left, args, {}, budget, "%")
     return 0
-
-
-def _metered_filter(name: str, fn: Any) -> Any:
-    pass_arg = _PassArg.from_obj(fn)
-
-    @pass_context
-    def metered(context: Any, *args: Any, **kwargs: Any) -> Any:
-        budget = _current.get()
-        if budget is not None:
-            budget.step()
-            if args and isinstance(args[0], Iterator) and name not in _LAZY_FILTERS:
-                # A generator (map, select, ...) is read here, counted, so that its size is known.
-                args = (list(_Counted(args[0], budget)), *args[1:])
-            budget.spend(_filter_estimate(name, args, kwargs, budget), f"the {name} filter")
-        if pass_arg is _PassArg.context:
-            result = fn(context, *args, **kwargs)
-        elif pass_arg is _PassArg.eval_context:
-            result = fn(context.eval_ctx, *args, **kwargs)
-        elif pass_arg is _PassArg.environment:
-            result = fn(context.environment, *args, **kwargs)
-        else:
-            result = fn(*args, **kwargs)
-        if budget is not None and isinstance(result, (list, tuple, dict)):
-            budget.spend(8 * len(result), f"the {name} filter")
-        return result
-
-    metered._metered = True
-    metered.__name__ = getattr(fn, "__name__", name)
-    return metered
-
-
-
-_OPERATORS = {op: f"the {op} operator" for op in ("+", "-", "*", "/", "//", "%", "**")}
-
-
-# --- what the rewrite inserts ---------------------------------------------------------------------------
-
-@pass_context
-def _metered_iter(context: Any, iterable: Any) -> Any:
-    budget = _current.get()
-    return iterable if budget is None else _Counted(iterable, budget)
-
-
-@pass_context
-def _metered_concat(context: Any, parts: tuple) -> str:
-    budget = _current.get()
-    if budget is not None:
-        budget.step()
-        budget.spend(sum(_printed_size(p, budget) for p in parts), "the ~ operator")
-    return "".join(map(str, parts))
-
-
-@pass_context
-def _metered_slice(context: Any, obj: Any, start: Any, stop: Any, step: Any) -> Any:
-    return context.environment.getitem(obj, slice(start, stop, step))
-
-
-@pass_context
-def _metered_output(context: Any, value: Any) -> Any:
-    budget = _current.get()
-    if budget is not None:
-        budget.spend(sys.getsizeof(value) if type(value) is str else _printed_size(value, budget), "output")
-    return value
-
-
-_METERING = {"iter": _metered_iter, "concat": _metered_concat, "slice": _metered_slice, "output": _metered_output}
-_METERING_FILTERS = {kind: f"tokenmill_metered_{kind}" for kind in _METERING}
-for _fn in _METERING.values():
-    _fn._metered = True
