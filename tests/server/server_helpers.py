@@ -2,9 +2,14 @@
 thread, and checks on the model host behind it."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
+import pytest
 import uvicorn
 
 from tokenmill.config import Config
@@ -83,3 +88,25 @@ def stream_calls(chunks) -> tuple[str, list[dict], list[str]]:
         reasons += [choice.finish_reason] if choice.finish_reason else []
     assert sorted(calls) == list(range(len(calls)))
     return content, [calls[i] for i in sorted(calls)], reasons
+
+
+@contextlib.contextmanager
+def store_server(home: Path, *, extra_models: int = 0, timeout: float = 60,
+                 **server_options) -> Iterator[tuple[httpx.Client, Path, ModelHost]]:
+    """A server over its own store (TOKENMILL_HOME=home) holding tiny-a (and tiny-b, ... for
+    extra_models), serving tiny-a: (client, models dir, host)."""
+    from tiny_model import TinyLlamaSpec, write_tiny_llama
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENMILL_HOME", str(home))
+        models = home / "models"
+        models.mkdir()
+        for i in range(1 + extra_models):
+            write_tiny_llama(models / f"tiny-{chr(ord('a') + i)}.gguf", TinyLlamaSpec(seed=1 + i))
+        server, host = start_server("tiny-a", kv_size=2048, **server_options)
+        assert host.wait_ready(60), host.error
+        try:
+            with httpx.Client(base_url=server.url, timeout=timeout) as client:
+                yield client, models, host
+        finally:
+            server.stop()

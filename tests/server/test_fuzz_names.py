@@ -16,8 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_helpers import start_server, wait_idle
-from tiny_model import TinyLlamaSpec, write_tiny_llama
+from server_helpers import store_server, wait_idle
 from tokenmill.server.access import host_name, is_loopback_host
 from tokenmill.store.catalog import StoreError, find_spec
 from tokenmill.store.derived import normalize_name
@@ -99,18 +98,8 @@ NAME_ROUTES = [
 @pytest.fixture(scope="module")
 def fuzzed(tmp_path_factory):
     """A tiny-a server over its own store: (client, models dir, host)."""
-    home = tmp_path_factory.mktemp("fuzz-names-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TOKENMILL_HOME", str(home))
-        models = home / "models"
-        models.mkdir()
-        write_tiny_llama(models / "tiny-a.gguf", TinyLlamaSpec(seed=1))
-        write_tiny_llama(models / "tiny-b.gguf", TinyLlamaSpec(seed=2))
-        server, host = start_server("tiny-a", kv_size=2048, max_tokens=2)
-        assert host.wait_ready(60), host.error
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            yield client, models, host
-        server.stop()
+    with store_server(tmp_path_factory.mktemp("fuzz-names-home"), extra_models=1, max_tokens=2) as served:
+        yield served
 
 
 def listing(models: Path) -> dict[str, int]:

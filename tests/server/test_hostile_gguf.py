@@ -30,8 +30,7 @@ from hostile_gguf import (
     small_llama,
     tensor_info,
 )
-from server_helpers import start_server
-from tiny_model import TinyLlamaSpec, write_tiny_llama
+from server_helpers import store_server
 
 
 def sha(data: bytes) -> str:
@@ -41,17 +40,8 @@ def sha(data: bytes) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A tiny-a server over its own store: (client, models dir, a folder for the client's files)."""
-    home = tmp_path_factory.mktemp("hostile-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TOKENMILL_HOME", str(home))
-        models = home / "models"
-        models.mkdir()
-        write_tiny_llama(models / "tiny-a.gguf", TinyLlamaSpec(seed=1))
-        server, host = start_server("tiny-a", kv_size=2048)
-        assert host.wait_ready(60), host.error
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            yield client, models, tmp_path_factory.mktemp("client-files")
-        server.stop()
+    with store_server(tmp_path_factory.mktemp("hostile-home")) as (client, models, _):
+        yield client, models, tmp_path_factory.mktemp("client-files")
 
 
 def error_of(r: httpx.Response, status: int, *secrets: str) -> str:

@@ -9,8 +9,7 @@ import urllib.parse
 import httpx
 import pytest
 
-from server_helpers import start_server
-from tiny_model import TinyLlamaSpec, write_tiny_llama
+from server_helpers import store_server
 
 HOSTILE = [
     "\ud800", "a" * 300, "../../etc/passwd", "/etc/passwd", "C:\\Windows\\win.ini", "%2e%2e/%2e%2e/etc/passwd",
@@ -45,17 +44,8 @@ ROUTES = [
 @pytest.fixture(scope="module")
 def named(tmp_path_factory):
     """A tiny-a server over its own store (TOKENMILL_HOME): (client, models dir)."""
-    home = tmp_path_factory.mktemp("names-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TOKENMILL_HOME", str(home))
-        models = home / "models"
-        models.mkdir()
-        write_tiny_llama(models / "tiny-a.gguf", TinyLlamaSpec(seed=1))
-        server, host = start_server("tiny-a", kv_size=2048)
-        assert host.wait_ready(60), host.error
-        with httpx.Client(base_url=server.url, timeout=30) as client:
-            yield client, models
-        server.stop()
+    with store_server(tmp_path_factory.mktemp("names-home"), timeout=30) as (client, models, _):
+        yield client, models
 
 
 def send(client: httpx.Client, method: str, path: str, body: dict) -> httpx.Response:
