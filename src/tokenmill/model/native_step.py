@@ -40,10 +40,9 @@ def disabled() -> Iterator[None]:
         _enabled = saved
 
 
-def _parts(linear) -> list[tuple] | None:
-    """A projection's quantized parts as (type, qs, sc, sup, rows, columns), or None if any part is
-    not a native quantized weight (a model's head: its head_quantized)."""
-    q = getattr(linear, "quantized", None) or getattr(linear, "head_quantized", None)
+def _parts(q) -> list[tuple] | None:
+    """A projection's quantized parts (a Linear's `quantized`, the model's `head_quantized`) as (type,
+    qs, sc, sup, rows, columns), or None if there are none or any part is not a native quantized weight."""
     if q is None or not all(isinstance(w, qk.QuantizedWeight) for w, _, _ in q.parts):
         return None
     return [(int(w.ggml_type), w.qs.data_ptr(), w.sc.data_ptr(), w.sup.data_ptr(), w.out_features, w.in_features)
@@ -80,7 +79,8 @@ class NativeStep:
         rope_rows = None
         for i, block in enumerate(model.blocks):
             attn, mlp = block.attn, block.mlp
-            projections = [_parts(attn.qkv_proj), _parts(attn.o_proj), _parts(mlp.gate_up_proj), _parts(mlp.down_proj)]
+            projections = [_parts(getattr(p, "quantized", None))
+                           for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = [block.attn_norm, block.ffn_norm, getattr(block, "post_attn_norm", None),
                      getattr(block, "post_ffn_norm", None), attn.q_norm, attn.k_norm]
             weights = [n.weight if n is not None else None for n in norms]
@@ -96,7 +96,7 @@ class NativeStep:
                            rope.cos.shape[0], rope.cos.stride(0), rope.cos.shape[1], attn.window or 0)
             layer = kv.layer(i)
             step.set_cache(i, layer.k.data_ptr(), layer.v.data_ptr(), _addr(layer.k_scale), _addr(layer.v_scale))
-        head = _parts(model) if model.head_quantized is not None else None
+        head = _parts(model.head_quantized)
         norm = model.norm.weight
         if head is not None and norm.dtype == torch.float32 and norm.is_contiguous() and model.norm.eps == first.attn_norm.eps:
             step.set_head(norm.data_ptr(), head)
