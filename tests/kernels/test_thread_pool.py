@@ -68,8 +68,12 @@ def test_stats_count_regions_and_inline_calls(threads):
     assert three["join_wait_ns"] >= 0 and three["worker_sleeps"] >= 0
 
     native.reset_pool_stats()
-    assert {k: v for k, v in native.pool_stats().items() if k != "threads"} == {
-        "regions": 0, "inline": 0, "join_wait_ns": 0, "worker_sleeps": 0, "omp_regions": 0}
+    after = native.pool_stats()
+    # A worker still spinning after the last region falls asleep whenever its spin ends, which may be after
+    # the reset: with no region since, each of the 2 workers can have slept once at most.
+    assert after["worker_sleeps"] <= 2
+    assert {k: v for k, v in after.items() if k not in ("threads", "worker_sleeps")} == {
+        "regions": 0, "inline": 0, "join_wait_ns": 0, "omp_regions": 0}
 
 
 def test_idle_workers_go_to_sleep(threads):
