@@ -283,19 +283,43 @@ def test_a_longer_context_makes_rows_dearer_and_proposals_shorter():
 # --- learned step costs ---------------------------------------------------------------------------
 
 def test_step_costs_learn_interpolate_and_never_fall_with_more_rows():
-    costs = StepCosts(prior_row_cost=0.5, decay=0.5)
+    costs = StepCosts(prior_row_cost=0.5, window=2, stale_steps=10)
     assert not costs.ready
+    costs.record(4, 0.030, 0.001)  # nothing to measure it against yet
+    assert not costs.ready and not costs.ratios
     costs.record(1, 0.010, 0.001)
     assert costs.ready and costs(1) == pytest.approx(0.011)
-    costs.record(1, 0.020, 0.001)  # a moving average
-    assert costs.model_seconds(1) == pytest.approx(0.015)
-    costs.record(4, 0.030, 0.001)
-    assert costs.model_seconds(2) == pytest.approx(0.015 + (0.030 - 0.015) / 3)  # between 1 and 4
-    assert costs.model_seconds(6) == pytest.approx(0.030 + 2 * 0.5 * 0.015)  # past 4: the prior's slope
+    costs.record(1, 0.020, 0.001)  # a neighbour's work only adds time: the least recent step counts
+    assert costs.model_seconds(1) == pytest.approx(0.010)
+    costs.record(4, 0.030, 0.001)  # 3 one-row steps
+    assert costs.model_seconds(2) == pytest.approx(0.010 * (1 + 2 / 3))  # between 1 and 4
+    assert costs.model_seconds(6) == pytest.approx(0.010 * (3 + 2 * 0.5))  # past 4: the prior's slope
     costs.record(5, 0.012, 0.001)  # taken at a quieter moment: still not cheaper than 4 rows
     assert costs.model_seconds(5) == pytest.approx(0.030)
     costs.record(300, 1.0, 0.0)  # a long prefill chunk is not remembered
     assert 300 not in costs.seconds
+
+
+def test_step_costs_follow_the_machine_and_forget_a_slow_moment():
+    costs = StepCosts(prior_row_cost=0.5, window=2, stale_steps=10)
+    costs.record(1, 0.010, 0.0)
+    costs.record(2, 0.040, 0.0)  # one step slowed down by other work: 2 rows look like 4 one-row steps
+    assert costs.model_seconds(3) >= 0.040
+    costs.record(2, 0.013, 0.0)  # the next 2-row step: the slow one no longer counts
+    assert costs.model_seconds(2) == pytest.approx(0.013)
+    # Rows are priced in one-row steps of the moment: the machine running twice as fast halves them.
+    for _ in range(2):
+        costs.record(1, 0.005, 0.0)
+    assert costs.model_seconds(2) == pytest.approx(0.0065)
+    # A row count not seen for stale_steps steps is forgotten (priced by the prior again), so a slow
+    # moment cannot keep a step size away for good.
+    costs.record(3, 0.050, 0.0)
+    assert costs.model_seconds(3) == pytest.approx(0.050)
+    for _ in range(9):
+        costs.record(1, 0.005, 0.0)
+    assert 3 in costs.seconds and 2 not in costs.seconds
+    costs.record(1, 0.005, 0.0)
+    assert 3 not in costs.seconds and costs.model_seconds(3) == pytest.approx(0.005 * 2)
 
 
 def test_learned_costs_size_proposals_alone_and_the_prior_in_a_batch():

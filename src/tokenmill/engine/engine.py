@@ -311,7 +311,8 @@ class LLMEngine:
             changed = self.scheduler.update(batch, result)
         self._record(shape, start, self.scheduler.num_preemptions - preemptions_before, batch.num_cached_tokens)
         if self.scheduler.speculator is not None and steps == 1:
-            self.scheduler.speculator.observe_step(batch.num_tokens, model_seconds, time.perf_counter() - start)
+            self.scheduler.speculator.observe_step(batch.num_tokens, model_seconds, time.perf_counter() - start,
+                                                   has_prefill=shape.num_prefill_tokens > 0)
         for seq in changed:
             self.stats.record_token(seq, len(seq.output_ids) - seq.num_emitted)
             events += self._finished(seq) if seq.is_finished else [self._event(seq)]

@@ -14,6 +14,7 @@ alpha = 0.3 none; in a batch of 16 the fixed part is shared so widely that no al
 alpha is each sequence's own estimate (AcceptanceRate), from its recent verifications."""
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -87,60 +88,99 @@ class AcceptanceRate:
 
 @dataclass
 class StepCosts:
-    """What a step of n rows costs here, learned from the engine's own steps: the model and sampling
-    time of each row count seen (a moving average, so a growing context and a busier machine show), and
-    the rest of a step (scheduling, bookkeeping), which does not grow with rows. The kernels' cost is
-    not linear in rows (SmolLM2 on the 2-core Sapphire Rapids box, one thread, 300 tokens of context:
-    1-10 rows took 9.3, 10.9, 14.3, 17.3, 19.3, 20.1, 23.1, 24.9, 25.3, 28.6 ms; the AVX-512 matmuls take
-    rows three at a time), so proposals sized from what this machine did beat a fixed row cost: the
-    input-grounded prompts of `bench speculative` went 1.71x -> 1.75x and 1.73x -> 1.78x against the
-    linear model (two runs, the two alternated on one engine). Row counts never seen are interpolated
-    between seen ones (extrapolated past the largest with prior_row_cost), so the model only has to
-    see a few."""
+    """What a step of n rows costs here, learned from the engine's own decode steps (steps with a prefill
+    chunk are not recorded: a prompt's rows take no logits, and a request's first steps run cold). The
+    kernels' cost is not linear in rows (SmolLM2 on the 2-core Sapphire Rapids box, one thread, 300
+    tokens of context: 1-10 rows took 9.3, 10.9, 14.3, 17.3, 19.3, 20.1, 23.1, 24.9, 25.3, 28.6 ms; the
+    AVX-512 matmuls take rows three at a time), so proposals sized from what this machine did beat a
+    fixed row cost: the input-grounded prompts of `bench speculative` went 1.71x -> 1.75x and 1.73x ->
+    1.78x against the linear model (two runs, the two alternated on one engine).
+
+    What is kept is robust to a shared machine, where other work only ever adds time to a step: a
+    one-row step costs the least of the last `window` one-row steps (it recurs every plain decode step,
+    so it follows the machine's speed and the growing context), and a step of r rows the least of its
+    last `window` observations as a multiple of that one-row cost when each was taken. A row count not
+    seen for `stale_steps` recorded steps is forgotten, so that it is tried again. Without both, one
+    step slowed by a neighbour (13.6 ms for 2 rows where 4 was usual) made every larger step look dear
+    for good: the proposer stopped proposing, so the estimate was never corrected, and the grounded
+    prompts of `bench speculative` fell to 1.0-1.1x on their second round in one engine.
+
+    Row counts never seen (or forgotten) are interpolated between seen ones (extrapolated past the
+    largest with prior_row_cost), so the model only has to see a few."""
     prior_row_cost: float = 0.27
-    decay: float = 0.7          # weight of the old average per new observation of that row count
+    window: int = 4             # observations kept per row count
+    stale_steps: int = 64       # recorded steps after which a row count's observations are forgotten
     max_rows: int = 256         # larger steps (long prefill chunks) are not worth remembering
-    seconds: dict[int, float] = field(default_factory=dict)
+    decay: float = 0.7          # weight of the old average of the rest of a step per new observation
+    ones: deque = field(default_factory=deque)                # the last one-row steps' seconds
+    ratios: dict[int, deque] = field(default_factory=dict)    # rows -> their last steps, in one-row steps
+    last_seen: dict[int, int] = field(default_factory=dict)   # rows -> the record count when last seen
     fixed: float | None = None  # seconds of a step outside the model and the sampler
+    num_records: int = 0
     _estimates: dict[int, float] = field(default_factory=dict, repr=False)  # until the next record
 
     @property
     def ready(self) -> bool:
-        return 1 in self.seconds and self.fixed is not None
+        return bool(self.ones) and self.fixed is not None
+
+    @property
+    def one_row_seconds(self) -> float:
+        return min(self.ones)
 
     def record(self, rows: int, model_seconds: float, other_seconds: float) -> None:
         if rows < 1 or rows > self.max_rows or model_seconds <= 0:
             return
-        old = self.seconds.get(rows)
-        self.seconds[rows] = model_seconds if old is None else self.decay * old + (1 - self.decay) * model_seconds
+        self.num_records += 1
+        if rows == 1:
+            self.ones.append(model_seconds)
+            if len(self.ones) > self.window:
+                self.ones.popleft()
+        elif self.ones:  # a multiple of what one row costs now
+            kept = self.ratios.setdefault(rows, deque())
+            kept.append(model_seconds / self.one_row_seconds)
+            if len(kept) > self.window:
+                kept.popleft()
+        else:
+            return
+        self.last_seen[rows] = self.num_records
         other = max(other_seconds, 0.0)
         self.fixed = other if self.fixed is None else self.decay * self.fixed + (1 - self.decay) * other
         self._estimates.clear()
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        """What a step of each row count still remembered costs now (ready must hold)."""
+        return {1: self.one_row_seconds, **{r: self.one_row_seconds * m for r, m in self._fresh().items()}}
 
     def __call__(self, rows: int) -> float:
         """Seconds a step of `rows` rows is expected to take (ready must hold)."""
         return self.model_seconds(rows) + (self.fixed or 0.0)
 
     def model_seconds(self, rows: int) -> float:
-        """Never below what fewer rows took: averages taken at other moments (another context length,
-        another load) must not make an extra row look free or cheaper than none."""
+        """Never below what fewer rows took: observations at other moments (another context length)
+        must not make an extra row look free or cheaper than none."""
         cached = self._estimates.get(rows)
         if cached is None:
-            fewer = [t for r, t in self.seconds.items() if r < rows]
-            cached = self._estimates[rows] = max(self._estimate(rows), max(fewer, default=0.0))
+            fresh = self._fresh()
+            fewer = [m for r, m in fresh.items() if r < rows]
+            multiple = max(self._estimate(rows, fresh), max(fewer, default=1.0))
+            cached = self._estimates[rows] = self.one_row_seconds * multiple
         return cached
 
-    def _estimate(self, rows: int) -> float:
-        known = self.seconds.get(rows)
+    def _fresh(self) -> dict[int, float]:
+        """rows -> the least of its kept multiples, for the row counts seen in the last stale_steps."""
+        return {r: min(kept) for r, kept in self.ratios.items()
+                if self.num_records - self.last_seen[r] < self.stale_steps}
+
+    def _estimate(self, rows: int, fresh: dict[int, float]) -> float:
+        if rows <= 1:
+            return 1.0
+        known = fresh.get(rows)
         if known is not None:
             return known
-        seen = sorted(self.seconds)
-        below = max((r for r in seen if r < rows), default=None)
-        above = min((r for r in seen if r > rows), default=None)
-        one = self.seconds[1]
-        if below is None:  # rows < every seen count (only 1 is ever below: not reached)
-            return one
+        below = max((r for r in fresh if r < rows), default=1)
+        above = min((r for r in fresh if r > rows), default=None)
+        at_below = fresh.get(below, 1.0)
         if above is None:
-            return self.seconds[below] + (rows - below) * self.prior_row_cost * one
-        share = (rows - below) / (above - below)
-        return self.seconds[below] + share * (self.seconds[above] - self.seconds[below])
+            return at_below + (rows - below) * self.prior_row_cost
+        return at_below + (rows - below) / (above - below) * (fresh[above] - at_below)

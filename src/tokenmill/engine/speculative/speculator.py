@@ -66,13 +66,15 @@ class Speculator:
             drafts[seq.seq_id] = draft
         return drafts
 
-    def observe_step(self, rows: int, model_seconds: float, step_seconds: float) -> None:
+    def observe_step(self, rows: int, model_seconds: float, step_seconds: float, has_prefill: bool = False) -> None:
         """After each step: its rows, the model's and sampler's time, and the whole step's, which teach
-        the proposer what rows cost here (policy.StepCosts). Time spent proposing is not a step's fixed
-        part: a draft model's steps are priced per proposal."""
+        the proposer what rows cost here (policy.StepCosts), unless a prefill chunk was among them (its
+        rows take no logits; a request's first steps run cold). Time spent proposing is not a step's
+        fixed part: a draft model's steps are priced per proposal."""
         other = step_seconds - model_seconds - self._propose_seconds
         self._propose_seconds = 0.0
-        self.proposer.costs.record(rows, model_seconds, other)
+        if not has_prefill:
+            self.proposer.costs.record(rows, model_seconds, other)
 
     @staticmethod
     def grammar_rows(constraint: "Constraint", draft: list[int]) -> tuple[list[int], list["Constraint"]]:
