@@ -65,7 +65,7 @@ class SequenceTimes:
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
-    prev_token: float | None = None  # the token before last, for inter-token latency
+    prev_token: float | None = None  # the step before last's tokens, for inter-token latency
     finished: float | None = None
 
 

@@ -331,7 +331,8 @@ class Scheduler:
             seq.output_top_logprobs.append(result.top_logprobs[row])
         if seq.times.first_token is None:
             seq.times.first_token = now
-        seq.times.prev_token, seq.times.last_token = seq.times.last_token, now
+        if seq.times.last_token != now:  # a step's tokens (accepted proposals) arrive together, at its time
+            seq.times.prev_token, seq.times.last_token = seq.times.last_token, now
         reason = self._finish_reason(seq, token)
         if reason is None and seq.num_tokens >= seq.max_model_len:
             if not seq.shift:

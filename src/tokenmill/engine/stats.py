@@ -19,10 +19,10 @@ class Histogram:
         self.sum = 0.0
         self.count = 0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+        self.count += times
 
     def cumulative(self) -> list[tuple[float, int]]:
         out, total = [], 0
@@ -81,8 +81,10 @@ class EngineStats:
             t = seq.times
             if len(seq.output_ids) == 1 and t.first_token is not None:
                 self.ttft.observe(t.first_token - t.arrival)
-            elif t.prev_token is not None and t.last_token is not None:
-                self.itl.observe(t.last_token - t.prev_token)
+            elif t.prev_token is not None and t.last_token is not None and num_tokens > 0:
+                # Tokens that came together (accepted proposals, decode steps in a row) share the time
+                # since the step before: one observation each, summing to the first-to-last token time.
+                self.itl.observe((t.last_token - t.prev_token) / num_tokens, num_tokens)
 
     def record_finish(self, seq: Sequence) -> None:
         with self.lock:
