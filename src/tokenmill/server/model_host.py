@@ -30,6 +30,7 @@ from tokenmill.server.model_loads import (
     load_pool,
     path_key,
     public_load_error,
+    resolve_for_request,
     resolved_key,
     spec_names,
 )
@@ -158,19 +159,21 @@ class ModelHost:
         if needed. With `scope`, the lease is released when the request's response has been sent."""
         if self._closed or self.admission.draining:
             raise APIError(503, "server is shutting down", code="shutting_down", retry_after=RETRY_AFTER_SECONDS)
-        name, profile, served = requested or "", Profile(), None
-        if name:
-            served = self.find_loaded(name)
-        else:
-            served = self._default_served()
-        if served is None:
-            served, name, profile = await self._load_for(name)
-        else:
-            name = served.name
-        lease = self._lease(served, name, profile, keep_alive)
+        lease = None
+        while lease is None:
+            # None: unloaded between the look and the lease (keep_alive, or evicted for another
+            # load); it is loaded again rather than run on its shut-down engine, which never answers.
+            lease = await self._try_lease(requested or "", keep_alive)
         if scope is not None:
             scope.setdefault("tokenmill.leases", []).append(lease)
         return lease
+
+    async def _try_lease(self, name: str, keep_alive: object) -> ModelLease | None:
+        served = self.find_loaded(name) if name else self._default_served()
+        if served is not None:
+            return self._lease(served, served.name, Profile(), keep_alive)
+        served, name, profile, held = await self._load_for(name)
+        return self._lease(served, name, profile, keep_alive, held)
 
     def _default_served(self) -> ServedModel | None:
         served = self.current
@@ -180,10 +183,14 @@ class ModelHost:
                 raise APIError(503, f"the engine is not running: {health.reason}", code="engine_dead")
         return served
 
-    def _lease(self, served: ServedModel, name: str, profile: Profile, keep_alive: object) -> ModelLease:
+    def _lease(self, served: ServedModel, name: str, profile: Profile, keep_alive: object,
+               held: bool = False) -> ModelLease | None:
+        """None if `served` is no longer loaded. `held`: its load already counted this request (_wait)."""
         seconds = served.keep_alive if keep_alive is KEEP_DEFAULT else keep_alive
         with self._lock:
-            served.leases += 1
+            if not held and served not in self._models.values():
+                return None
+            served.leases += 0 if held else 1
             served.last_used = time.monotonic()
             served.latest_keep_alive = seconds
             served.expires_at = None if seconds is None else time.time() + seconds
@@ -201,8 +208,9 @@ class ModelHost:
 
         return ModelLease(served, name, profile, release)
 
-    async def _load_for(self, name: str) -> tuple[ServedModel, str, Profile]:
-        """Find or start the load that serves `name`, wait for it; (model, name to answer as, profile)."""
+    async def _load_for(self, name: str) -> tuple[ServedModel, str, Profile, bool]:
+        """Find or start the load that serves `name`, wait for it; (model, name to answer as, profile,
+        whether this request already holds a lease on the model: see _wait)."""
         arrived = time.monotonic()
         deadline = arrived + self.policy.wait_timeout
         resolved = None
@@ -212,40 +220,18 @@ class ModelHost:
             elif (pending := self._pending_named(name)) is not None:
                 load, profile = pending, Profile()
             else:
-                resolved = resolved or await asyncio.to_thread(self._resolve, name)
+                resolved = resolved or await asyncio.to_thread(
+                    resolve_for_request, name, self.served_files(), self.policy.pull_on_demand)
                 load, profile = self._find_or_start(resolved), resolved.profile
             try:
-                served = await self._wait(load, deadline)
+                served, held = await self._wait(load, deadline)
             except APIError:
                 # A load started before this request gave up on room: this request's own wait has
                 # time left, so it tries again rather than inherit the earlier request's timeout.
                 if load.no_room and load.started < arrived and time.monotonic() < deadline:
                     continue
                 raise
-            return served, resolved.name if resolved else served.name, profile
-
-    def _resolve(self, name: str):
-        from tokenmill.store import ModelNotInstalledError, UnknownModelError
-        from tokenmill.store.names import resolve_requested
-
-        try:
-            # Clients name models; files on the server's disk are not theirs to load (but a model
-            # made from the file `serve` was started with is served).
-            return resolve_requested(name, self.served_files())
-        except UnknownModelError:
-            raise APIError(404, f"model \"{name}\" not found, try pulling it first", param="model",
-                           code="model_not_found") from None
-        except ModelNotInstalledError as exc:
-            if not self.policy.pull_on_demand:
-                raise APIError(404, f"model \"{name}\" not found, try pulling it first", param="model",
-                               code="model_not_found") from None
-            from tokenmill.store.names import ResolvedModel
-            from tokenmill.store.catalog import lookup
-            from tokenmill.store.local import model_path
-
-            log.info("%s; pulling it on demand", exc)
-            spec = lookup(name)
-            return ResolvedModel(spec.name, model_path(spec))
+            return served, resolved.name if resolved else served.name, profile, held
 
     def served_files(self) -> list[str]:
         """The GGUF paths the server was started with (or /load switched to): the only files outside
@@ -303,11 +289,17 @@ class ModelHost:
         self._start(load)
         return load
 
-    async def _wait(self, load: PendingLoad, deadline: float) -> ServedModel:
+    async def _wait(self, load: PendingLoad, deadline: float) -> tuple[ServedModel, bool]:
+        """The model `load` serves, and whether this request holds a lease on it already: one that
+        waited for the load gets it leased as it is served, so that no other load evicts it (idle)
+        before this request, woken up to 20 ms later, has taken it."""
         if self._waiting >= self.admission.max_queue:
             raise APIError(503, f"server busy: {self._waiting} requests are waiting for models to load",
                            code="queue_full", retry_after=RETRY_AFTER_SECONDS)
         self._waiting += 1
+        with self._lock:
+            held = load in self._pending
+            load.holds += held
         try:
             while not load.done.is_set():
                 if time.monotonic() > deadline and load.waiting_for_room:
@@ -318,6 +310,9 @@ class ModelHost:
                     raise APIError(503, f"model {load.label!r} is still loading", code="model_loading",
                                    retry_after=RETRY_AFTER_SECONDS)
                 await asyncio.sleep(0.02)
+        except BaseException:
+            self._drop_hold(load, held)
+            raise
         finally:
             self._waiting -= 1
         if load.no_room:
@@ -329,7 +324,17 @@ class ModelHost:
                                code="model_load_failed")
             raise APIError(load.error_status, load.error or f"model {load.label!r} could not be loaded",
                            code="model_load_failed")
-        return load.served
+        return load.served, held
+
+    def _drop_hold(self, load: PendingLoad, held: bool) -> None:
+        """A request that gave up waiting (timeout, client gone) returns the lease its load took for it."""
+        if not held:
+            return
+        with self._lock:
+            load.holds -= 1
+            if load.served is not None:
+                load.served.leases -= 1
+                load.served.last_used = time.monotonic()
 
     # --- loading ---------------------------------------------------------------------------------
     def _start(self, load: PendingLoad) -> None:
@@ -385,6 +390,7 @@ class ModelHost:
             if replaced is not None and replaced is not retire:
                 retire = retire or replaced  # /load of a loaded file with new settings
             self._models[key] = served
+            served.leases += load.holds  # the requests waiting for it: see _wait
             load.served, load.progress = served, 1.0
             self._pending.remove(load)
         load.done.set()

@@ -3,6 +3,7 @@ models, how much memory), one load in progress, what a model name or path stands
 load has finished, and what a client is told about a load (never a server path or a file's bytes)."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -11,8 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmill.engine import EngineConfig
+from tokenmill.server.errors import APIError
 from tokenmill.server.served_model import LoadSpec, ServedModel
 from tokenmill.store.derived import normalize_name
+
+log = logging.getLogger("tokenmill.server")
 
 
 def default_memory_budget() -> int:
@@ -130,6 +134,7 @@ class PendingLoad:
     room: str = ""                        # then: the budget it waits under ("memory budget 12.00 GB")
     started: float = field(default_factory=time.monotonic)
     served: ServedModel | None = None
+    holds: int = 0                        # requests waiting for it: each gets a lease as it is served
 
     def __post_init__(self) -> None:
         self.label = self.label or public_name(self.spec.model)
@@ -199,3 +204,29 @@ def file_size(model: str) -> int:
     except OSError:
         key = resolved_key(model)
         return os.path.getsize(key) if key else 0
+
+
+def resolve_for_request(name: str, served_files: list[str], pull_on_demand: bool):
+    """The model a request names (store.names.ResolvedModel); 404 if it is not installed, unless
+    pull_on_demand (then the catalog model, to be pulled by its load)."""
+    from tokenmill.store import ModelNotInstalledError, UnknownModelError
+    from tokenmill.store.names import resolve_requested
+
+    try:
+        # Clients name models; files on the server's disk are not theirs to load (but a model
+        # made from the file `serve` was started with is served).
+        return resolve_requested(name, served_files)
+    except UnknownModelError:
+        raise APIError(404, f"model \"{name}\" not found, try pulling it first", param="model",
+                       code="model_not_found") from None
+    except ModelNotInstalledError as exc:
+        if not pull_on_demand:
+            raise APIError(404, f"model \"{name}\" not found, try pulling it first", param="model",
+                           code="model_not_found") from None
+        from tokenmill.store.catalog import lookup
+        from tokenmill.store.local import model_path
+        from tokenmill.store.names import ResolvedModel
+
+        log.info("%s; pulling it on demand", exc)
+        spec = lookup(name)
+        return ResolvedModel(spec.name, model_path(spec))

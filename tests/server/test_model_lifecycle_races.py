@@ -1,0 +1,66 @@
+"""Models loaded, unloaded, evicted and deleted while requests for them are in flight: every request
+ends (answered, or a JSON error with the right status), nothing hangs, and the server stays healthy."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from server_helpers import store_server
+from tokenmill.server.model_host import default_loader
+
+
+def generate(url: str, model: str, n: int = 3, timeout: float = 15) -> httpx.Response:
+    return httpx.post(f"{url}/api/generate", timeout=timeout, json={
+        "model": model, "prompt": "hello", "stream": False, "options": {"num_predict": n, "temperature": 0}})
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run():
+        try:
+            out["r"] = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out["r"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_model_just_loaded_for_waiting_requests_is_not_evicted_before_they_run(tmp_path):
+    # max_loaded_models 1: tiny-b loads for one request while a request for tiny-c waits to load next.
+    # tiny-c's load used to evict tiny-b the moment it was ready, before the request that loaded it
+    # had taken it (its waiter polls), which then ran on a shut-down engine and hung forever.
+    holder: dict = {}
+
+    def loader(spec, report):
+        if "tiny-b" in spec.model:  # finish only once tiny-c's load is queued behind this one
+            assert wait_for(lambda: len(holder["host"]._pending) == 2)
+        return default_loader(spec, report)
+
+    with store_server(tmp_path, extra_models=2, max_loaded_models=1, loader=loader) as (c, _, host):
+        holder["host"] = host
+        url = str(c.base_url)
+        tb, b = in_thread(generate, url, "tiny-b")
+        assert wait_for(lambda: len(host._pending) == 1)
+        tc, cc = in_thread(generate, url, "tiny-c")
+        tb.join(20)
+        tc.join(20)
+        for out in (b, cc):
+            r = out["r"]
+            assert isinstance(r, httpx.Response), r
+            assert r.status_code == 200 and r.json()["eval_count"] == 3, r.text
+        assert [m["name"] for m in c.get("/api/ps").json()["models"]] == ["tiny-c"]
+        assert c.get("/api/version").status_code == 200
