@@ -64,3 +64,25 @@ def test_a_model_just_loaded_for_waiting_requests_is_not_evicted_before_they_run
             assert r.status_code == 200 and r.json()["eval_count"] == 3, r.text
         assert [m["name"] for m in c.get("/api/ps").json()["models"]] == ["tiny-c"]
         assert c.get("/api/version").status_code == 200
+
+
+def test_a_model_deleted_while_it_loads_is_a_404_for_the_requests_waiting_for_it(tmp_path):
+    gate = threading.Event()
+
+    def loader(spec, report):
+        if "tiny-b" in spec.model:
+            gate.wait(10)
+        return default_loader(spec, report)
+
+    with store_server(tmp_path, extra_models=1, loader=loader) as (c, models, host):
+        t, out = in_thread(generate, str(c.base_url), "tiny-b")
+        assert wait_for(lambda: len(host._pending) == 1)
+        assert c.request("DELETE", "/api/delete", json={"model": "tiny-b"}).status_code == 200
+        gate.set()
+        t.join(15)
+        r = out["r"]
+        # The model is gone, not the server broken: 404, as for any model not installed.
+        assert isinstance(r, httpx.Response) and r.status_code == 404, r
+        assert "tiny-b" in r.json()["error"] and str(models) not in r.text
+        assert [m["name"] for m in c.get("/api/ps").json()["models"]] == ["tiny-a"]
+        assert generate(str(c.base_url), "tiny-a").status_code == 200

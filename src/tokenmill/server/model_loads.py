@@ -157,8 +157,12 @@ def public_load_error(exc: BaseException, label: str) -> str:
     which helps on the command line and in the server's log, not in an answer to a request."""
     if isinstance(exc, NoRoomError):  # built by the host from public names and numbers
         return str(exc)
+    from tokenmill.store import UnknownModelError
+
     text = str(exc) or type(exc).__name__
-    if "not a GGUF file" in text or "magic" in text:
+    if isinstance(exc, UnknownModelError):  # its file went while it was waiting to load (/api/delete)
+        reason = "its file is no longer there"
+    elif "not a GGUF file" in text or "magic" in text:
         reason = "not a valid GGUF file"
     else:
         reason = _PATH_LIKE.sub("\0", text)
@@ -168,12 +172,15 @@ def public_load_error(exc: BaseException, label: str) -> str:
 
 def load_error_status(exc: BaseException) -> int:
     """The HTTP status of a failed load: 422 when the model's file is what is wrong with it (a model
-    made from a blob a client pushed, whose tensors or tokenizer cannot be used), 500 when the
-    failure is the server's (memory, a device, a bug)."""
+    made from a blob a client pushed, whose tensors or tokenizer cannot be used), 404 when the model
+    was deleted before it loaded, 500 when the failure is the server's (memory, a device, a bug)."""
     from tokenmill.gguf import GGUFError
     from tokenmill.model.registry import ModelFileError
+    from tokenmill.store import UnknownModelError
     from tokenmill.tokenizer import TokenizerError
 
+    if isinstance(exc, UnknownModelError):
+        return 404
     return 422 if isinstance(exc, (ModelFileError, GGUFError, TokenizerError)) else 500
 
 
