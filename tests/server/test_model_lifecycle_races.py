@@ -86,3 +86,30 @@ def test_a_model_deleted_while_it_loads_is_a_404_for_the_requests_waiting_for_it
         assert "tiny-b" in r.json()["error"] and str(models) not in r.text
         assert [m["name"] for m in c.get("/api/ps").json()["models"]] == ["tiny-a"]
         assert generate(str(c.base_url), "tiny-a").status_code == 200
+
+
+def test_the_default_model_switched_away_from_serves_the_request_that_holds_it(tmp_path):
+    import asyncio
+
+    from tokenmill.engine import SamplingParams
+
+    with store_server(tmp_path, extra_models=1) as (c, _, host):
+        async def run() -> list:
+            lease = await host.acquire(None)  # a request has its model, and has not submitted yet
+            old = lease.aengine
+            try:
+                assert c.post("/load", json={"model": "tiny-b", "kv_size": 2048}).status_code == 202
+                assert host.wait_ready(20) and host.current.name == "tiny-b"
+                # The retired engine waits for the lease, not only for requests already running:
+                # shut down under it, the request's stream never ended.
+                assert not wait_for(lambda: old._stopping, 0.3)
+                params = SamplingParams(max_tokens=3, min_tokens=3, temperature=0)
+                return [ev async for ev in old.generate(lease.engine.tokenizer.encode("hi"), params)], old
+            finally:
+                lease.release()
+
+        events, old = asyncio.run(asyncio.wait_for(run(), 10))
+        assert events[-1].finished and sum(len(e.token_ids) for e in events) == 3
+        # Released, it retires: its engine thread ends.
+        assert wait_for(lambda: old._stopping and not old._thread.is_alive(), 10)
+        assert c.get("/api/version").status_code == 200

@@ -467,7 +467,8 @@ class ModelHost:
 
     def _retire(self, old: ServedModel) -> None:
         deadline = time.monotonic() + self._retire_timeout
-        while old.aengine.num_active and time.monotonic() < deadline:
+        # idle: no request running, nor holding it to run one (a lease taken before the switch)
+        while not old.idle and time.monotonic() < deadline:
             time.sleep(0.1)
         old.aengine.shutdown()
         log.info("retired model %s", old.name)
