@@ -113,3 +113,30 @@ def test_the_default_model_switched_away_from_serves_the_request_that_holds_it(t
         # Released, it retires: its engine thread ends.
         assert wait_for(lambda: old._stopping and not old._thread.is_alive(), 10)
         assert c.get("/api/version").status_code == 200
+
+
+def test_a_copy_racing_the_delete_of_its_source_never_outlives_the_source(tmp_path, monkeypatch):
+    from tokenmill.store import names
+
+    with store_server(tmp_path, extra_models=1) as (c, models, host):
+        url, real, copy = str(c.base_url).rstrip("/"), names.dependents, {}
+
+        def racing(base_names):
+            users = real(base_names)  # the delete has checked that nothing is made from tiny-b...
+            copy["t"], copy["out"] = in_thread(lambda: httpx.post(
+                f"{url}/api/copy", json={"source": "tiny-b", "destination": "b-copy"}, timeout=10))
+            copy["t"].join(0.5)  # ...and a copy of it comes in before its file goes (or waits for it)
+            return users
+
+        monkeypatch.setattr(names, "dependents", racing)
+        r = c.request("DELETE", "/api/delete", json={"model": "tiny-b"})
+        copy["t"].join(10)
+        copied = copy["out"]["r"]
+        assert isinstance(copied, httpx.Response), copied
+        # One of the two wins: the copy fails (its source is gone) or the delete is refused (in use),
+        # never both succeed, leaving a model made from a file that is not there.
+        assert sorted([r.status_code, copied.status_code]) in ([200, 404], [200, 409]), (r.text, copied.text)
+        names_now = {m["name"] for m in c.get("/api/tags").json()["models"]}
+        assert ("b-copy" in names_now) == ("tiny-b" in names_now)
+        assert str(models) not in r.text + copied.text
+        assert c.get("/api/version").status_code == 200

@@ -123,11 +123,14 @@ def delete_model(name: str) -> DeletedModel:
     resolved = resolve_named(name)
     if resolved.path.parent.resolve() != models_dir().resolve():
         raise StoreError(f"{resolved.path} is not in the models directory; delete the file yourself")
-    users = dependents(base_names(resolved.path))
-    if users:
-        raise ModelInUseError(f"model {resolved.name!r} is the base of {', '.join(users)}; remove those first")
-    resolved.path.unlink()
-    manifest_path(resolved.path).unlink(missing_ok=True)
+    # Under the lock save_derived checks its base under: a model made from this one while it goes
+    # either comes first (and the delete is refused) or finds it gone.
+    with blob_lock():
+        users = dependents(base_names(resolved.path))
+        if users:
+            raise ModelInUseError(f"model {resolved.name!r} is the base of {', '.join(users)}; remove those first")
+        resolved.path.unlink()
+        manifest_path(resolved.path).unlink(missing_ok=True)
     return DeletedModel(resolved.name, False, resolved.path)
 
 
