@@ -140,3 +140,18 @@ def test_a_copy_racing_the_delete_of_its_source_never_outlives_the_source(tmp_pa
         assert ("b-copy" in names_now) == ("tiny-b" in names_now)
         assert str(models) not in r.text + copied.text
         assert c.get("/api/version").status_code == 200
+
+
+def test_requests_for_three_models_with_room_for_one_all_finish_and_no_engine_is_left_over(tmp_path):
+    with store_server(tmp_path, extra_models=2, max_loaded_models=1) as (c, _, host):
+        url = str(c.base_url).rstrip("/")
+        runs = [in_thread(generate, url, f"tiny-{'abc'[i % 3]}") for i in range(24)]
+        for t, _ in runs:
+            t.join(30)
+        outs = [out["r"] for _, out in runs]
+        assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in outs), outs
+        ps = [m["name"] for m in c.get("/api/ps").json()["models"]]
+        assert len(ps) == 1 and ps == [m.name for m in host.loaded_models()]
+        # Every evicted model's engine thread has ended: one per loaded model is left.
+        assert wait_for(lambda: sum(t.name == "tokenmill-engine" for t in threading.enumerate()) == 1, 5)
+        assert c.get("/api/version").status_code == 200
