@@ -4,8 +4,9 @@ Only the loop thread touches the engine. Callers talk to it through a command qu
 events come back on its own asyncio.Queue via call_soon_threadsafe. What observers need (statistics,
 health) the loop publishes after every step, so reading it never waits for a step to end.
 
-If the loop thread dies, every waiting stream gets an error, pending calls fail, and new requests
-are refused at once (EngineDeadError) instead of queueing for a thread that will never run them."""
+If the loop thread dies, or has stopped after shutdown(), every waiting stream gets an error, pending
+calls fail, and new requests are refused at once (EngineDeadError) instead of queueing for a thread
+that will never run them."""
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,9 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.stats import StatsSnapshot
 
 log = logging.getLogger("tokenmill.engine")
+
+
+_SHUT_DOWN = "the engine has shut down (its model was unloaded)"
 
 
 class EngineDeadError(RuntimeError):
@@ -64,6 +68,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stopping = False
+        self._closed = False  # the loop has stopped for good (after shutdown): nothing new gets in
         self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
         self.crash: str | None = None  # why the loop thread died, once it has
         # The statistics as of the last step; replaced whole, never mutated, so any thread may read it.
@@ -99,6 +104,8 @@ class AsyncEngine:
         health = self.health()
         if health.status == "dead":
             raise EngineDeadError(health.reason)
+        if self._closed:
+            raise EngineDeadError(_SHUT_DOWN)
 
     @property
     def num_active(self) -> int:
@@ -116,11 +123,13 @@ class AsyncEngine:
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), n)
         with self._lock:
+            if self._closed:  # a model being unloaded: whoever leased it last is refused, not left waiting
+                raise EngineDeadError(_SHUT_DOWN)
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = stream
         self._submit(lambda: self._add(rid, prompt_ids, params, priority, num_ctx, n, options))
-        self._fail_if_crashed()  # the thread may have died between the check above and now
+        self._fail_if_gone()  # the thread may have died or stopped between the check above and now
         num_finished = 0
         finished = False
         try:
@@ -143,7 +152,7 @@ class AsyncEngine:
         """Run fn(engine) on the loop thread between steps (e.g. embeddings)."""
         command = _Call(fn, self.engine)
         self._submit(command)
-        self._fail_if_crashed()
+        self._fail_if_gone()
         return command.future
 
     # --- loop thread ---------------------------------------------------------------------------
@@ -180,16 +189,17 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - reported through health(); nobody joins this thread
             log.exception("the engine thread crashed")
             self.crash = f"{type(exc).__name__}: {exc}"
-            self._fail_everyone()
+            self._fail_everyone(f"the engine thread crashed: {self.crash}")
 
-    def _fail_if_crashed(self) -> None:
+    def _fail_if_gone(self) -> None:
         if self.crash is not None:
-            self._fail_everyone()
+            self._fail_everyone(f"the engine thread crashed: {self.crash}")
+        elif self._closed:
+            self._fail_everyone(_SHUT_DOWN)
 
-    def _fail_everyone(self) -> None:
-        """After a crash: end every stream with an error and fail every pending call. The engine's
-        state is unknown, so this touches only the client side."""
-        error = f"the engine thread crashed: {self.crash}"
+    def _fail_everyone(self, error: str) -> None:
+        """After a crash, or once the loop has stopped: end every stream with an error and fail every
+        pending call. This touches only the client side (after a crash the engine's state is unknown)."""
         with self._lock:
             streams = dict(self._streams)
         for rid, stream in streams.items():
@@ -233,6 +243,10 @@ class AsyncEngine:
                 log.exception("engine step crashed")
                 self.engine.faults.record_failure(f"{type(exc).__name__}: {exc}")
             self._publish()
-        # Shutting down: whoever still waits gets an abort.
+        # Shutting down: whoever still waits gets an abort; then nobody new gets in, and whoever got in
+        # meanwhile (a request submitted after the last commands were read) gets an error.
         for rid in list(self._streams):
             self._deliver(self.engine.abort(rid))
+        with self._lock:
+            self._closed = True
+        self._fail_everyone(_SHUT_DOWN)
