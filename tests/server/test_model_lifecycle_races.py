@@ -157,3 +157,22 @@ def test_requests_for_three_models_with_room_for_one_all_finish_and_no_engine_is
         assert wait_for(lambda: sum(t.name == "tokenmill-engine" and t not in before
                                     for t in threading.enumerate()) == 1, 5)
         assert c.get("/api/version").status_code == 200
+
+
+def test_a_model_whose_requests_all_gave_up_while_it_loaded_still_expires(tmp_path):
+    gate = threading.Event()
+
+    def loader(spec, report):
+        if "tiny-b" in spec.model:
+            gate.wait(10)
+        return default_loader(spec, report)
+
+    with store_server(tmp_path, extra_models=1, loader=loader, keep_alive="1s",
+                      model_wait_timeout=0.3) as (c, _, host):
+        r = generate(str(c.base_url), "tiny-b")  # gives up while the model loads
+        assert r.status_code == 503 and "still loading" in r.json()["error"], r.text
+        gate.set()
+        assert wait_for(lambda: "tiny-b" in [m.name for m in host.loaded_models()], 10)
+        # Nobody ever leased it: it unloads after the server's keep_alive all the same.
+        assert wait_for(lambda: "tiny-b" not in [m.name for m in host.loaded_models()], 10)
+        assert c.get("/api/version").status_code == 200

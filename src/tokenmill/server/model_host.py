@@ -391,6 +391,9 @@ class ModelHost:
                 retire = retire or replaced  # /load of a loaded file with new settings
             self._models[key] = served
             served.leases += load.holds  # the requests waiting for it: see _wait
+            # Counted from now until a request takes it: one whose requests all gave up while it loaded
+            # would otherwise stay loaded for good (a lease and its release set this again).
+            served.expires_at = None if load.keep_alive is None else time.time() + load.keep_alive
             load.served, load.progress = served, 1.0
             self._pending.remove(load)
         load.done.set()
