@@ -151,3 +151,23 @@ def test_parameters_at_the_ends_of_their_ranges_serve_both_apis(served):
         # An OpenAI request takes num_predict as its max_tokens default: "no limit" is no max_tokens.
         r = c.post("/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
+
+
+def test_the_file_the_server_was_started_with_is_not_deleted_and_its_path_not_told(store, tmp_path):
+    from tiny_model import TinyLlamaSpec, write_tiny_llama
+
+    outside = tmp_path / "operators-own-dir"
+    outside.mkdir()
+    path = write_tiny_llama(outside / "mine.gguf", TinyLlamaSpec(seed=5))
+    server, host = start_server(str(path), kv_size=2048)
+    try:
+        assert host.wait_ready(30), host.error
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            names = {m["name"] for m in c.get("/api/ps").json()["models"]} | {"mine", str(path)}
+            for name in sorted(names):
+                r = delete(c, name)
+                assert r.status_code in (400, 404), (name, r.text)
+                assert "operators-own-dir" not in r.text and str(tmp_path) not in r.text, r.text
+            assert path.exists() and generate(c, "mine").status_code == 200
+    finally:
+        server.stop()
