@@ -110,3 +110,17 @@ def store_server(home: Path, *, extra_models: int = 0, timeout: float = 60,
                 yield client, models, host
         finally:
             server.stop()
+
+
+def start_speculative_server(folder: Path) -> tuple[LiveServer, ModelHost]:
+    """A server over a tiny Q8_0 model on the native path (where the engine speculates), proposing
+    eagerly (1-token matches, 6 tokens) so that a tiny model's looping output gets proposals accepted."""
+    import gguf
+
+    from tiny_model import TinyLlamaSpec, write_tiny_llama
+
+    path = write_tiny_llama(folder / "q.gguf", TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q8_0,
+                                                             context_length=512))
+    live, host = start_server(str(path), dtype="gguf", spec_ngram_min=1, num_speculative_tokens=6)
+    assert host.wait_ready(60), host.error
+    return live, host

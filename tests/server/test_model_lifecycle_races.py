@@ -39,6 +39,15 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
     return True
 
 
+def gated_loader(model: str, gate: threading.Event):
+    """The server's loader, holding the load of `model` until gate is set (10 s at most)."""
+    def loader(spec, report):
+        if model in spec.model:
+            gate.wait(10)
+        return default_loader(spec, report)
+    return loader
+
+
 def test_a_model_just_loaded_for_waiting_requests_is_not_evicted_before_they_run(tmp_path):
     # max_loaded_models 1: tiny-b loads for one request while a request for tiny-c waits to load next.
     # tiny-c's load used to evict tiny-b the moment it was ready, before the request that loaded it
@@ -68,11 +77,7 @@ def test_a_model_just_loaded_for_waiting_requests_is_not_evicted_before_they_run
 
 def test_a_model_deleted_while_it_loads_is_a_404_for_the_requests_waiting_for_it(tmp_path):
     gate = threading.Event()
-
-    def loader(spec, report):
-        if "tiny-b" in spec.model:
-            gate.wait(10)
-        return default_loader(spec, report)
+    loader = gated_loader("tiny-b", gate)
 
     with store_server(tmp_path, extra_models=1, loader=loader) as (c, models, host):
         t, out = in_thread(generate, str(c.base_url), "tiny-b")
@@ -161,11 +166,7 @@ def test_requests_for_three_models_with_room_for_one_all_finish_and_no_engine_is
 
 def test_a_model_whose_requests_all_gave_up_while_it_loaded_still_expires(tmp_path):
     gate = threading.Event()
-
-    def loader(spec, report):
-        if "tiny-b" in spec.model:
-            gate.wait(10)
-        return default_loader(spec, report)
+    loader = gated_loader("tiny-b", gate)
 
     with store_server(tmp_path, extra_models=1, loader=loader, keep_alive="1s",
                       model_wait_timeout=0.3) as (c, _, host):

@@ -7,7 +7,7 @@ import gguf
 import httpx
 import pytest
 
-from server_helpers import model_name, start_server, wait_idle
+from server_helpers import model_name, start_server, start_speculative_server, wait_idle
 from tiny_model import TinyLlamaSpec, write_tiny_llama
 from tokenmill.engine.output import OutputAssembler
 from tokenmill.engine import SamplingParams
@@ -21,11 +21,7 @@ PROMPT = list(range(40, 52)) * 5  # token ids that repeat: proposals from the fi
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = write_tiny_llama(tmp_path_factory.mktemp("specapi") / "q.gguf",
-                            TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q8_0, context_length=512))
-    # Eager proposals (spec_ngram_min 1, 6 tokens) so that a tiny model's output gets some accepted.
-    live, host = start_server(str(path), dtype="gguf", spec_ngram_min=1, num_speculative_tokens=6)
-    assert host.wait_ready(60), host.error
+    live, host = start_speculative_server(tmp_path_factory.mktemp("specapi"))
     yield live.url, host
     live.stop()
 

@@ -8,12 +8,10 @@ import json
 import time
 from dataclasses import replace
 
-import gguf
 import httpx
 import pytest
 
-from server_helpers import model_name, start_server, wait_idle
-from tiny_model import TinyLlamaSpec, write_tiny_llama
+from server_helpers import model_name, start_speculative_server, wait_idle
 from tokenmill.kernels import variant
 
 pytestmark = pytest.mark.skipif(variant() == "torch", reason="native kernels not built")
@@ -25,10 +23,7 @@ PROMPTS = [[130, 225, 213, 66, 129, 124, 129, 257, 129, 251, 4, 84] * 4, list(ra
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = write_tiny_llama(tmp_path_factory.mktemp("specaudit") / "q.gguf",
-                            TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q8_0, context_length=512))
-    live, host = start_server(str(path), dtype="gguf", spec_ngram_min=1, num_speculative_tokens=6)
-    assert host.wait_ready(60), host.error
+    live, host = start_speculative_server(tmp_path_factory.mktemp("specaudit"))
     # Propose at every match (rows cost next to nothing here): the tests exercise verification.
     spec = host.current.engine.scheduler.speculator
     spec.cfg = spec.proposer.cfg = replace(spec.cfg, row_cost=1e-4, learn_step_costs=False)
