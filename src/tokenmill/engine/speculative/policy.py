@@ -149,7 +149,9 @@ class StepCosts:
 
     @property
     def seconds(self) -> dict[int, float]:
-        """What a step of each row count still remembered costs now (ready must hold)."""
+        """What a step of each row count still remembered costs now (none before a one-row step)."""
+        if not self.ones:
+            return {}
         return {1: self.one_row_seconds, **{r: self.one_row_seconds * m for r, m in self._fresh().items()}}
 
     def __call__(self, rows: int) -> float:
