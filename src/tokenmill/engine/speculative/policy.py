@@ -103,7 +103,7 @@ class StepCosts:
     seen for `stale_steps` recorded steps is forgotten, so that it is tried again. Without both, one
     step slowed by a neighbour (13.6 ms for 2 rows where 4 was usual) made every larger step look dear
     for good: the proposer stopped proposing, so the estimate was never corrected, and the grounded
-    prompts of `bench speculative` fell to 1.0-1.1x on their second round in one engine.
+    prompts of `bench speculative` fell to 0.9-1.2x on their second round in one engine.
 
     Row counts never seen (or forgotten) are interpolated between seen ones (extrapolated past the
     largest with prior_row_cost), so the model only has to see a few."""
