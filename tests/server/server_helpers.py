@@ -70,6 +70,16 @@ def wait_idle(host: ModelHost, timeout: float = 10.0) -> None:
                          f"in_flight={host.admission.in_flight}")
 
 
+def wait_for(predicate, timeout: float = 10.0, poll: float = 0.01) -> bool:
+    """Whether predicate() came true within timeout seconds (checked every poll seconds)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
 def model_name(host: ModelHost) -> str:
     return host.current.name
 

@@ -3,11 +3,10 @@ ends (answered, or a JSON error with the right status), nothing hangs, and the s
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 
-from server_helpers import store_server
+from server_helpers import store_server, wait_for
 from tokenmill.server.model_host import default_loader
 
 
@@ -28,15 +27,6 @@ def in_thread(fn, *args) -> tuple[threading.Thread, dict]:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t, out
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def gated_loader(model: str, gate: threading.Event):

@@ -11,7 +11,7 @@ import time
 import gguf
 import httpx
 
-from server_helpers import start_server
+from server_helpers import start_server, wait_for
 from tiny_model import TinyLlamaSpec, write_tiny_llama
 
 
@@ -19,15 +19,6 @@ from tiny_model import TinyLlamaSpec, write_tiny_llama
 
 def loaded(c: httpx.Client) -> dict[str, dict]:
     return {m["name"]: m for m in c.get("/api/ps").json()["models"]}
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def generate(c: httpx.Client, model: str, n: int = 3, **extra) -> httpx.Response:
