@@ -2,6 +2,8 @@
 generators' bookkeeping, back-off, the block manager's trim, and the settings' validation."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -89,6 +91,51 @@ def test_longer_matches_earn_more_proposals_and_the_engine_learns_per_length():
         p.observe(state, len(d), 0)
         state.backoff.cooldown = 0
     assert p.by_length[5].value < before and p.by_length[1].value == p.by_length[1].prior
+
+
+def _naive_agreement(ids: list[int], start: int, limit: int) -> int:
+    n = 0
+    while n < limit and start - 1 - n >= 0 and ids[start - 1 - n] == ids[len(ids) - 1 - n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 7])
+def test_agreement_counts_how_far_back_a_match_holds(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    ids = torch.randint(0, vocab, (200,), generator=g).tolist()
+    index = NgramIndex(1, 4)
+    for n in range(2, len(ids) + 1):
+        match = index.find(ids[:n])
+        if match is None:
+            continue
+        for limit in (1, 4, 16, 64):
+            assert index.agreement(match, limit) == _naive_agreement(ids[:n], match.start, limit)
+
+
+def test_a_copy_in_progress_proposes_what_its_record_allows_from_its_first_step():
+    """Text copied for 16+ tokens is sized by how copies fare across the engine, not by the sequence's
+    own record, which climbs a token a step (copies of 30+ tokens proposed 1, 2, 3, ... tokens a step)."""
+    cfg = SpecConfig()
+    source = list(range(100, 140))
+    ids = [1, 2, 3] + source + [4, 5] + source[:20]  # copying `source` for 20 tokens so far
+    p = NgramProposer(cfg)
+    state, draft = p.propose(None, ids, 0, 16)
+    assert state.copying and draft == source[20:20 + len(draft)]
+    # The same 8-token match sized by the sequence's record and the engine's for 8-token matches:
+    _, by_record = NgramProposer(dataclasses.replace(cfg, copy_tokens=64)).propose(None, ids, 0, 16)
+    assert 0 < len(by_record) < len(draft)
+    short = [1, 2, 3] + source + [4, 5] + source[:5]  # a 5-token match: not yet a copy
+    state_short, _ = NgramProposer(cfg).propose(None, short, 0, 16)
+    assert not state_short.copying
+    before = p.copies.value  # copies that keep failing earn fewer proposals
+    for _ in range(30):
+        state, d = p.propose(state, ids, 0, 16)
+        p.observe(state, len(d), 0)
+        state.backoff.cooldown = 0
+    assert p.copies.value < before
+    _, fewer = p.propose(state, ids, 0, 16)
+    assert len(fewer) < len(draft)
 
 
 def test_a_shrinking_list_is_refused():

@@ -22,6 +22,9 @@ class SpecConfig:
     num_tokens: int = 16              # most proposals per step and sequence (k)
     ngram_min: int = 1                # shortest suffix looked up
     ngram_max: int = 8                # longest suffix looked up (tried first)
+    # A match whose agreement with the context runs this many tokens back is a copy in progress: its
+    # proposals are sized by how copies fare (NgramProposer.copies), not by the sequence's own record.
+    copy_tokens: int = 16
     # Back-off: after `max_misses` verifications in a row that accepted nothing, a sequence stops
     # proposing for `cooldown_steps` steps, doubled after every further failed retry (up to
     # max_cooldown_steps) and reset by an accepted token.
@@ -73,7 +76,7 @@ class SpecConfig:
                                   f"got {self.ngram_min} and {self.ngram_max}")
         if self.ngram_max > 16:
             raise SpecConfigError(f"spec_ngram_max must be at most 16, got {self.ngram_max}")
-        for name in ("max_misses", "cooldown_steps", "max_cooldown_steps"):
+        for name in ("max_misses", "cooldown_steps", "max_cooldown_steps", "copy_tokens"):
             if getattr(self, name) < 1:
                 raise SpecConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.row_cost_context < 1:

@@ -68,6 +68,20 @@ class NgramIndex:
             n += 1
         return best
 
+    def agreement(self, match: Match, limit: int) -> int:
+        """How many of the context's last tokens agree with those before the match's `start`, up to
+        `limit` (at least match.n, which find() stopped counting at max_n): a long agreement is text being
+        copied, whose next tokens are far likelier to follow than a short match's. For the context find()
+        was last given."""
+        ids = self._ids[:self._len]
+        span = min(limit, match.start)
+        if span <= match.n:
+            return min(match.n, limit)
+        earlier = ids[match.start - span:match.start][::-1]
+        latest = ids[self._len - span:][::-1]
+        differ = np.flatnonzero(earlier != latest)
+        return int(differ[0]) if differ.size else span
+
     def _follow(self, token_ids: Sequence[int]) -> np.ndarray:
         """The context as an array, copying in only what was appended since the last call."""
         n_ids = len(token_ids)
