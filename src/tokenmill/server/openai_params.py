@@ -23,7 +23,7 @@ MAX_N = 128
 
 SAMPLING_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-    "presence_penalty", "frequency_penalty", "logprobs", "priority", "user",
+    "presence_penalty", "frequency_penalty", "logprobs", "priority", "user", "logit_bias",
     # vLLM / llama.cpp extensions
     "top_k", "min_p", "typical_p", "repetition_penalty", "repeat_last_n", "min_tokens", "ignore_eos",
     "stop_token_ids", "truncate_prompt_tokens", "include_stop_str_in_output",
@@ -75,6 +75,7 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
     if body.get("stream_options") is not None and not stream:
         # As OpenAI and vLLM: the options of a stream, with no stream to apply them to.
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    _refuse_logit_bias(body)
     if get_bool(body, "include_stop_str_in_output", False):
         # vLLM's: the matched stop string kept in the output. Refused rather than ignored.
         raise bad_request("include_stop_str_in_output is not supported: the stop string that ended the "
@@ -114,6 +115,15 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
         truncate_prompt_tokens=truncate,
         field_names=names,
     )
+
+
+def _refuse_logit_bias(body: dict) -> None:
+    """The sampler has no per-token bias: a bias that would change the output is refused rather
+    than ignored (a client banning a token with -100 must not get it anyway). Empty is accepted, as
+    SDKs send {} by default."""
+    bias = get_dict(body, "logit_bias")
+    if bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias")
 
 
 def truncate_prompt(ids: list[int], truncate: int | None, limit: int) -> list[int]:

@@ -93,6 +93,7 @@ FIELDS: dict[str, dict] = {
     "min_tokens": {"type": "integer", "minimum": 0},
     "n": {"type": "integer", "minimum": 1},
     "best_of": INTEGER,
+    "logit_bias": described(OBJECT, "only {} (a bias that changes the output is refused: not supported)"),
     "temperature": {"type": "number", "minimum": 0},
     "top_k": INTEGER,
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
