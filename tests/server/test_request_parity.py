@@ -1,5 +1,6 @@
 """Less-used request fields as OpenAI, vLLM and Ollama treat them: logit_bias (refused rather than
-ignored). The `tiny` fixture checks after each test that every KV block came back."""
+ignored) and /v1/completions' default max_tokens of 16. The `tiny` fixture checks after each test that
+every KV block came back."""
 from __future__ import annotations
 
 import pytest
@@ -23,3 +24,16 @@ def test_logit_bias_that_would_change_the_output_is_refused_not_ignored(client, 
         assert err["param"] == "logit_bias" and "not supported" in err["message"]
     err = openai_error(client.post(path, json={**body, "logit_bias": [5]}), 400)
     assert err["param"] == "logit_bias" and "must be an object" in err["message"]
+
+
+def test_completions_default_to_16_tokens_as_openai_and_vllm(client, tiny):
+    body = {"prompt": "hi", "ignore_eos": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    # An explicit null is no limit (vLLM's reading): the output runs on past 16.
+    r = client.post("/v1/completions", json={**body, "max_tokens": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 16
+    # Chat has no such default.
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 16

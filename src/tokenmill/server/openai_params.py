@@ -20,6 +20,9 @@ from tokenmill.server.validation import (
 )
 
 MAX_N = 128
+# OpenAI's (and vLLM's) default max_tokens for the legacy /v1/completions; chat has none (to the
+# context's end). An explicit null means no limit there too, as in vLLM.
+COMPLETIONS_MAX_TOKENS = 16
 
 SAMPLING_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
@@ -54,7 +57,7 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
     warn_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
                  "/v1/chat/completions" if chat else "/v1/completions")
     names: dict[str, str] = {"repeat_penalty": "repetition_penalty"}
-    max_tokens = get_int(body, "max_tokens")
+    max_tokens = get_int(body, "max_tokens", None if chat or "max_tokens" in body else COMPLETIONS_MAX_TOKENS)
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens = get_int(body, "max_completion_tokens")
         names["max_tokens"] = "max_completion_tokens"

@@ -87,7 +87,8 @@ FIELDS: dict[str, dict] = {
     "truncate_prompt_tokens": described(INTEGER, "keep the last k prompt tokens; -1: as many as fit"),
     "verbose": BOOLEAN,
     # sampling and limits
-    "max_tokens": described({"type": "integer", "minimum": 0}, "at least 1; 0 only with /v1/completions' echo"),
+    "max_tokens": described({"type": "integer", "minimum": 0}, "at least 1; 0 only with /v1/completions' echo; "
+                            "/v1/completions' default is 16 (null: to the context's end)"),
     "max_completion_tokens": {"type": "integer", "minimum": 1},
     "n_predict": described(INTEGER, "-1: until the model stops (within the server's --max-tokens)"),
     "min_tokens": {"type": "integer", "minimum": 0},
