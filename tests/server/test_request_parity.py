@@ -1,15 +1,23 @@
 """Less-used request fields as OpenAI, vLLM and Ollama treat them: logit_bias (refused rather than
-ignored) and /v1/completions' default max_tokens of 16. The `tiny` fixture checks after each test that
-every KV block came back."""
+ignored), /v1/completions' default max_tokens of 16, and /api/generate's per-request template. The
+`tiny` fixture checks after each test that every KV block came back."""
 from __future__ import annotations
 
 import pytest
+
+from server_helpers import model_name
 
 CHAT = [{"role": "user", "content": "hi"}]
 
 
 def openai_error(r, status: int) -> dict:
     assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def ollama_error(r, status: int) -> str:
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"}
     return r.json()["error"]
 
 
@@ -37,3 +45,40 @@ def test_completions_default_to_16_tokens_as_openai_and_vllm(client, tiny):
     # Chat has no such default.
     r = client.post("/v1/chat/completions", json={"messages": CHAT, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 16
+
+
+def _prompt_text(tiny, r) -> str:
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = body["context"][:body["prompt_eval_count"]]
+    return tiny[1].current.engine.tokenizer.decode(ids)
+
+
+def test_generate_renders_the_prompt_with_the_requests_template(client, tiny):
+    name = model_name(tiny[1])
+    base = {"model": name, "prompt": "hi", "stream": False, "options": {"num_predict": 1}}
+    own = _prompt_text(tiny, client.post("/api/generate", json=base))
+    assert "<|im_start|>" in own  # the tiny model's own chat template
+    text = _prompt_text(tiny, client.post("/api/generate", json={**base, "template": "Q: {{ .Prompt }} A:"}))
+    assert text.endswith("Q: hi A:") and "<|im_start|>" not in text
+    text = _prompt_text(tiny, client.post("/api/generate", json={
+        **base, "system": "S", "template": "{{ if .System }}[{{ .System }}]{{ end }}{{ .Prompt }}"}))
+    assert text.endswith("[S]hi")
+    jinja = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert _prompt_text(tiny, client.post("/api/generate", json={**base, "template": jinja})).endswith("<user>hi")
+    # raw: no template at all, so the request's is not even read.
+    r = client.post("/api/generate", json={**base, "raw": True, "template": "{{ .Nope }}"})
+    assert _prompt_text(tiny, r).endswith("hi") and len(r.json()["context"]) <= 4
+
+
+@pytest.mark.parametrize("template,message", [
+    (5, "template must be a string"),
+    ("{{ .Nope }}", "not supported"),
+    ("{% for m in messages %}", "does not compile"),
+    ("{% for i in range(10**9) %}x{% endfor %}", "template"),  # a render's budget holds for a request's own
+    ("x" * (128 * 1024 + 1), "the limit is"),
+])
+def test_a_bad_generate_template_is_400_naming_it(client, tiny, template, message):
+    r = client.post("/api/generate", json={"model": model_name(tiny[1]), "prompt": "hi", "stream": False,
+                                           "template": template, "options": {"num_predict": 1}})
+    assert message in ollama_error(r, 400)

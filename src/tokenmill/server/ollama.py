@@ -163,7 +163,7 @@ async def _respond(request: Request, served: ServedModel, ids: list[int], opts: 
 
 
 def _ignore_unsupported(body: dict, where: str) -> None:
-    if body.get("template"):
+    if body.get("template"):  # /api/generate's field; Ollama's /api/chat has none
         warn_once(where, "template", "custom templates are not supported; the model's own is used")
 
 
@@ -177,7 +177,7 @@ async def generate(request: Request) -> Response:
         raise bad_request("images: this model accepts text only", "images")
     if get_str(body, "suffix"):
         raise bad_request("suffix: this model does not support fill-in-the-middle", "suffix")
-    _ignore_unsupported(body, "/api/generate")
+    template = get_str(body, "template")
     if not prompt and not body.get("context"):
         return await _load_or_unload(request, body, keep_alive, chat=False)
     served = await model_for(request, _model_field(body), keep_alive)
@@ -188,6 +188,8 @@ async def generate(request: Request) -> Response:
     opts = parse_options(body, "/api/generate")
     constraint = ollama_spec(body)
     system, raw = profiles.system_prompt(get_str(body, "system"), served.profile), bool(get_bool(body, "raw"))
+    if template and not raw:  # Ollama's per-request template, in place of the model's
+        tok = await off_loop(lambda: profiles.with_request_template(tok, template), len(template))
     ids = context + await off_loop(lambda: render_prompt(tok, prompt, system=system, raw=raw), len(prompt))
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "prompt")

@@ -66,7 +66,7 @@ FIELDS: dict[str, dict] = {
     "prompt": STRING,
     "suffix": STRING,
     "system": STRING,
-    "template": STRING,
+    "template": described(STRING, "this request's prompt template (Go or Jinja form), instead of the model's"),
     "raw": BOOLEAN,
     "images": STRINGS,
     "context": described(TOKEN_IDS, "the `context` of an earlier /api/generate answer, to continue from"),

@@ -63,6 +63,15 @@ def tokenizer_for(tokenizer: Tokenizer, profile: Profile) -> Tokenizer:
         raise bad_request(f"the model's TEMPLATE does not compile: {exc}", "model") from None
 
 
+def with_request_template(tokenizer: Tokenizer, template: str) -> Tokenizer:
+    """/api/generate's `template`: this request's prompt rendered with it (either form TEMPLATE takes)
+    instead of the model's own."""
+    try:
+        return tokenizer.with_chat_template(jinja_template(template, bos=tokenizer.add_bos))
+    except ChatTemplateError as exc:
+        raise bad_request(f"template does not compile: {exc}", "template") from None
+
+
 def jinja_template(template: str, *, bos: bool = False) -> str:
     """A Jinja chat template for TEMPLATE. A Go template starts with the BOS token when the model's
     tokenizer adds one (Ollama's templates leave it to the tokenizer; chat templates write it)."""
