@@ -159,6 +159,23 @@ def test_min_tokens_cannot_trap_a_complete_grammar(loaded, grammars):
     assert reason is FinishReason.STOP and text in CHOICES
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_stop_token_the_grammar_requires_before_min_tokens_is_sampled_not_refused(loaded, temperature):
+    # Below min_tokens the request's stop tokens are suppressed; when the grammar allows nothing else
+    # the row must still follow the grammar. It used to be handed an end token the grammar refused,
+    # and the request failed ("the grammar rejected token 0").
+    engine = make_engine(loaded)
+    grammar = GrammarCompiler(engine.tokenizer).compile_now(GrammarSpec("regex", r"x[0-9]{3}"))
+    (x,) = engine.tokenizer.encode("x")
+    params = SamplingParams(max_tokens=10, min_tokens=2, temperature=temperature, seed=1, stop_token_ids=[x],
+                            constraint=grammar)
+    rid = engine.add_request(random_ids(10), params, n=2)
+    results = finishes(engine, [rid])
+    assert len(results) == 2
+    for text, reason in results.values():
+        assert reason is FinishReason.STOP and re.fullmatch(r"x[0-9]{3}", text), (text, reason)
+
+
 def test_aborting_a_constrained_request_mid_way_frees_everything(loaded, grammars):
     engine = make_engine(loaded)
     rid = engine.add_request(random_ids(30), SamplingParams(max_tokens=60, temperature=1.0,
