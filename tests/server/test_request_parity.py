@@ -82,3 +82,13 @@ def test_a_bad_generate_template_is_400_naming_it(client, tiny, template, messag
     r = client.post("/api/generate", json={"model": model_name(tiny[1]), "prompt": "hi", "stream": False,
                                            "template": template, "options": {"num_predict": 1}})
     assert message in ollama_error(r, 400)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+                                       ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                                       ("/v1/embeddings", {"input": "hi"})])
+def test_user_is_a_string_as_openai_requires(client, tiny, path, body):
+    assert client.post(path, json={**body, "user": "alice"}).status_code == 200
+    assert client.post(path, json={**body, "user": None}).status_code == 200
+    err = openai_error(client.post(path, json={**body, "user": 5}), 400)
+    assert err["param"] == "user" and "must be a string" in err["message"]

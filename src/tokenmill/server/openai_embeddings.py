@@ -51,6 +51,7 @@ async def embeddings(request: Request) -> Response:
     host = request.app.state.host
     served = await model_for(request, get_model_name(body))
     fmt = get_str(body, "encoding_format", "float")
+    get_str(body, "user")  # unused here, but a string as OpenAI and vLLM require (400 otherwise)
     if fmt not in ("float", "base64"):
         raise bad_request(f"encoding_format must be float or base64, got {shown_value(fmt)}", "encoding_format")
     dims = requested_dimensions(body, served)

@@ -16,6 +16,7 @@ from tokenmill.server.validation import (
     get_int,
     get_priority,
     get_stop,
+    get_str,
     warn_unknown,
 )
 
@@ -57,6 +58,7 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
     warn_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
                  "/v1/chat/completions" if chat else "/v1/completions")
     names: dict[str, str] = {"repeat_penalty": "repetition_penalty"}
+    get_str(body, "user")  # unused here, but a string as OpenAI and vLLM require (400 otherwise)
     max_tokens = get_int(body, "max_tokens", None if chat or "max_tokens" in body else COMPLETIONS_MAX_TOKENS)
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens = get_int(body, "max_completion_tokens")
