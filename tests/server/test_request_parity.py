@@ -71,6 +71,18 @@ def test_generate_renders_the_prompt_with_the_requests_template(client, tiny):
     assert _prompt_text(tiny, r).endswith("hi") and len(r.json()["context"]) <= 4
 
 
+@pytest.mark.parametrize("path,extra", [("/api/generate", {"prompt": "hi"}), ("/api/chat", {"messages": CHAT})])
+def test_thinking_is_refused_as_ollama_refuses_it_for_a_model_without_it(client, tiny, path, extra):
+    name = model_name(tiny[1])
+    body = {"model": name, "stream": False, "options": {"num_predict": 1}, **extra}
+    for off in (False, None):
+        assert client.post(path, json={**body, "think": off}).status_code == 200
+    for on in (True, "high"):
+        assert ollama_error(client.post(path, json={**body, "think": on}), 400) == f'"{name}" does not support thinking'
+    assert "think must be" in ollama_error(client.post(path, json={**body, "think": "very"}), 400)
+    assert "not found" in ollama_error(client.post(path, json={**body, "model": "nope", "think": True}), 404)
+
+
 @pytest.mark.parametrize("template,message", [
     (5, "template must be a string"),
     ("{{ .Nope }}", "not supported"),

@@ -29,7 +29,7 @@ from tokenmill.server.chat import (
     render_prompt,
 )
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context, requested_dimensions
-from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.errors import APIError, bad_request, shown_value
 from tokenmill.server.generation import Generation, Result, Timings
 from tokenmill.server.logprobs import chat_entries
 from tokenmill.server.model_host import KEEP_DEFAULT, ModelHost, ServedModel, model_for
@@ -162,6 +162,17 @@ async def _respond(request: Request, served: ServedModel, ids: list[int], opts: 
     return JSONResponse(shape.final(gen, result.text, result.finish_reason or "stop", result.token_ids, lp))
 
 
+def _refuse_thinking(body: dict, name: str) -> None:
+    """Ollama's `think`: no model here has a thinking mode, so asking for one is Ollama's 400 for a
+    model without the capability, rather than an answer that silently has no thinking."""
+    think = body.get("think")
+    if think is None or think is False:
+        return
+    if think is not True and think not in ("high", "medium", "low"):
+        raise bad_request(f'think must be true, false, "high", "medium" or "low", got {shown_value(think)}', "think")
+    raise bad_request(f'"{name}" does not support thinking', "think")
+
+
 def _ignore_unsupported(body: dict, where: str) -> None:
     if body.get("template"):  # /api/generate's field; Ollama's /api/chat has none
         warn_once(where, "template", "custom templates are not supported; the model's own is used")
@@ -181,6 +192,7 @@ async def generate(request: Request) -> Response:
     if not prompt and not body.get("context"):
         return await _load_or_unload(request, body, keep_alive, chat=False)
     served = await model_for(request, _model_field(body), keep_alive)
+    _refuse_thinking(body, served.name)
     body = profiles.ollama_body(body, served.profile)
     shape = Shape(False, served.name)
     tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
@@ -206,6 +218,7 @@ async def chat(request: Request) -> Response:
     if not messages:
         return await _load_or_unload(request, body, keep_alive, chat=True)
     served = await model_for(request, _model_field(body), keep_alive)
+    _refuse_thinking(body, served.name)
     body = profiles.ollama_body(body, served.profile)
     shape = Shape(True, served.name, tool_use)
     opts = parse_options(body, "/api/chat")

@@ -56,7 +56,7 @@ FIELDS: dict[str, dict] = {
     "structured_outputs": described(OBJECT, "one of json, regex, choice, grammar"),
     "grammar": described(STRING, "a GBNF grammar"),
     "json_schema": described(OBJECT, "a JSON schema"),
-    "think": {"oneOf": [BOOLEAN, STRING]},
+    "think": described({"oneOf": [BOOLEAN, STRING]}, "false: no model here has a thinking mode (true is a 400)"),
     "priority": PRIORITY,
     "user": STRING,
     "echo": described(BOOLEAN, "the prompt before the completion; with logprobs, the prompt's own logprobs "
