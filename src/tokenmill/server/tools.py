@@ -153,7 +153,7 @@ def prepare_messages(tokenizer: Tokenizer, messages: list[dict], use: ToolUse) -
     """(messages, tools) for the chat template: its own tool format if it has one, else the default."""
     if template_renders_tools(tokenizer):  # normalized calls already hold their arguments as objects
         return messages, ([_openai_tool(t) for t in use.tools] or None)
-    out = [_default_message(m) for m in messages]
+    out = _merge_tool_results([_default_message(m) for m in messages], messages)
     if use.tools:
         listing = "\n".join(json.dumps(_openai_tool(t)["function"], ensure_ascii=False) for t in use.tools)
         prompt = DEFAULT_INSTRUCTIONS + listing
@@ -211,6 +211,18 @@ def _calls_in(text: str, names: set[str]) -> list[ToolCall]:
 def _openai_tool(t: Tool) -> dict:
     fn = {"name": t.name, **({"description": t.description} if t.description else {}), "parameters": t.parameters}
     return {"type": "function", "function": fn}
+
+
+def _merge_tool_results(out: list[dict], messages: list[dict]) -> list[dict]:
+    """One user turn for each run of tool results (a parallel call's answers, as Qwen's template writes
+    them): templates that make turns alternate (Gemma's) reject two user turns in a row."""
+    merged: list[dict] = []
+    for i, m in enumerate(out):
+        if i and messages[i]["role"] == "tool" and messages[i - 1]["role"] == "tool":
+            merged[-1] = {**merged[-1], "content": f"{merged[-1]['content']}\n{m['content']}"}
+        else:
+            merged.append(m)
+    return merged
 
 
 def _default_message(m: dict) -> dict:
