@@ -104,3 +104,42 @@ def test_user_is_a_string_as_openai_requires(client, tiny, path, body):
     assert client.post(path, json={**body, "user": None}).status_code == 200
     err = openai_error(client.post(path, json={**body, "user": 5}), 400)
     assert err["param"] == "user" and "must be a string" in err["message"]
+
+
+def test_the_file_serve_was_started_with_is_served_by_name_after_keep_alive_unloads_it(tmp_path, monkeypatch):
+    """Ollama reloads an unloaded model on the next request naming it; the file `serve` was given
+    (outside the store) answered 404 "try pulling it" and vanished from the listings instead."""
+    import httpx
+
+    from server_helpers import start_server, wait_idle
+    from tiny_model import TinyLlamaSpec, write_tiny_llama
+
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))  # an empty store: only the file
+    (tmp_path / "files").mkdir()
+    path = write_tiny_llama(tmp_path / "files" / "mine.gguf", TinyLlamaSpec(seed=3))
+    server, host = start_server(str(path), kv_size=2048)
+    try:
+        assert host.wait_ready(60), host.error
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            gen = {"model": "mine", "prompt": "hi", "stream": False, "options": {"num_predict": 1}}
+            r = c.post("/api/generate", json={**gen, "keep_alive": 0})
+            assert r.status_code == 200 and r.json()["done_reason"] == "length", r.text
+            assert wait_for_unloaded(host)
+            assert [m["name"] for m in c.get("/api/tags").json()["models"]] == ["mine"]
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["mine"]
+            assert c.post("/api/show", json={"model": "mine"}).status_code == 200
+            assert c.get("/v1/models/mine").status_code == 200
+            r = c.post("/api/generate", json=gen)
+            assert r.status_code == 200 and r.json()["model"] == "mine", r.text
+            assert [m.name for m in host.loaded_models()] == ["mine"]
+            r = c.post("/v1/chat/completions", json={"model": "mine", "messages": CHAT, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            wait_idle(host)
+    finally:
+        server.stop()
+
+
+def wait_for_unloaded(host) -> bool:
+    from server_helpers import wait_for
+
+    return wait_for(lambda: not host.loaded_models())

@@ -219,6 +219,8 @@ class ModelHost:
                 load, profile = self._default_reload(), Profile()
             elif (pending := self._pending_named(name)) is not None:
                 load, profile = pending, Profile()
+            elif self._calls_served_file(name):  # unloaded since (keep_alive): no store lookup finds it
+                load, profile = self._default_reload(), Profile()
             else:
                 resolved = resolved or await asyncio.to_thread(
                     resolve_for_request, name, self.served_files(), self.policy.pull_on_demand)
@@ -240,6 +242,11 @@ class ModelHost:
 
         spec = self._default_spec
         return [spec.model] if spec is not None and looks_like_path(spec.model) else []
+
+    def _calls_served_file(self, name: str) -> bool:
+        """Whether `name` is what the GGUF file `serve` was started with answers to (its stem)."""
+        spec = self._default_spec
+        return bool(self.served_files()) and normalize_name(name) in spec_names(spec.model)
 
     def _default_reload(self) -> PendingLoad:
         with self._lock:

@@ -84,6 +84,12 @@ def installed_entries(host: ModelHost | None) -> list[ModelEntry]:
         bases[normalize_name(m.name)] = bases[m.path.stem.lower()] = entry
         if m.path.resolve() not in loaded:
             entries.append(entry)
+    listed = {e.path.resolve() for e in entries}
+    for path in map(Path, host.served_files() if host is not None else []):
+        # The file `serve` was started with, outside the store and unloaded since (keep_alive): it is
+        # still served under its name, so it is still listed.
+        if path.resolve() not in listed and not is_blob_path(path) and (entry := _file_entry(path, _digest(path))):
+            entries.insert(0, entry)
     for d in list_derived():
         base = bases.get(normalize_name(d.base)) or next((e for e in entries if str(e.path) == d.base), None)
         if base is None and (spec := find_spec(d.base)) is not None:  # made FROM a catalog alias ("smollm2")
@@ -97,7 +103,10 @@ def installed_entries(host: ModelHost | None) -> list[ModelEntry]:
 
 
 def _blob_entry(digest: str) -> ModelEntry | None:
-    path = blob_path(digest)
+    return _file_entry(blob_path(digest), digest)
+
+
+def _file_entry(path: Path, digest: str) -> ModelEntry | None:
     try:
         m = describe(path)
         mtime = path.stat().st_mtime
