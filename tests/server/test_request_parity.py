@@ -85,7 +85,7 @@ def test_thinking_is_refused_as_ollama_refuses_it_for_a_model_without_it(client,
 
 @pytest.mark.parametrize("template,message", [
     (5, "template must be a string"),
-    ("{{ .Nope }}", "not supported"),
+    ("{{ .Nope }}", "template: {{ .Nope }} is not supported"),
     ("{% for m in messages %}", "does not compile"),
     ("{% for i in range(10**9) %}x{% endfor %}", "template"),  # a render's budget holds for a request's own
     ("x" * (128 * 1024 + 1), "the limit is"),

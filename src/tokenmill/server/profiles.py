@@ -9,7 +9,7 @@ or call functions are not translated: use Jinja for those."""
 from __future__ import annotations
 
 import re
-from tokenmill.server.errors import bad_request
+from tokenmill.server.errors import APIError, bad_request
 from tokenmill.store.derived import Profile
 from tokenmill.tokenizer import ChatTemplateError, Tokenizer
 
@@ -70,6 +70,8 @@ def with_request_template(tokenizer: Tokenizer, template: str) -> Tokenizer:
         return tokenizer.with_chat_template(jinja_template(template, bos=tokenizer.add_bos))
     except ChatTemplateError as exc:
         raise bad_request(f"template does not compile: {exc}", "template") from None
+    except APIError as exc:  # a Go action jinja_template cannot translate: named as the request names it
+        raise bad_request(exc.message.replace("TEMPLATE:", "template:", 1), "template") from None
 
 
 def jinja_template(template: str, *, bos: bool = False) -> str:
