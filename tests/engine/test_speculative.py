@@ -171,6 +171,17 @@ def test_parallel_samples(llama):
     assert e.stats.spec.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("which", ["llama", "gemma"])
+def test_parallel_samples_of_a_prompt_whose_last_chunk_is_one_token(which, request):
+    # Chunks of 7 leave the prompt's last token for a step of its own: one token to compute, as a
+    # decode has. It must not propose then, with samples still to fork: each fork sampled from every
+    # proposal row and started past the proposals (the step failed with a ValueError).
+    loaded, requests = request.getfixturevalue(which), [(repetitive(14, period=4, times=8)[:29], GREEDY)]
+    off = run(engine(loaded, False, n_batch=7), requests, n=2)
+    on = run(engine(loaded, True, n_batch=7), requests, n=2)
+    assert on == off and sorted(on) == [(0, 0), (0, 1)] and on[0, 0]["end"] == FinishReason.LENGTH
+
+
 def test_preemption_by_recompute_with_prefix_caching(llama):
     requests = [(repetitive(20 + i, period=10, times=3), replace(GREEDY, max_tokens=50)) for i in range(6)]
     out, e = same_with_and_without(llama, requests, max_total_tokens=10 * 16, n_batch=48)

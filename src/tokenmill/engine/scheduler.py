@@ -32,6 +32,13 @@ def _victim_key(seq: Sequence) -> tuple:
     return (seq.priority, seq.times.arrival, seq.seq_id)
 
 
+def proposes(seq: Sequence) -> bool:
+    """Whether a sequence may carry proposals this step: it has one token to compute (a decode, or a
+    prompt whose cached prefix covers all but its last token), and no samples left to fork, which
+    would fork after the proposals and sample from the parent's rows as if they were their own."""
+    return seq.num_uncomputed == 1 and not seq.num_pending_forks
+
+
 class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager, stop_ids: frozenset[int],
                  clock: Callable[[], float] = time.monotonic):
@@ -111,7 +118,7 @@ class Scheduler:
         spec = self.speculator
         if spec is None:
             return {}
-        return spec.propose_all([(seq, spec.num_wanted(seq)) for seq in order if seq.num_uncomputed == 1],
+        return spec.propose_all([(seq, spec.num_wanted(seq)) for seq in order if proposes(seq)],
                                 num_rows=len(self.running))
 
     def _speculative_chunk(self, seq: Sequence, budget: int, draft: list[int]) -> ScheduledChunk | None:
@@ -120,7 +127,7 @@ class Scheduler:
         preempt anyone: their blocks come from free ones, and enough stay free for every running
         sequence's next token."""
         spec = self.speculator
-        if spec is None or seq.num_uncomputed != 1:
+        if spec is None or not proposes(seq):
             return None
         draft = draft[:budget - 1]
         row_constraints = None
