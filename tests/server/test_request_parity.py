@@ -143,3 +143,14 @@ def wait_for_unloaded(host) -> bool:
     from server_helpers import wait_for
 
     return wait_for(lambda: not host.loaded_models())
+
+
+def test_best_of_is_checked_as_an_integer_then_refused_unless_it_equals_n(client, tiny):
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert client.post("/v1/completions", json={**body, "best_of": 2, "n": 2}).status_code == 200
+    err = openai_error(client.post("/v1/completions", json={**body, "best_of": "x"}), 400)
+    assert err["param"] == "best_of" and "must be an integer" in err["message"]
+    err = openai_error(client.post("/v1/completions", json={**body, "best_of": 0}), 400)
+    assert err["param"] == "best_of" and "at least 1" in err["message"]
+    err = openai_error(client.post("/v1/completions", json={**body, "best_of": 3, "n": 2}), 400)
+    assert err["param"] == "best_of" and "may only equal n (2), got 3" in err["message"]

@@ -24,7 +24,7 @@ from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, openai_spec
 from tokenmill.server.tool_stream import Piece
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
-from tokenmill.server.validation import check_name_field, get_bool, get_model_name, get_str, read_json
+from tokenmill.server.validation import check_name_field, get_bool, get_int, get_model_name, get_str, read_json
 
 SYSTEM_FINGERPRINT = "tokenmill"
 
@@ -206,8 +206,9 @@ async def completions(request: Request) -> Response:
     opts = parse_options({**body, "max_tokens": 1} if score_only else body, chat=False)
     if get_str(body, "suffix"):
         raise bad_request("suffix: this model does not support fill-in-the-middle", "suffix")
-    if body.get("best_of") is not None and body["best_of"] != opts.n:
-        raise bad_request("best_of is not supported (use n)", "best_of")
+    best_of = get_int(body, "best_of", lo=1)
+    if best_of is not None and best_of != opts.n:
+        raise bad_request(f"best_of is not supported (use n): it may only equal n ({opts.n}), got {best_of}", "best_of")
     if echo and opts.params.logprobs:
         opts.params.prompt_logprobs = opts.params.top_logprobs
     if body.get("prompt") is None:
