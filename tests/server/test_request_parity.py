@@ -1,5 +1,5 @@
-"""Less-used request fields as OpenAI, vLLM and Ollama treat them: logit_bias (refused rather than
-ignored), /v1/completions' default max_tokens of 16, and /api/generate's per-request template. The
+"""Less-used request fields as OpenAI, vLLM and Ollama treat them: logit_bias (applied, its bad
+values refused), /v1/completions' default max_tokens of 16, and /api/generate's per-request template. The
 `tiny` fixture checks after each test that every KV block came back."""
 from __future__ import annotations
 
@@ -23,15 +23,25 @@ def ollama_error(r, status: int) -> str:
 
 @pytest.mark.parametrize("path,body", [("/v1/chat/completions", {"messages": CHAT}),
                                        ("/v1/completions", {"prompt": "hi"})])
-def test_logit_bias_that_would_change_the_output_is_refused_not_ignored(client, tiny, path, body):
-    body = {**body, "max_tokens": 2}
+def test_logit_bias_forces_and_bans_tokens(client, tiny, path, body):
+    tokenizer = tiny[1].current.engine.tokenizer
+    body = {**body, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    text = lambda r: (r.json()["choices"][0].get("message") or r.json()["choices"][0])  # noqa: E731
+    content = lambda r: text(r).get("content", text(r).get("text"))  # noqa: E731
     for empty in ({}, None):  # what SDKs send by default: nothing to apply
         assert client.post(path, json={**body, "logit_bias": empty}).status_code == 200
-    for bias in ({"5": -100}, {"999999": 1}):
+    forced = client.post(path, json={**body, "logit_bias": {"7": 100}})
+    assert forced.status_code == 200, forced.text
+    assert content(forced) == tokenizer.decode([7, 7, 7])
+    banned = client.post(path, json={**body, "logit_bias": {"7": 100, "8": 99.5, "9": -100}})
+    assert content(banned) == tokenizer.decode([7, 7, 7])  # 7 still beats 8; the ban costs nothing
+    vocab = tiny[1].current.engine.loaded.config.vocab_size
+    for bias, says in (({"5": 101}, "between -100 and 100"), ({"5": "x"}, "must be numbers"),
+                       ({"abc": 1}, "must be token ids"), ({"-3": 1}, "must be token ids"),
+                       ({"5": None}, "must be numbers"), ({"5": 10 ** 400}, "between"), ({str(vocab): 1}, "outside the vocabulary"),
+                       ([5], "must be an object")):
         err = openai_error(client.post(path, json={**body, "logit_bias": bias}), 400)
-        assert err["param"] == "logit_bias" and "not supported" in err["message"]
-    err = openai_error(client.post(path, json={**body, "logit_bias": [5]}), 400)
-    assert err["param"] == "logit_bias" and "must be an object" in err["message"]
+        assert err["param"] == "logit_bias" and says in err["message"], err
 
 
 def test_completions_default_to_16_tokens_as_openai_and_vllm(client, tiny):

@@ -47,6 +47,23 @@ def test_completion_bad_option_names_llama_server_field(client):
     assert r.status_code == 400 and "n_probs" in r.json()["error"]
 
 
+def test_completion_logit_bias_in_llama_servers_forms(client, tiny):
+    """[[id, value]] pairs, [[text, value]] (each of its tokens), false for a ban, and OpenAI's object."""
+    tok = tiny[1].current.engine.tokenizer
+    ask = {"prompt": [10, 11, 12], "n_predict": 4, "temperature": 0, "ignore_eos": True}
+    free = client.post("/completion", json=ask).json()["tokens"]
+    assert client.post("/completion", json={**ask, "logit_bias": [[7, 100]]}).json()["tokens"] == [7] * 4
+    assert client.post("/completion", json={**ask, "logit_bias": {"7": 100}}).json()["tokens"] == [7] * 4
+    banned = client.post("/completion", json={**ask, "logit_bias": [[free[0], False]]}).json()["tokens"]
+    assert banned[0] != free[0] and free[0] not in banned
+    word = tok.encode("ok", add_special_tokens=False)
+    forced = client.post("/completion", json={**ask, "logit_bias": [["ok", 100]]}).json()["tokens"]
+    assert set(forced) <= set(word)
+    for bad in ([[7]], [[7, "x"]], [[-1, 1]], [[7, 1000]], "x", [[10 ** 6, 1]]):
+        r = client.post("/completion", json={**ask, "logit_bias": bad})
+        assert r.status_code == 400 and "logit_bias" in r.json()["error"], (bad, r.text)
+
+
 def test_embedding(client, tiny):
     r = client.post("/embedding", json={"content": "hello"})
     assert r.status_code == 200 and len(r.json()["embedding"]) == tiny[1].current.engine.loaded.config.dim

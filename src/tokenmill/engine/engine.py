@@ -21,7 +21,7 @@ from tokenmill.engine.prompt_scores import score_prompt_rows
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from tokenmill.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from tokenmill.engine.speculative import SpecConfigError, row_generators
 from tokenmill.engine.speculative.build import build_speculator
@@ -219,6 +219,10 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise InvalidSamplingParams("logit_bias", f"logit_bias names token id {bad}, outside the vocabulary "
+                                        f"(0..{vocab - 1})")
         if params.constraint is not None and params.constraint.vocab_size != self.tokenizer.vocab_size:
             raise RequestError("the grammar was compiled for another model's vocabulary")
         return limit

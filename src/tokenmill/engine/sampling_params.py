@@ -17,6 +17,7 @@ MAX_SPECULATIVE_TOKENS = 16  # proposed tokens per step and sequence (engine/spe
 # OpenAI caps temperature at 2 and Ollama not at all; we only reject values that are clearly
 # nonsense (and inf/nan), so clients that send e.g. 3.0 keep working.
 MAX_TEMPERATURE = 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, 100 all but forces it
 
 
 class InvalidSamplingParams(ValueError):
@@ -63,6 +64,9 @@ class SamplingParams:
     # same either way, and so is a seeded request's.
     speculative: bool | None = None
     num_speculative_tokens: int | None = None
+    # OpenAI's logit_bias: token id -> a value added to that token's logit before sampling (after the
+    # penalties, before the grammar mask), every step; greedy rows take the argmax of the biased logits.
+    logit_bias: dict[int, float] | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -110,6 +114,12 @@ class SamplingParams:
             raise InvalidSamplingParams("speculative", f"speculative must be true or false, got {self.speculative!r}")
         if self.num_speculative_tokens is not None:
             _int("num_speculative_tokens", self.num_speculative_tokens, lo=0, hi=MAX_SPECULATIVE_TOKENS)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidSamplingParams("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                _int("logit_bias", token, lo=0)
+                _num("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
 
 
 def _is_int(v) -> bool:

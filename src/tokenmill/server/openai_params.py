@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tokenmill.engine import Priority, SamplingParams
 from tokenmill.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from tokenmill.server.errors import bad_request
+from tokenmill.server.logit_bias import openai_logit_bias
 from tokenmill.server.structured_params import OPENAI_FIELDS
 from tokenmill.server.validation import (
     get_bool,
@@ -80,7 +81,6 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
     if body.get("stream_options") is not None and not stream:
         # As OpenAI and vLLM: the options of a stream, with no stream to apply them to.
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    _refuse_logit_bias(body)
     if get_bool(body, "include_stop_str_in_output", False):
         # vLLM's: the matched stop string kept in the output. Refused rather than ignored.
         raise bad_request("include_stop_str_in_output is not supported: the stop string that ended the "
@@ -105,6 +105,7 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
         top_logprobs=top,
         speculative=get_bool(body, "speculative", None),
         num_speculative_tokens=get_int(body, "num_speculative_tokens", lo=0, hi=MAX_SPECULATIVE_TOKENS),
+        logit_bias=openai_logit_bias(body),
     )
     truncate = get_int(body, "truncate_prompt_tokens", lo=-1)
     if truncate == 0:
@@ -120,15 +121,6 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
         truncate_prompt_tokens=truncate,
         field_names=names,
     )
-
-
-def _refuse_logit_bias(body: dict) -> None:
-    """The sampler has no per-token bias: a bias that would change the output is refused rather
-    than ignored (a client banning a token with -100 must not get it anyway). Empty is accepted, as
-    SDKs send {} by default."""
-    bias = get_dict(body, "logit_bias")
-    if bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
 
 
 def truncate_prompt(ids: list[int], truncate: int | None, limit: int) -> list[int]:

@@ -15,6 +15,7 @@ from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, norm
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.errors import APIError, bad_request, client_safe, shown_value
 from tokenmill.server.generation import Generation
+from tokenmill.server.logit_bias import runner_logit_bias
 from tokenmill.server.logprobs import token_text
 from tokenmill.server.model_host import LoadSpec, ModelHost, model_for
 from tokenmill.server.streaming import sse_response, unless_disconnected
@@ -34,7 +35,8 @@ from tokenmill.server.validation import (
 LOAD_FIELDS = {"model", "num_ctx", "kv_size", "parallel", "batch_size", "ubatch_size", "dtype"}
 COMPLETION_FIELDS = {"prompt", "n_predict", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
                      "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "n_probs",
-                     "ignore_eos", "min_tokens", "priority", "cache_prompt", "id_slot", "model", *RUNNER_FIELDS}
+                     "ignore_eos", "min_tokens", "priority", "cache_prompt", "id_slot", "model", "logit_bias",
+                     *RUNNER_FIELDS}
 EMBEDDING_FIELDS = {"content", "input", "model", "truncate"}
 TOKENIZE_FIELDS = {"content", "prompt", "messages", "model", "add_special", "add_special_tokens",
                    "add_generation_prompt"}
@@ -108,7 +110,7 @@ async def health(request: Request) -> Response:
 
 
 # --- /completion --------------------------------------------------------------------------------
-def _params(body: dict) -> SamplingParams:
+def _params(body: dict, tok) -> SamplingParams:
     n_predict = get_int(body, "n_predict", -1, lo=-2)
     seed = get_int(body, "seed", -1)
     n_probs = get_int(body, "n_probs", 0, lo=0)
@@ -130,6 +132,7 @@ def _params(body: dict) -> SamplingParams:
         ignore_eos=bool(get_bool(body, "ignore_eos", False)),
         logprobs=n_probs > 0,
         top_logprobs=n_probs,
+        logit_bias=runner_logit_bias(body, lambda text: tok.encode(text, add_special_tokens=False)),
     )
 
 
@@ -177,7 +180,8 @@ async def completion(request: Request) -> Response:
         ids = check_token_ids(prompt, tok.vocab_size, "prompt")
     else:
         raise bad_request("prompt must be a string or a list of token ids", "prompt")
-    params = _params(body)
+    # logit_bias may name tokens by their text, tokenized here: a long one off the event loop.
+    params = await off_loop(lambda: _params(body, tok), chars_in(body.get("logit_bias")))
     await add_constraint(params, tok, runner_spec(body))
     stream = bool(get_bool(body, "stream", False))
     slot = host.admission.enter()
