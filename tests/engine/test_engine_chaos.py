@@ -324,7 +324,9 @@ def test_chaos_schedule_keeps_every_invariant(llama, grammars, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(100, 140))
+# 340 and 364 failed with "N logit rows but M sampling params" before 2ffc3f9 (proposals on a prompt's
+# last one-token chunk with samples still to fork).
+@pytest.mark.parametrize("seed", [*range(100, 140), 340, 364])
 def test_chaos_schedule_keeps_every_invariant_many_seeds(llama, grammars, seed):
     run_chaos(llama, grammars, seed, num_requests=14)
 
