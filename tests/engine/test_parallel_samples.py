@@ -87,6 +87,38 @@ def test_abort_of_one_sample_spares_its_siblings(loaded):
     assert len(first[0] + outputs[rid, 0]) == len(first[2] + outputs[rid, 2]) == 10
 
 
+@pytest.mark.parametrize("aborted", [[1], [0], [0, 1], [2, 0], [3, 1, 2], [0, 1, 2, 3]])
+def test_abort_of_samples_not_yet_forked_spares_the_others(loaded, aborted):
+    """Samples aborted while the prompt is still being computed end at once (no tokens); the rest,
+    the first sample included when only siblings go, come out as if the others had never been asked
+    for: seeded sample i still draws from seed + i."""
+    p = prompt(60, seed=5)
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=1, ignore_eos=True)
+    engine = make_engine(loaded, max_total_tokens=1024, n_batch=16)  # the prompt takes 4 steps
+    rid = engine.add_request(p, params, n=4)
+    engine.step()
+    for i in aborted:
+        (ev,) = engine.abort(rid, i)
+        assert (ev.index, ev.token_ids, ev.finish_reason) == (i, [], FinishReason.ABORT)
+        assert engine.abort(rid, i) == []  # once ended, a sample is not ended again
+    ends: dict[int, FinishReason] = {}
+    outputs: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            assert ev.index not in aborted
+            outputs.setdefault(ev.index, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                ends[ev.index] = ev.finish_reason
+        engine.blocks.check_integrity()
+    assert_all_free(engine)
+    kept = [i for i in range(4) if i not in aborted]
+    assert ends == {i: FinishReason.LENGTH for i in kept}
+    singles = run_to_completion(make_engine(loaded, max_total_tokens=1024),
+                                [(p, SamplingParams(max_tokens=5, temperature=1.0, seed=1 + i, ignore_eos=True))
+                                 for i in kept])
+    assert [outputs[i] for i in kept] == singles
+
+
 def test_samples_under_memory_pressure_are_preempted_and_still_right(loaded):
     p = prompt(20, seed=5)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -255,12 +255,19 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str, index: int | None = None) -> list[TokenEvent]:
-        """Finish a request's samples (or only sample `index`, e.g. one that hit a stop string)."""
+        """Finish a request's samples (or only sample `index`, e.g. one that hit a stop string). A sample
+        not yet forked from the sequence computing the prompt ends at once, and its siblings go on."""
         events = []
         for seq in self.scheduler.find(request_id):
-            if index is None or seq.sample_index == index:
+            if index is None or (seq.sample_index == index and not seq.unforked_samples()):
                 self.scheduler.finish(seq, FinishReason.ABORT)
                 events += self._finished(seq)
+            elif seq.sample_index == index:
+                events.append(self._unforked_end(seq, index, FinishReason.ABORT))
+                seq.hand_over()
+            elif index in seq.unforked_samples():
+                seq.aborted_forks.add(index)
+                events.append(self._unforked_end(seq, index, FinishReason.ABORT))
         return events
 
     def has_unfinished(self) -> bool:
@@ -407,11 +414,16 @@ class LLMEngine:
         ended before its prompt was computed), so a client counting n endings is not left waiting."""
         self.stats.record_finish(seq)
         events = [self._event(seq)]
-        for i in range(1, seq.num_pending_forks + 1):
-            events.append(TokenEvent(seq.request_id, [], None, None, seq.finish_reason, seq.error,
-                                     len(seq.prompt_ids), seq.num_cached_prompt_tokens, 0, seq.sample_index + i))
+        events += [self._unforked_end(seq, i, seq.finish_reason, seq.error) for i in seq.unforked_samples()]
         seq.num_pending_forks = 0
+        seq.aborted_forks.clear()
         return events
+
+    @staticmethod
+    def _unforked_end(seq: Sequence, index: int, reason: FinishReason | None, error: str | None = None) -> TokenEvent:
+        """The final event of sample `index`, never forked from seq: no tokens."""
+        return TokenEvent(seq.request_id, [], None, None, reason, error, len(seq.prompt_ids),
+                          seq.num_cached_prompt_tokens, 0, index)
 
     def _record(self, shape: StepShape, start: float, preemptions: int, cached_tokens: int) -> None:
         # The shape counted at the step's start: the forks made after the model call add chunks that

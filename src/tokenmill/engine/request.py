@@ -94,6 +94,7 @@ class Sequence:
     # sample 0 has any, until its prompt is computed).
     sample_index: int = 0
     num_pending_forks: int = 0
+    aborted_forks: set[int] = field(default_factory=set)  # of those siblings, the ones aborted already
     # Context management: a context shift keeps the first num_keep tokens and drops the older half
     # of the rest; without shift, a full context ends the sequence with `length`.
     num_keep: int = 0
@@ -202,11 +203,26 @@ class Sequence:
         self.num_shifted_tokens += num_dropped
         self.num_computed_tokens = 0
 
+    def unforked_samples(self) -> list[int]:
+        """The indices of the siblings this sequence is still to fork, the aborted ones left out."""
+        first = self.sample_index + 1
+        return [i for i in range(first, first + self.num_pending_forks) if i not in self.aborted_forks]
+
+    def hand_over(self) -> None:
+        """This sample is aborted before its prompt was computed, its siblings not: the sequence goes on
+        computing the prompt as the first of them, with that sample's generator (no draw was made yet)."""
+        last = self.sample_index + self.num_pending_forks
+        self.sample_index = self.unforked_samples()[0]
+        self.num_pending_forks = last - self.sample_index
+        self.aborted_forks = {i for i in self.aborted_forks if i > self.sample_index}
+        if self.params.seed is not None:
+            self.generator = make_generator(self.params.seed + self.sample_index)
+
     def fork(self, seq_id: int, sample_index: int) -> "Sequence":
         """A sibling sample that has everything this one has computed (the blocks are forked by the
         caller). Born running; it keeps its own generator and output from here on."""
         child = replace(
-            self, seq_id=seq_id, sample_index=sample_index, num_pending_forks=0, generator=None,
+            self, seq_id=seq_id, sample_index=sample_index, num_pending_forks=0, aborted_forks=set(), generator=None,
             constraint=None if self.constraint is None else self.constraint.fork(),
             output_ids=list(self.output_ids), output_logprobs=list(self.output_logprobs),
             output_top_logprobs=list(self.output_top_logprobs),

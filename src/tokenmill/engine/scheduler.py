@@ -253,13 +253,14 @@ class Scheduler:
                 continue
             at = batch.chunks.index(chunk)
             end = chunk.start + chunk.num_new
-            for i in range(1, parent.num_pending_forks + 1):
-                child = parent.fork(new_seq_id(), parent.sample_index + i)
+            for k, index in enumerate(parent.unforked_samples(), start=1):
+                child = parent.fork(new_seq_id(), index)
                 child.num_computed_tokens = end
                 self.blocks.fork(parent.seq_id, child.seq_id)
                 self.running.append(child)
-                batch.chunks.insert(at + i, ScheduledChunk(child, end, 0, True, forked_from=chunk))
+                batch.chunks.insert(at + k, ScheduledChunk(child, end, 0, True, forked_from=chunk))
             parent.num_pending_forks = 0
+            parent.aborted_forks.clear()
 
     def update(self, batch: ScheduledBatch, result: SampleResult | None) -> list[Sequence]:
         """Advance every scheduled sequence; append sampled tokens; finish the ones that are done,
