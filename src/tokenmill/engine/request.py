@@ -90,8 +90,9 @@ class Sequence:
     generator: "torch.Generator | None" = None
     constraint: Constraint | None = None  # grammar state, advanced with every output token
     times: SequenceTimes = field(default_factory=SequenceTimes)
-    # Parallel samples: this sequence's index, and how many siblings it still has to fork (only
-    # sample 0 has any, until its prompt is computed).
+    # Parallel samples: this sequence's index, and how many siblings it still has to fork, those
+    # numbered after it (only the sequence computing the prompt has any: sample 0, or the next one
+    # when sample 0 is aborted first, hand_over).
     sample_index: int = 0
     num_pending_forks: int = 0
     aborted_forks: set[int] = field(default_factory=set)  # of those siblings, the ones aborted already
