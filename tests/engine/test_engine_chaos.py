@@ -88,6 +88,24 @@ class Sample:
     hit_stop: bool = False
     num_events_after_end: int = 0
 
+    def take(self, ev, assembler: OutputAssembler):
+        """An event's tokens, logprobs and text, and its end; None (counted) after the end, else the
+        assembler's delta."""
+        if self.end is not None:
+            self.num_events_after_end += 1
+            return None
+        self.ids += ev.token_ids
+        self.lps += ev.logprobs or []
+        self.tops += ev.top_logprobs or []
+        if ev.prompt_logprobs is not None:
+            assert self.prompt_lps is None, "prompt logprobs twice"
+            self.prompt_lps = ev.prompt_logprobs
+        delta = assembler.push(ev)
+        self.text += delta.text
+        if ev.finished:
+            self.end, self.error = ev.finish_reason, ev.error
+        return delta
+
 
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 270) for _ in range(n)]
@@ -188,20 +206,9 @@ def drive(engine, reqs: list[Req]) -> dict[tuple[int, int], Sample]:
             i = index_of[ev.request_id]
             key = (i, ev.index)
             s = out.setdefault(key, Sample())
-            if s.end is not None:
-                s.num_events_after_end += 1
+            delta = s.take(ev, asm.setdefault(key, OutputAssembler(engine.tokenizer, reqs[i].params)))
+            if delta is None:
                 continue
-            s.ids += ev.token_ids
-            s.lps += ev.logprobs or []
-            s.tops += ev.top_logprobs or []
-            if ev.prompt_logprobs is not None:
-                assert s.prompt_lps is None, f"request {key}: prompt logprobs twice"
-                s.prompt_lps = ev.prompt_logprobs
-            a = asm.setdefault(key, OutputAssembler(engine.tokenizer, reqs[i].params))
-            delta = a.push(ev)
-            s.text += delta.text
-            if ev.finished:
-                s.end, s.error = ev.finish_reason, ev.error
             if delta.hit_stop_string:  # what the servers do: end that sample in the engine
                 s.hit_stop = True
                 record(engine.abort(ev.request_id, ev.index))
@@ -351,18 +358,9 @@ def run_async_chaos(loaded, grammars, seed: int, num_requests: int = 10) -> None
         asm = [OutputAssembler(engine.tokenizer, r.params) for _ in range(r.n)]
         async for ev in aengine.generate(r.prompt, r.params, request_id=rid, n=r.n, priority=r.priority, **r.options):
             s = got[(i, ev.index)]
-            if s.end is not None:
-                s.num_events_after_end += 1
+            delta = s.take(ev, asm[ev.index])
+            if delta is None:
                 continue
-            s.ids += ev.token_ids
-            s.lps += ev.logprobs or []
-            s.tops += ev.top_logprobs or []
-            if ev.prompt_logprobs is not None:
-                s.prompt_lps = ev.prompt_logprobs
-            delta = asm[ev.index].push(ev)
-            s.text += delta.text
-            if ev.finished:
-                s.end, s.error = ev.finish_reason, ev.error
             if delta.hit_stop_string:
                 s.hit_stop = True
                 aengine.abort(rid, ev.index)
