@@ -7,19 +7,17 @@ flight is never unloaded; when nothing can make room, a request waits and then g
 One model is the default: the one `serve` was started with (or /load switched to). It answers requests
 that name no model, /health follows its load, and it stays loaded unless a request's keep_alive says
 otherwise. Loads run one at a time on a worker thread and never block the event loop; a failed load
-fails the requests waiting for it (and, for the default model, becomes the `error` status)."""
+fails the requests waiting for it (and, for the default model, becomes the `error` status).
+What unloads models (evictions, keep_alive, retiring a replaced default) is model_unloads.Unloader."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import threading
 import time
 from dataclasses import replace
 
-from tokenmill import gpu_info
 from tokenmill.engine import AsyncEngine
-from tokenmill.kernels.huge_pages import return_freed_heap
 from tokenmill.server.admission import RETRY_AFTER_SECONDS, Admission
 from tokenmill.server.errors import APIError
 from tokenmill.server.model_loads import (
@@ -34,6 +32,7 @@ from tokenmill.server.model_loads import (
     resolved_key,
     spec_names,
 )
+from tokenmill.server.model_unloads import Unloader
 from tokenmill.server.served_model import Loaded, LoadSpec, Loader, ModelLease, ServedModel, default_loader
 from tokenmill.store.blobs import is_blob_path
 from tokenmill.store.derived import Profile, normalize_name
@@ -43,7 +42,6 @@ log = logging.getLogger("tokenmill.server")
 
 KEEP_DEFAULT = object()  # acquire(): the request gave no keep_alive
 DEFAULT_MODEL_KEEP_ALIVE = None  # the model the server was started with stays until a request says otherwise
-_REAP_SECONDS = 0.25
 
 __all__ = ["HostPolicy", "KEEP_DEFAULT", "LoadSpec", "Loaded", "ModelHost", "ServedModel", "default_loader",
            "normalize_name"]
@@ -58,7 +56,6 @@ class ModelHost:
         self._fetcher = fetcher  # for pull_on_demand (None: pip)
         self.policy = policy or HostPolicy()
         self._loader = loader
-        self._retire_timeout = retire_timeout
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()    # one load at a time: its memory check sees the others
         self._models: dict[str, ServedModel] = {}
@@ -68,10 +65,9 @@ class ModelHost:
         self._default_spec: LoadSpec | None = None
         self.error: str | None = None          # the default model's failed load
         self._waiting = 0
-        self._releasing = 0  # models out of the tables whose engines are still shutting down
         self._closed = False
-        self._wake_reaper = threading.Event()
-        self._reaper = threading.Thread(target=self._reap_loop, name="tokenmill-reaper", daemon=True)
+        # Evictions, keep_alive expiry and retiring: on this host's table, under this host's lock.
+        self._unloader = Unloader(self._models, self._lock, retire_timeout)
 
     # --- what is loaded --------------------------------------------------------------------------
     @property
@@ -98,8 +94,7 @@ class ModelHost:
     @property
     def releasing(self) -> int:
         """Models already gone from loaded_models (and /api/ps) whose memory is not yet given back."""
-        with self._lock:
-            return self._releasing
+        return self._unloader.releasing
 
     def find_loaded(self, name: str) -> ServedModel | None:
         with self._lock:
@@ -204,7 +199,7 @@ class ModelHost:
                 latest = served.latest_keep_alive
                 served.expires_at = None if latest is None else time.time() + latest
             if latest is not None and latest <= 0:
-                self._wake_reaper.set()
+                self._unloader.wake()
 
         return ModelLease(served, name, profile, release)
 
@@ -345,9 +340,7 @@ class ModelHost:
 
     # --- loading ---------------------------------------------------------------------------------
     def _start(self, load: PendingLoad) -> None:
-        with self._lock:
-            if not self._reaper.is_alive() and not self._closed:
-                self._reaper.start()  # with the first load: a host that never loads needs no thread
+        self._unloader.start_reaper()
         threading.Thread(target=self._run_load, args=(load,), name="tokenmill-load", daemon=True).start()
 
     def _report(self, load: PendingLoad, progress: float) -> None:
@@ -357,7 +350,9 @@ class ModelHost:
         start = time.monotonic()
         try:
             with self._load_lock:
-                max_kv = self._make_room(load)
+                # The pool is picked here, not in the Unloader: tests fake a GPU by patching this
+                # module's load_pool.
+                max_kv = self._unloader.make_room(load, load_pool(load.spec.engine), self.policy)
                 loaded = self._loader(replace(load.spec, max_kv_bytes=max_kv), lambda p: self._report(load, p))
                 served = self._serve(load, loaded)
         except BaseException as exc:  # noqa: BLE001 - any failure fails this load, never the server
@@ -407,42 +402,8 @@ class ModelHost:
         if closed:  # shut down while we were loading
             aengine.shutdown()
         if retire is not None:
-            threading.Thread(target=self._retire, args=(retire,), name="tokenmill-retire", daemon=True).start()
+            self._unloader.retire(retire)
         return served
-
-    def _make_room(self, load: PendingLoad) -> int:
-        """Unload idle models (least recently used first) until `load` fits; the KV bytes it may use.
-        A model going to a GPU is held to that GPU's memory (model_loads.MemoryPool), one going to
-        the CPU to the memory budget."""
-        pool = load_pool(load.spec.engine)
-        need = pool.load_bytes(load.spec.model, load.spec.engine.spec_config().draft_model)
-        deadline = time.monotonic() + self.policy.wait_timeout
-        while True:
-            with self._lock:
-                others = [m for k, m in self._models.items() if k != load.key]
-                releasing = self._releasing
-            used = sum(pool.held_by(m) for m in others)
-            budget = pool.budget(self.policy.memory_budget, used)  # a GPU's free memory: asked outside the lock
-            with self._lock:
-                others = [m for m in others if m in self._models.values()]  # (the reaper may have run)
-                fits = len(others) < self.policy.max_loaded_models and used + need <= budget
-                victim = None if fits else min((m for m in others if m.idle), key=lambda m: m.last_used, default=None)
-                if victim is not None:
-                    self._forget(victim)
-            if fits:
-                return budget - used - need
-            if victim is not None:
-                log.info("unloading %s to make room for %s", victim.name, load.spec.model)
-                self._shutdown(victim)
-                continue
-            if not others and not releasing:
-                raise NoRoomError(f"model {load.label} needs {need / 1e9:.2f} GB, more than the "
-                                  f"{pool.describe(budget)}")
-            load.waiting_for_room, load.room = True, pool.describe(budget)
-            if time.monotonic() > deadline or self._closed:
-                raise NoRoomError(f"no room to load {load.label}: {len(others)} model(s) loaded and busy "
-                                  f"(max_loaded_models {self.policy.max_loaded_models}, {pool.describe(budget)})")
-            time.sleep(0.05)
 
     # --- unloading -------------------------------------------------------------------------------
     def unload(self, name: str) -> bool:
@@ -450,60 +411,16 @@ class ModelHost:
         served = self.find_loaded(name)
         if served is None:
             return False
-        with self._lock:
-            served.latest_keep_alive, served.expires_at = 0, time.time()
-        self._wake_reaper.set()
+        self._unloader.unload_when_idle(served)
         return True
-
-    def _forget(self, served: ServedModel) -> None:
-        """Under the lock: take `served` out of the tables (its engine is shut down after, by _shutdown)."""
-        for key, m in list(self._models.items()):
-            if m is served:
-                del self._models[key]
-        self._releasing += 1
-
-    def _shutdown(self, served: ServedModel) -> None:
-        try:
-            served.aengine.shutdown()
-            gc.collect()  # the engine's tensors go now, not at some later collection
-            # glibc keeps what a model's threads freed in its malloc arenas: without this, every
-            # load/unload cycle of a 100 MB model left ~70 MB more resident
-            return_freed_heap()
-            gpu_info.release_cached_memory()  # and a GPU model's memory goes back to the driver
-        finally:
-            with self._lock:
-                self._releasing -= 1
-        log.info("unloaded model %s", served.name)
-
-    def _retire(self, old: ServedModel) -> None:
-        deadline = time.monotonic() + self._retire_timeout
-        # idle: no request running, nor holding it to run one (a lease taken before the switch)
-        while not old.idle and time.monotonic() < deadline:
-            time.sleep(0.1)
-        old.aengine.shutdown()
-        log.info("retired model %s", old.name)
-
-    def _reap_loop(self) -> None:
-        while not self._closed:
-            self._wake_reaper.wait(_REAP_SECONDS)
-            self._wake_reaper.clear()
-            self._unload_expired()  # a call, so no local outlives it holding an unloaded model
-
-    def _unload_expired(self) -> None:
-        now = time.time()
-        with self._lock:
-            expired = [m for m in self._models.values() if m.expires_at is not None and m.expires_at <= now and m.idle]
-            for m in expired:
-                self._forget(m)
-        for m in expired:
-            log.info("model %s expired (keep_alive)", m.name)
-            self._shutdown(m)
 
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
-            models, self._models = list(self._models.values()), {}
-        self._wake_reaper.set()
+            # Emptied in place, not replaced: the Unloader holds this same dict.
+            models = list(self._models.values())
+            self._models.clear()
+            self._unloader.close()  # under the lock, with _closed: no reaper starts after this
         for m in models:
             m.aengine.shutdown()
 
