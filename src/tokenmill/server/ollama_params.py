@@ -7,15 +7,19 @@ from dataclasses import dataclass
 from tokenmill.engine import SamplingParams
 from tokenmill.engine.sampling_params import MAX_SPECULATIVE_TOKENS, InvalidSamplingParams
 from tokenmill.server.errors import bad_request
-from tokenmill.server.validation import get_bool, get_dict, get_float, get_int, get_stop, warn_unknown
+from tokenmill.server.validation import get_bool, get_dict, get_float, get_int, get_stop, warn_once, warn_unknown
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "typical_p": 1.0,
             "repeat_penalty": 1.1, "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
-# Runner and hardware options that mean nothing here; accepted so Modelfile-style clients work.
-IGNORED = {"num_batch", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_thread", "numa", "low_vram", "f16_kv",
-           "vocab_only", "logits_all", "embedding_only", "penalize_newline", "mirostat", "mirostat_tau",
-           "mirostat_eta", "tfs_z", "num_gqa", "rope_frequency_base", "rope_frequency_scale"}
+# Runner and hardware options that mean nothing here, with their Ollama types: accepted so
+# Modelfile-style clients work, but a wrong-typed one is Ollama's 400 as it would be there.
+IGNORED_TYPES = {"num_batch": int, "num_gpu": int, "main_gpu": int, "num_thread": int, "num_gqa": int,
+                 "use_mmap": bool, "use_mlock": bool, "numa": bool, "low_vram": bool, "f16_kv": bool,
+                 "vocab_only": bool, "logits_all": bool, "embedding_only": bool, "penalize_newline": bool,
+                 "mirostat": int, "mirostat_tau": float, "mirostat_eta": float, "tfs_z": float,
+                 "rope_frequency_base": float, "rope_frequency_scale": float}
+IGNORED = set(IGNORED_TYPES)
 # speculative, num_speculative_tokens: tokenmill's own (engine/speculative/), per request.
 KNOWN = {"num_keep", "num_ctx", "num_predict", "seed", "stop", "speculative", "num_speculative_tokens", *DEFAULTS,
          *IGNORED}
@@ -74,10 +78,26 @@ def parse_options(body: dict, where: str, *, prefix: str = "options.") -> Ollama
         speculative=get_bool(opts, "speculative", None, label=f"{prefix}speculative"),
         num_speculative_tokens=i("num_speculative_tokens", lo=0, hi=MAX_SPECULATIVE_TOKENS),
     )
+    _check_ignored(opts, where, prefix)
     # Ollama treats top_k <= 0 as "off".
     if params.top_k < 0:
         params.top_k = 0
     return OllamaOptions(params, i("num_ctx", lo=2), i("num_keep", DEFAULT_NUM_KEEP, lo=-1), num_predict == -2)
+
+
+def _check_ignored(opts: dict, where: str, prefix: str) -> None:
+    """Ignored options are still type-checked; mirostat asked for (1 or 2) is logged, since the
+    sampling it names does not happen here (Ollama's own engine ignores it too)."""
+    for name, kind in IGNORED_TYPES.items():
+        label = f"{prefix}{name}"
+        if kind is bool:
+            get_bool(opts, name, label=label)
+        elif kind is int:
+            get_int(opts, name, label=label)
+        else:
+            get_float(opts, name, label=label)
+    if opts.get("mirostat"):
+        warn_once(where, "mirostat", "mirostat sampling is not supported; top_k/top_p/min_p sampling is used")
 
 
 def check_options(options: dict, where: str, prefix: str) -> None:
