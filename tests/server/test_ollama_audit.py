@@ -31,3 +31,13 @@ def test_ignored_options_of_the_right_type_are_accepted(oll, tiny):
             "num_thread": 4, "num_gpu": -1, "use_mmap": False, "tfs_z": 1.0}
     r = oll.generate(model=model_name(tiny[1]), prompt="hi", options=opts)
     assert r.done and r.eval_count == 3
+
+
+def test_push_says_it_is_not_supported(oll, tiny):
+    """/api/push was a bare 404 "Not Found", which the client reads as a missing model."""
+    with pytest.raises(ollama.ResponseError) as exc:
+        oll.push(model_name(tiny[1]))
+    assert exc.value.status_code == 501 and "push is not supported" in exc.value.error
+    with pytest.raises(ollama.ResponseError) as exc:
+        list(oll.push(model_name(tiny[1]), stream=True))
+    assert exc.value.status_code == 501

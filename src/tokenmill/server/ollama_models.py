@@ -1,4 +1,5 @@
-"""Ollama's model-management endpoints: /, /api/version, /api/tags, /api/show, /api/ps, /api/pull."""
+"""Ollama's model-management endpoints: /, /api/version, /api/tags, /api/show, /api/ps, /api/pull,
+/api/push (refused: there is no registry), /api/delete, /api/copy, /api/create."""
 from __future__ import annotations
 
 import asyncio
@@ -177,6 +178,15 @@ async def pull(request: Request) -> Response:
     return JSONResponse(last)
 
 
+async def push(request: Request) -> Response:
+    """Ollama's push uploads to a registry; there is none here. Said so, rather than a bare 404
+    that the client reads as "model not found"."""
+    body = await read_json(request)
+    warn_unknown(body, PULL_FIELDS, "/api/push")
+    model_field(body)
+    raise APIError(501, "push is not supported: tokenmill has no registry to push models to")
+
+
 async def _store_errors(events):
     try:
         async for e in events:
@@ -193,6 +203,7 @@ def routes() -> list[Route]:
         Route("/api/show", show, methods=["POST"]),
         Route("/api/ps", ps, methods=["GET"]),
         Route("/api/pull", pull, methods=["POST"]),
+        Route("/api/push", push, methods=["POST"]),
         Route("/api/delete", delete, methods=["DELETE"]),
         Route("/api/copy", copy, methods=["POST"]),
         Route("/api/create", create, methods=["POST"]),

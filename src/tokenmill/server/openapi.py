@@ -61,6 +61,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/api/create"): _op("Create a model from an installed one (Modelfile-lite)",
                                  ollama_models.CREATE_FIELDS, stream=NDJSON),
     ("POST", "/api/pull"): _op("Download a catalog model", ollama_models.PULL_FIELDS, stream=NDJSON),
+    ("POST", "/api/push"): _op("Refused (501): there is no registry to push to", ollama_models.PULL_FIELDS),
     ("POST", "/api/blobs/{digest}"): _op("Push a GGUF file as a blob named by its digest (`sha256:<hex>`); "
                                          "HEAD says whether it is held", raw_body="application/octet-stream"),
     ("POST", "/api/generate"): _op("Generate from a prompt (Ollama)", ollama.GENERATE_FIELDS,
