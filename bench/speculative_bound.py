@@ -13,6 +13,9 @@ tokens to propose) or in the proposals themselves?
    (a proposer that knew where its lookup goes wrong: the bound), or not cut (--fixed K: K tokens each
    time a lookup matches). A replayed step costs what step 2 measured for its rows; the ratio is decode
    time without speculation over time with it, per prompt, and the geometric mean per kind.
+4. --any-occurrence: also the bound for a lookup that knew which earlier occurrence to follow: of every
+   occurrence of the context's last 1..max_n tokens, the one whose continuation the answer accepts
+   furthest, cut to that length (is the shortfall in which match is followed, or in how far it goes?).
 
     PYTHONPATH=src .venv/bin/python bench/speculative_bound.py --threads 2
 """
@@ -25,7 +28,7 @@ import time
 from tokenmill.bench.common import cpu_flags, cpu_model, loadavg, set_threads
 from tokenmill.bench.speculative import encode_chat
 from tokenmill.bench.speculative_prompts import all_prompts
-from tokenmill.engine.speculative.ngram import NgramIndex, continuation
+from tokenmill.engine.speculative.ngram import Match, NgramIndex, continuation
 from tokenmill.engine.speculative.policy import StepCosts
 from tokenmill.engine.speculative.proposer import NgramProposer
 from tokenmill.engine.speculative.verify import num_accepted
@@ -130,6 +133,30 @@ def replay(prompt: list[int], answer: list[int], cost: dict[int, float], cfg, fi
     return (len(answer) - 1) * cost[1] / seconds if seconds else 1.0
 
 
+def best_occurrence_run(context: list[int], rest: list[int], max_n: int, cap: int) -> int:
+    """The most tokens of `rest` any earlier occurrence of the context's last 1..max_n tokens proposes."""
+    best = 0
+    for n in range(1, min(max_n, len(context) - 1) + 1):
+        suffix = context[-n:]
+        for end in range(n - 1, len(context) - 1):
+            if context[end] == suffix[-1] and context[end - n + 1:end + 1] == suffix:
+                best = max(best, accepted_tokens(continuation(context, Match(end + 1, n), cap), rest))
+    return best
+
+
+def replay_any_occurrence(prompt: list[int], answer: list[int], cost: dict[int, float], cfg) -> float:
+    """Like replay()'s perfect length, with the best occurrence's proposal at each step."""
+    cap = min(cfg.num_tokens, max(cost) - 1)
+    context = prompt + answer[:1]
+    i, seconds = 1, 0.0
+    while i < len(answer):
+        accepted = min(best_occurrence_run(context, answer[i:], cfg.ngram_max, cap), len(answer) - i - 1)
+        seconds += cost[1 + accepted]
+        context += answer[i:i + accepted + 1]
+        i += accepted + 1
+    return (len(answer) - 1) * cost[1] / seconds if seconds else 1.0
+
+
 def replay_policy(answers: dict[str, tuple[str, list[int], list[int]]], cost: dict[int, float], cfg,
                   proposer_cls=NgramProposer) -> dict[str, float]:
     """The engine's own proposer (its policy, back-off and learned acceptance, one proposer over all the
@@ -165,6 +192,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12, help="timed steps per row count and round")
     p.add_argument("--fixed", type=int, action="append", default=[],
                    help="also replay a proposer that proposes K tokens whenever its lookup matches (repeatable)")
+    p.add_argument("--any-occurrence", action="store_true",
+                   help="also the perfect-length bound following the best earlier occurrence (slow: every one is tried)")
     args = p.parse_args()
     from tokenmill.engine import EngineConfig, LLMEngine
 
@@ -179,11 +208,14 @@ def main() -> int:
     print(f"{cpu_model()} [{cpu_flags()}], {engine.threads.count} threads, load {loadavg()}")
     print("step of R rows, ms: " + "  ".join(f"{r}: {t * 1e3:.2f}" for r, t in sorted(cost.items())))
     sides = [("the engine's", "policy"), ("perfect length", None)] + [(f"always {k}", k) for k in args.fixed]
+    if args.any_occurrence:
+        sides.append(("any occurrence", "any"))
     policy = replay_policy(answers, cost, cfg)
     print(f"\n{'prompt':18}{'kind':10}" + "".join(f"{name:>16}" for name, _ in sides))
     ratios: dict[str, dict[str, list[float]]] = {}
     for name, (kind, prompt, answer) in answers.items():
-        row = [policy[name] if k == "policy" else replay(prompt, answer, cost, cfg, k) for _, k in sides]
+        row = [policy[name] if k == "policy" else replay_any_occurrence(prompt, answer, cost, cfg) if k == "any"
+               else replay(prompt, answer, cost, cfg, k) for _, k in sides]
         for (side, _), r in zip(sides, row):
             ratios.setdefault(kind, {}).setdefault(side, []).append(r)
         print(f"{name:18}{kind:10}" + "".join(f"{r:15.2f}x" for r in row))
