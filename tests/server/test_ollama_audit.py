@@ -41,3 +41,71 @@ def test_push_says_it_is_not_supported(oll, tiny):
     with pytest.raises(ollama.ResponseError) as exc:
         list(oll.push(model_name(tiny[1]), stream=True))
     assert exc.value.status_code == 501
+
+
+# --- the runner API (llama-server) ------------------------------------------------------------------
+RUNNER = {"n_predict": 3, "temperature": 0}
+
+
+def test_completion_takes_a_mix_of_text_and_token_ids(client):
+    """llama-server's [12, "text", 34] is one prompt: the text tokenized in place (BOS only before a
+    leading string). It was a 400."""
+    ids = client.post("/tokenize", json={"content": "hello", "add_special": False}).json()["tokens"]
+    assert len(ids) > 1
+    mixed = client.post("/completion", json={"prompt": [ids[0], "ello" if len(ids) == 2 else "x", 7], **RUNNER})
+    assert mixed.status_code == 200, mixed.text
+    body = mixed.json()
+    as_ids = ids[:1] + client.post("/tokenize", json={"content": "ello" if len(ids) == 2 else "x",
+                                                      "add_special": False}).json()["tokens"] + [7]
+    assert body["tokens_evaluated"] == len(as_ids)
+    same = client.post("/completion", json={"prompt": as_ids, **RUNNER}).json()
+    assert body["content"] == same["content"] and body["tokens"] == same["tokens"]
+
+
+def test_completion_of_several_prompts_answers_an_array(client):
+    prompts = ["hello", [5, 6, 7], ["hi", 9]]
+    r = client.post("/completion", json={"prompt": prompts, **RUNNER})
+    assert r.status_code == 200, r.text
+    results = r.json()
+    assert [x["index"] for x in results] == [0, 1, 2]
+    for prompt, got in zip(prompts, results):
+        alone = client.post("/completion", json={"prompt": prompt, **RUNNER}).json()
+        assert got["content"] == alone["content"] and got["tokens_evaluated"] == alone["tokens_evaluated"]
+        assert alone["index"] == 0 and got["stop"] is True
+
+
+def test_completion_of_several_prompts_streams_each_with_its_index(client):
+    import json
+
+    prompts = ["hello", [5, 6, 7]]
+    with client.stream("POST", "/completion", json={"prompt": prompts, "stream": True, **RUNNER}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    for i, prompt in enumerate(prompts):
+        mine = [e for e in events if e["index"] == i]
+        assert mine[-1]["stop"] is True and sum(1 for e in mine if e["stop"]) == 1
+        alone = client.post("/completion", json={"prompt": prompt, **RUNNER}).json()
+        assert "".join(e["content"] for e in mine) == alone["content"]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([["a"]], "prompt[0] must be a string, a list of token ids, or a list of strings and token ids"),
+    ([1, "x", True], "prompt[0] must be a string"),  # not a mixed prompt: read as a list of prompts
+    ({"text": "x"}, "prompt must be a string, a list of token ids"),
+    (["ok", [1, 99999]], "prompt[1]: token id 99999 is outside the vocabulary"),
+    ([1, "x", 99999], "prompt: token id 99999 is outside the vocabulary"),
+    ([], "prompt is empty"),
+])
+def test_completion_bad_prompts_are_400s_naming_the_prompt(client, prompt, message):
+    r = client.post("/completion", json={"prompt": prompt, **RUNNER})
+    assert r.status_code == 400 and r.json()["error"].startswith(message), r.text
+
+
+@pytest.mark.parametrize("field, value, message", [("cache_prompt", "yes", "cache_prompt must be true or false"),
+                                                   ("id_slot", "x", "id_slot must be an integer"),
+                                                   ("id_slot", -2, "id_slot must be at least -1")])
+def test_completion_accepted_no_op_fields_are_type_checked(client, field, value, message):
+    """cache_prompt and id_slot change nothing here, but a wrong-typed one was silently taken."""
+    assert client.post("/completion", json={"prompt": "hi", field: value, **RUNNER}).json()["error"].startswith(message)
+    ok = {"cache_prompt": False, "id_slot": 0}[field]
+    assert client.post("/completion", json={"prompt": "hi", field: ok, **RUNNER}).status_code == 200

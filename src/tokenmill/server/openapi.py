@@ -14,11 +14,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tokenmill.server import ollama, ollama_models, openai_embeddings, openai_params, runner_api
-from tokenmill.server.openapi_fields import FIELDS, INTEGER, OBJECT, OPTIONS, PROMPTS, STRING, TOKEN_IDS
+from tokenmill.server.openapi_fields import FIELDS, INTEGER, OBJECT, OPTIONS, PROMPTS, STRING
 from tokenmill.server.ollama_models import tokenmill_version
 
 NDJSON, SSE, JSON, TEXT = "application/x-ndjson", "text/event-stream", "application/json", "text/plain"
 OLLAMA_OPTIONS = {"type": "object", "properties": OPTIONS, "description": "Ollama's model options"}
+# llama-server's prompt: text, token ids, both mixed in one list, or a list of such prompts.
+_MIXED = {"type": "array", "items": {"oneOf": [{"type": "integer", "minimum": 0}, STRING]}}
+RUNNER_PROMPTS = {"oneOf": [STRING, _MIXED, {"type": "array", "items": {"oneOf": [STRING, _MIXED]}}]}
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/load"): _op("Load (or switch to) a model in the background", runner_api.LOAD_FIELDS),
     ("GET", "/health"): _op("Whether a model is loaded and the engine is serving (no API key needed)"),
     ("POST", "/completion"): _op("Complete a prompt (llama-server)", runner_api.COMPLETION_FIELDS,
-                                 overrides={"prompt": {"oneOf": [STRING, TOKEN_IDS]}}, stream=SSE),
+                                 overrides={"prompt": RUNNER_PROMPTS}, stream=SSE),
     ("POST", "/completions"): _op("Alias of /completion", runner_api.COMPLETION_FIELDS,
-                                  overrides={"prompt": {"oneOf": [STRING, TOKEN_IDS]}}, stream=SSE),
+                                  overrides={"prompt": RUNNER_PROMPTS}, stream=SSE),
     ("POST", "/embedding"): _op("Embed a text (llama-server)", runner_api.EMBEDDING_FIELDS,
                                 overrides={"input": STRING}),
     ("POST", "/tokenize"): _op("Text or chat messages to token ids", runner_api.TOKENIZE_FIELDS),

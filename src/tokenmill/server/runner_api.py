@@ -14,7 +14,7 @@ from tokenmill.engine import ConfigError, SamplingParams
 from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, normalize_messages, off_loop, render_chat
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.errors import APIError, bad_request, client_safe, shown_value
-from tokenmill.server.generation import Generation
+from tokenmill.server.generation import Generation, Result, all_deltas
 from tokenmill.server.logit_bias import runner_logit_bias
 from tokenmill.server.logprobs import token_text
 from tokenmill.server.model_host import LoadSpec, ModelHost, model_for
@@ -173,58 +173,110 @@ async def completion(request: Request) -> Response:
     host = _host(request)
     served = await model_for(request, get_model_name(body))
     tok = served.engine.tokenizer
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        ids = await off_loop(lambda: encode_prompt(tok, prompt), len(prompt))
-    elif isinstance(prompt, list):
-        ids = check_token_ids(prompt, tok.vocab_size, "prompt")
-    else:
-        raise bad_request("prompt must be a string or a list of token ids", "prompt")
+    prompts = await off_loop(lambda: _prompts(body.get("prompt"), tok), chars_in(body.get("prompt")))
+    # Accepted as llama-server's, though they change nothing here: the prefix cache is always on and
+    # there are no slots to pick; still type-checked, so a wrong value is not silently taken.
+    get_bool(body, "cache_prompt")
+    get_int(body, "id_slot", lo=-1)
     # logit_bias may name tokens by their text, tokenized here: a long one off the event loop.
     params = await off_loop(lambda: _params(body, tok), chars_in(body.get("logit_bias")))
     await add_constraint(params, tok, runner_spec(body))
     stream = bool(get_bool(body, "stream", False))
+    priority = get_priority(body)
     slot = host.admission.enter()
     try:
-        gen = Generation(served, ids, params, priority=get_priority(body), field_names=FIELD_NAMES)
+        gens = [Generation(served, ids, params, priority=priority, field_names=FIELD_NAMES) for ids in prompts]
+        multi = len(gens) > 1
         if stream:
             # The response owns the slot from here: it is released when the stream ends, however it ends.
-            response, slot = sse_response(_stream(gen), on_close=slot.release, done_marker=False), None
+            response, slot = sse_response(_stream(gens), on_close=slot.release, done_marker=False), None
             return response
-        result = await unless_disconnected(request, _collect(gen))
+        results = await unless_disconnected(request, _collect(gens))
     finally:
         if slot is not None:
             slot.release()
-    return JSONResponse(result)
+    # llama-server: one prompt answers one object, several an array of them (each with its index).
+    return JSONResponse(results if multi else results[0])
 
 
-async def _stream(gen: Generation):
-    count = 0
-    async for _, d in gen.deltas():
-        count += len(d.token_ids)
-        chunk = {"content": d.text, "stop": False, "tokens": d.token_ids}
+def _prompts(prompt, tok) -> list[list[int]]:
+    """llama-server's prompt forms: a string, token ids, or a mix of both ([12, "text", 34], one
+    prompt); or a list of such prompts, each completed on its own."""
+    if isinstance(prompt, str) or _is_mixed(prompt):
+        return [_mixed_ids(prompt, tok)]
+    if _is_token_ids(prompt):
+        return [check_token_ids(prompt, tok.vocab_size, "prompt")]
+    if isinstance(prompt, list) and prompt:
+        out = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str) or _is_mixed(p):
+                out.append(_mixed_ids(p, tok, f"prompt[{i}]"))
+            elif _is_token_ids(p):
+                out.append(check_token_ids(p, tok.vocab_size, f"prompt[{i}]"))
+            else:
+                raise bad_request(f"prompt[{i}] must be a string, a list of token ids, or a list of strings and "
+                                  "token ids", f"prompt[{i}]")
+        return out
+    raise bad_request("prompt must be a string, a list of token ids, a list of strings and token ids, "
+                      "or a list of such prompts", "prompt")
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _is_mixed(value) -> bool:
+    """Strings and token ids in one list: one prompt (llama-server needs at least one of each)."""
+    return (isinstance(value, list) and all(isinstance(t, (int, str)) and not isinstance(t, bool) for t in value)
+            and any(isinstance(t, str) for t in value) and any(isinstance(t, int) for t in value))
+
+
+def _mixed_ids(prompt, tok, field: str = "prompt") -> list[int]:
+    """As llama-server's tokenize_mixed: the special tokens (BOS) only before a leading string."""
+    if isinstance(prompt, str):
+        return encode_prompt(tok, prompt)
+    ids: list[int] = []
+    for i, part in enumerate(prompt):
+        if isinstance(part, str):
+            ids += encode_prompt(tok, part) if i == 0 else tok.encode(part, add_special_tokens=False)
+        else:
+            ids.append(part)
+    return check_token_ids(ids, tok.vocab_size, field)
+
+
+def _indexed(obj: dict, index: int) -> dict:
+    return {**obj, "index": index}  # which prompt, as llama-server says in every object
+
+
+async def _stream(gens: list[Generation]):
+    counts = [0] * len(gens)
+    async for p, d in all_deltas(gens):
+        gen = gens[p]
+        counts[p] += len(d.token_ids)
+        chunk = _indexed({"content": d.text, "stop": False, "tokens": d.token_ids}, p)
         if gen.params.logprobs:
             chunk["completion_probabilities"] = _probs(gen, d.token_ids, d.logprobs, d.top_logprobs)
         if d.finished:
             if d.text or d.token_ids:
                 yield chunk
-            yield _final(gen, "", d.finish_reason, d.stop_string, count)
+            yield _indexed(_final(gen, "", d.finish_reason, d.stop_string, counts[p]), p)
         elif d.text or d.token_ids:
             yield chunk
 
 
-async def _collect(gen: Generation) -> dict:
-    text, ids, lps, tops, reason, stopping_word = "", [], [], [], None, None
-    async for _, d in gen.deltas():
-        text += d.text
-        ids += d.token_ids
-        lps += d.logprobs or []
-        tops += d.top_logprobs or []
-        reason, stopping_word = d.finish_reason or reason, stopping_word or d.stop_string
-    out = _final(gen, text, reason, stopping_word, len(ids))
-    out["tokens"] = ids
-    if gen.params.logprobs:
-        out["completion_probabilities"] = _probs(gen, ids, lps, tops)
+async def _collect(gens: list[Generation]) -> list[dict]:
+    results = [Result() for _ in gens]
+    stopping = [None] * len(gens)
+    async for p, d in all_deltas(gens):
+        results[p].add(d)
+        stopping[p] = stopping[p] or d.stop_string
+    out = []
+    for p, (gen, r) in enumerate(zip(gens, results)):
+        obj = _final(gen, r.text, r.finish_reason, stopping[p], len(r.token_ids))
+        obj["tokens"] = r.token_ids
+        if gen.params.logprobs:
+            obj["completion_probabilities"] = _probs(gen, r.token_ids, r.logprobs, r.top_logprobs)
+        out.append(_indexed(obj, p))
     return out
 
 
