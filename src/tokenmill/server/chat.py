@@ -21,6 +21,12 @@ INLINE_CHARS = 2048
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
+# Parts that hold text, and the key it is under: OpenAI's text part, the Responses API's input_text, and
+# an assistant's refusal (which a client sends back as it got it), as vLLM reads them.
+_TEXT_PARTS = {"text": "text", "input_text": "text", "refusal": "refusal"}
+_MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file")
+
+
 def _content_text(content: Any, where: str) -> str | None:
     """OpenAI allows a string or a list of typed parts; only text parts are meaningful here."""
     if content is None or isinstance(content, str):
@@ -29,10 +35,11 @@ def _content_text(content: Any, where: str) -> str | None:
         texts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            elif kind in ("image_url", "input_image", "image", "input_audio", "file"):
-                raise bad_request(f"{where}[{j}]: this model accepts text only, got a {kind} part", f"{where}")
+            if kind in _TEXT_PARTS and isinstance(part.get(_TEXT_PARTS[kind]), str):
+                texts.append(part[_TEXT_PARTS[kind]])
+            elif kind in _MEDIA_PARTS:
+                raise bad_request(f"{where}[{j}]: this model accepts text only, got a part of type {kind}",
+                                  f"{where}")
             else:
                 raise bad_request(f"{where}[{j}] must be a text part ({{\"type\": \"text\", \"text\": ...}})", where)
         return "".join(texts)
