@@ -19,7 +19,13 @@ from tokenmill.server.generation import Generation, Result, all_deltas, collect_
 from tokenmill.server.logprobs import chat_entries, completion_logprobs, echo_logprobs, joined_logprobs
 from tokenmill.server.model_host import ModelHost, ServedModel, model_for
 from tokenmill.server.openai_embeddings import embeddings
-from tokenmill.server.openai_params import OpenAIOptions, parse_options, truncate_prompt
+from tokenmill.server.openai_params import (
+    OpenAIOptions,
+    parse_options,
+    refuse_unsupported,
+    template_options,
+    truncate_prompt,
+)
 from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, openai_spec
 from tokenmill.server.tool_stream import Piece
@@ -91,12 +97,20 @@ def _by_choice(gens: list[Generation]) -> list[Generation]:
     return [g for g in gens for _ in range(g.n)]
 
 
+def _running_usage(opts: OpenAIOptions, g: Generation, count: int) -> dict | None:
+    """vLLM's continuous_usage_stats: each chunk of a choice carries its usage so far (its prompt and
+    the tokens it has generated); None (the chunk's usage: null) without it."""
+    return usage(g.num_prompt_tokens, count, g.num_cached_tokens) if opts.continuous_usage else None
+
+
 # --- /v1/chat/completions -------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     served = await model_for(request, get_model_name(body))
     body = profiles.openai_body(body, served.profile)
     opts = parse_options(body, chat=True)
+    refuse_unsupported(body)
+    template = template_options(body)
     tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
     tool_use = parse_tool_use(body)
     constraint = _one_constraint(openai_spec(body), tool_use)
@@ -104,7 +118,8 @@ async def chat_completions(request: Request) -> Response:
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     messages, tools = prepare_messages(tok, profiles.chat_messages(messages, served.profile), tool_use)
-    ids = await off_loop(lambda: render_chat(tok, messages, tools=tools), chars_in(messages))
+    ids = await off_loop(lambda: render_chat(tok, messages, tools=tools, **template),
+                         chars_in(messages) + chars_in(template))
     await add_constraint(opts.params, tok, constraint)
     env = Envelope("chat.completion", served.name, opts.include_usage)
 
@@ -112,11 +127,16 @@ async def chat_completions(request: Request) -> Response:
         return {"content": chat_entries(tok, ids_, lps, top)} if opts.params.logprobs and ids_ else None
 
     async def stream_body(gens: list[Generation]):
-        num_choices = len(_by_choice(gens))
-        for i in range(num_choices):
-            yield env.wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}], "chat.completion.chunk")
+        by_choice = _by_choice(gens)
+        num_choices = len(by_choice)
         counts = [0] * num_choices
+
+        def chunk(i: int, delta: dict, lp=None, reason=None) -> dict:
+            return env.wrap([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+                            "chat.completion.chunk", _running_usage(opts, by_choice[i], counts[i]))
+
+        for i in range(num_choices):
+            yield chunk(i, {"role": "assistant", "content": ""})
         # With tools, each choice's text goes through a parser that sends calls as they are written.
         parsers = [tool_use.stream() for _ in range(num_choices)] if tool_use.active else None
         async for i, d in all_deltas(gens):
@@ -130,13 +150,11 @@ async def chat_completions(request: Request) -> Response:
             if lp and not deltas:
                 deltas = [{}]
             for j, delta in enumerate(deltas):
-                yield env.wrap([{"index": i, "delta": delta, "logprobs": lp if j == 0 else None,
-                                 "finish_reason": None}], "chat.completion.chunk")
+                yield chunk(i, delta, lp if j == 0 else None)
             if d.finished:
                 called = parsers is not None and parsers[i].num_calls > 0
                 reason = "tool_calls" if called and d.finish_reason == "stop" else d.finish_reason
-                yield env.wrap([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}],
-                               "chat.completion.chunk")
+                yield chunk(i, {}, reason=reason)
         if opts.include_usage:
             yield env.wrap([], "chat.completion.chunk", _total_usage(gens, counts))
 
@@ -239,20 +257,23 @@ async def completions(request: Request) -> Response:
         if echo and not scores_prompt:  # the prompt's chunk goes first; with its logprobs, once they exist
             for i, g in enumerate(_by_choice(gens)):
                 unechoed.discard(i)
-                yield env.wrap([{"index": i, "text": prefix(g), "logprobs": None, "finish_reason": None}])
+                yield env.wrap([{"index": i, "text": prefix(g), "logprobs": None, "finish_reason": None}],
+                               usage=_running_usage(opts, g, 0))
         async for i, d in all_deltas(gens):
             if i in unechoed and (d.prompt_logprobs is not None or d.finished):
                 unechoed.discard(i)
                 g = _by_choice(gens)[i]
                 yield env.wrap([{"index": i, "text": prefix(g), "finish_reason": None,
-                                 "logprobs": prompt_logprobs_of(g, d.prompt_logprobs)}])
+                                 "logprobs": prompt_logprobs_of(g, d.prompt_logprobs)}],
+                               usage=_running_usage(opts, g, counts[i]))
             if score_only:
                 d = replace(d, text="", token_ids=[])
             counts[i] += len(d.token_ids)
             lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs, offsets[i])
             offsets[i] += len(d.text)
             if d.text or lp or d.finished:
-                yield env.wrap([{"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}])
+                yield env.wrap([{"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}],
+                               usage=_running_usage(opts, _by_choice(gens)[i], counts[i]))
         if opts.include_usage:
             yield env.wrap([], usage=_total_usage(gens, counts))
 

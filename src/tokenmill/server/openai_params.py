@@ -35,12 +35,19 @@ SAMPLING_FIELDS = {
     "speculative", "num_speculative_tokens",  # tokenmill's: speculative decoding per request
     *OPENAI_FIELDS,  # response_format, vLLM's guided_* and structured_outputs
 }
-# Accepted without effect: they change nothing about the text a model can produce here.
+# Accepted without effect: they change nothing about the text a model can produce here (`prediction`
+# only speeds up a known answer; `modalities` may only ask for text, see refuse_unsupported).
 HARMLESS = {"user", "store", "metadata", "service_tier", "safety_identifier",
-            "prompt_cache_key", "modalities", "verbosity", "reasoning_effort",
-            "add_generation_prompt", "chat_template_kwargs"}
-CHAT_FIELDS = SAMPLING_FIELDS | HARMLESS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                            "tool_choice", "parallel_tool_calls"}
+            "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "prediction",
+            "modalities", "verbosity", "reasoning_effort"}
+# Asked for, these would change what the client gets back in a way this server cannot honour (audio, a
+# legacy function call, a web search): a 400 naming the field, never a silently different answer.
+REFUSED_CHAT = {"audio", "functions", "function_call", "web_search_options"}
+CHAT_FIELDS = SAMPLING_FIELDS | HARMLESS | REFUSED_CHAT | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "add_generation_prompt", "chat_template_kwargs"}
+# Names chat_template_kwargs may not use: the renderer's own arguments, set by the request's own fields.
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | HARMLESS | {"prompt", "echo", "suffix", "best_of"}
 
 
@@ -50,6 +57,7 @@ class OpenAIOptions:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     priority: Priority
     truncate_prompt_tokens: int | None
     field_names: dict[str, str]
@@ -111,16 +119,51 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
     if truncate == 0:
         raise bad_request("truncate_prompt_tokens must be positive, or -1 for the context size",
                           "truncate_prompt_tokens")
+    include_usage = stream and bool(get_bool(stream_options, "include_usage", False,
+                                             label="stream_options.include_usage"))
+    continuous = bool(get_bool(stream_options, "continuous_usage_stats", False,
+                               label="stream_options.continuous_usage_stats"))
     return OpenAIOptions(
         params=params,
         n=get_int(body, "n", 1, lo=1, hi=MAX_N),
         stream=stream,
-        include_usage=stream and bool(get_bool(stream_options, "include_usage", False,
-                                               label="stream_options.include_usage")),
+        include_usage=include_usage,
+        continuous_usage=include_usage and continuous,  # as vLLM: only along with include_usage
         priority=get_priority(body),
         truncate_prompt_tokens=truncate,
         field_names=names,
     )
+
+
+def refuse_unsupported(body: dict) -> None:
+    """A 400 for a chat request that asks for what this server cannot give (see REFUSED_CHAT)."""
+    for name in ("functions", "function_call"):
+        value = body.get(name)
+        # function_call "auto" / "none" without functions asks for nothing; a named one or a list does.
+        if value not in (None, [], "auto", "none"):
+            raise bad_request(f"{name} (OpenAI's deprecated function calling) is not supported: send the functions "
+                              "as tools and function_call as tool_choice", name)
+    modalities = body.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list)
+                                   or not all(isinstance(m, str) for m in modalities)):
+        raise bad_request("modalities must be a list of strings", "modalities")
+    if body.get("audio") is not None or (modalities and "audio" in modalities):
+        field = "audio" if body.get("audio") is not None else "modalities"
+        raise bad_request(f"{field}: audio output is not supported, this server writes text only", field)
+    if body.get("web_search_options") is not None:
+        raise bad_request("web_search_options: this server has no web search", "web_search_options")
+
+
+def template_options(body: dict) -> dict:
+    """The chat template's arguments a request may set: vLLM's add_generation_prompt (false: the
+    prompt ends with the last message, e.g. to continue it) and chat_template_kwargs, variables the
+    template reads (Qwen3's enable_thinking, documents, ...)."""
+    extra = get_dict(body, "chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs.{reserved[0]} cannot be set there; it comes from the request's "
+                          "own fields", "chat_template_kwargs")
+    return {**extra, "add_generation_prompt": bool(get_bool(body, "add_generation_prompt", True))}
 
 
 def truncate_prompt(ids: list[int], truncate: int | None, limit: int) -> list[int]:

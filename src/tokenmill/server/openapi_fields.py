@@ -80,7 +80,10 @@ FIELDS: dict[str, dict] = {
     "tokens": TOKEN_IDS,
     "add_special": BOOLEAN,
     "add_special_tokens": BOOLEAN,
-    "add_generation_prompt": BOOLEAN,
+    "add_generation_prompt": described(BOOLEAN, "end the prompt with the assistant's turn opening (default "
+                                                "true); false: it ends with the last message"),
+    "chat_template_kwargs": described(OBJECT, "variables for the chat template (e.g. enable_thinking); not "
+                                              "messages, tools or add_generation_prompt"),
     "truncate": described(BOOLEAN, "cut an input longer than the context instead of rejecting it"),
     "shift": described(BOOLEAN, "when the context fills up, drop older tokens and go on"),
     "dimensions": {"type": "integer", "minimum": 1},
@@ -145,9 +148,14 @@ FIELDS: dict[str, dict] = {
     # accepted for compatibility, without effect
     **{k: described(v, "accepted; no effect") for k, v in {
         "store": BOOLEAN, "metadata": OBJECT, "service_tier": STRING, "safety_identifier": STRING,
-        "prompt_cache_key": STRING, "modalities": STRINGS, "verbosity": STRING, "reasoning_effort": STRING,
-        "chat_template_kwargs": OBJECT,
+        "prompt_cache_key": STRING, "verbosity": STRING, "reasoning_effort": STRING,
+        "prompt_cache_retention": STRING, "prompt_cache_options": OBJECT, "prediction": OBJECT,
     }.items()},
+    "modalities": described(STRINGS, 'only "text": "audio" is a 400'),
+    **{k: described(v, "not supported: a 400 when given") for k, v in {
+        "audio": OBJECT, "functions": {"type": "array", "items": OBJECT},
+        "function_call": {"oneOf": [STRING, OBJECT]},
+        "web_search_options": OBJECT}.items()},
 }
 
 # Ollama's `options` object.
