@@ -109,3 +109,40 @@ def test_completion_accepted_no_op_fields_are_type_checked(client, field, value,
     assert client.post("/completion", json={"prompt": "hi", field: value, **RUNNER}).json()["error"].startswith(message)
     ok = {"cache_prompt": False, "id_slot": 0}[field]
     assert client.post("/completion", json={"prompt": "hi", field: ok, **RUNNER}).status_code == 200
+
+
+def test_props_gives_the_context_template_and_defaults(client, tiny):
+    """GET /props, which llama-server clients read n_ctx and the chat template from, was a 404."""
+    r = client.get("/props")
+    assert r.status_code == 200, r.text
+    props = r.json()
+    engine = tiny[1].current.engine
+    assert props["default_generation_settings"]["n_ctx"] == engine.max_model_len
+    assert "im_start" in props["chat_template"]
+    assert props["model_path"] == model_name(tiny[1]) and "/" not in props["model_path"]  # never a server path
+    params = props["default_generation_settings"]["params"]
+    # The defaults it lists are the ones /completion uses: spelled out, a seeded run samples the same tokens.
+    explicit = {k: params[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")}
+    a = client.post("/completion", json={"prompt": "hi", "n_predict": 4, "seed": 3}).json()
+    b = client.post("/completion", json={"prompt": "hi", "n_predict": 4, "seed": 3, **explicit}).json()
+    assert a["tokens"] == b["tokens"]
+    assert client.get("/props", params={"model": "../x"}).status_code == 400
+
+
+def test_slots_is_refused_as_llama_server_without_slots(client):
+    r = client.get("/slots")
+    assert r.status_code == 501 and "does not support slots" in r.json()["error"]
+
+
+def test_apply_template_renders_what_tokenize_would(client):
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.post("/apply-template", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\n") and "hi" in prompt
+    by_messages = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    by_text = client.post("/tokenize", json={"content": prompt, "add_special": False}).json()["tokens"]
+    assert by_messages == by_text
+    assert client.post("/apply-template", json={}).json()["error"] == "messages is required"
+    bad = client.post("/apply-template", json={"messages": [{"role": "bogus", "content": "x"}]})
+    assert bad.status_code == 400 and "messages[0].role" in bad.json()["error"]

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tokenmill.server import ollama, ollama_models, openai_embeddings, openai_params, runner_api
+from tokenmill.server import ollama, ollama_models, openai_embeddings, openai_params, runner_api, runner_info
 from tokenmill.server.openapi_fields import FIELDS, INTEGER, OBJECT, OPTIONS, PROMPTS, STRING
 from tokenmill.server.ollama_models import tokenmill_version
 
@@ -51,6 +51,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                 overrides={"input": STRING}),
     ("POST", "/tokenize"): _op("Text or chat messages to token ids", runner_api.TOKENIZE_FIELDS),
     ("POST", "/detokenize"): _op("Token ids to text", runner_api.DETOKENIZE_FIELDS, required=("tokens",)),
+    ("GET", "/props"): _op("The model's context size, chat template and /completion's defaults (llama-server)"),
+    ("GET", "/slots"): _op("Refused (501), as llama-server with --no-slots: there are no slots"),
+    ("POST", "/apply-template"): _op("Chat messages to the prompt text (llama-server)",
+                                     runner_info.APPLY_TEMPLATE_FIELDS, required=("messages",)),
     # Ollama
     ("GET", "/"): _op("`Ollama is running`", response=TEXT),
     ("GET", "/api/version"): _op("Ollama API version, tokenmill version and kernels"),

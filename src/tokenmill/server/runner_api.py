@@ -136,6 +136,16 @@ def _params(body: dict, tok) -> SamplingParams:
     )
 
 
+def sampling_defaults(tok) -> dict:
+    """What a /completion with no sampling fields uses, as llama-server's /props lists it."""
+    p = _params({}, tok)
+    return {"n_predict": -1, "seed": -1, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+            "min_p": p.min_p, "typical_p": p.typical_p, "repeat_penalty": p.repeat_penalty,
+            "repeat_last_n": p.repeat_last_n, "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty, "n_probs": 0, "ignore_eos": False,
+            "stop": []}
+
+
 def _stop_type(finish_reason: str | None, stopping_word: str | None) -> str:
     if stopping_word is not None:
         return "word"
