@@ -4,6 +4,7 @@ the model loaded forever. Parsed into seconds, with None meaning forever; so is 
 than any Go duration (Ollama's type for it), which no clock could count down anyway."""
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -19,10 +20,16 @@ class KeepAliveError(ValueError):
     pass
 
 
+def _shown(value: object, limit: int = 60) -> str:
+    """The value as the client sent it (JSON), cut short: an error never echoes a megabyte back."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def parse_keep_alive(value: object) -> float | None:
     """Seconds to stay loaded (0 = unload now), or None for forever."""
     if isinstance(value, bool):
-        raise KeepAliveError(f"keep_alive must be a duration such as \"5m\" or a number of seconds, got {value!r}")
+        raise KeepAliveError(f"keep_alive must be a duration such as \"5m\" or a number of seconds, got {_shown(value)}")
     if isinstance(value, int):
         seconds = float(max(min(value, 2**64), -1))  # a JSON integer may be too large for a float
     elif isinstance(value, float):
@@ -30,7 +37,7 @@ def parse_keep_alive(value: object) -> float | None:
     elif isinstance(value, str):
         seconds = _parse_text(value.strip())
     else:
-        raise KeepAliveError(f"keep_alive must be a duration such as \"5m\" or a number of seconds, got {value!r}")
+        raise KeepAliveError(f"keep_alive must be a duration such as \"5m\" or a number of seconds, got {_shown(value)}")
     if math.isnan(seconds):
         raise KeepAliveError("keep_alive must be a number, got NaN")
     if seconds < 0 or seconds > MAX_SECONDS:
@@ -52,5 +59,5 @@ def _parse_text(text: str) -> float:
         total += float(m.group(1)) * _UNITS[m.group(2)]
         pos = m.end()
     if not body or pos != len(body):
-        raise KeepAliveError(f"keep_alive: {text!r} is not a duration (examples: \"5m\", \"1h30m\", \"30s\", \"-1\")")
+        raise KeepAliveError(f"keep_alive: {_shown(text)} is not a duration (examples: \"5m\", \"1h30m\", \"30s\", \"-1\")")
     return sign * total

@@ -146,3 +146,11 @@ def test_apply_template_renders_what_tokenize_would(client):
     assert client.post("/apply-template", json={}).json()["error"] == "messages is required"
     bad = client.post("/apply-template", json={"messages": [{"role": "bogus", "content": "x"}]})
     assert bad.status_code == 400 and "messages[0].role" in bad.json()["error"]
+
+
+@pytest.mark.parametrize("value, shown", [(True, "got true"), ([1], "got [1]"), ("5x", '"5x" is not a duration'),
+                                          ("9" * 5000 + "x", '"99999')])
+def test_bad_keep_alive_is_a_400_that_shows_the_value_briefly(client, tiny, value, shown):
+    """The value was echoed as Python's repr (True, '5x') and in full, however long."""
+    r = client.post("/api/generate", json={"model": model_name(tiny[1]), "prompt": "hi", "keep_alive": value})
+    assert r.status_code == 400 and shown in r.json()["error"] and len(r.json()["error"]) < 200, r.text
