@@ -154,3 +154,12 @@ def test_bad_keep_alive_is_a_400_that_shows_the_value_briefly(client, tiny, valu
     """The value was echoed as Python's repr (True, '5x') and in full, however long."""
     r = client.post("/api/generate", json={"model": model_name(tiny[1]), "prompt": "hi", "keep_alive": value})
     assert r.status_code == 400 and shown in r.json()["error"] and len(r.json()["error"]) < 200, r.text
+
+
+def test_tokenize_with_pieces_gives_each_tokens_text(client):
+    """llama-server's with_pieces was ignored (bare ids came back)."""
+    plain = client.post("/tokenize", json={"content": "hello", "add_special": False}).json()["tokens"]
+    r = client.post("/tokenize", json={"content": "hello", "add_special": False, "with_pieces": True}).json()
+    assert [t["id"] for t in r["tokens"]] == plain
+    assert "".join(t["piece"] for t in r["tokens"]) == "hello"
+    assert client.post("/tokenize", json={"content": "x", "with_pieces": "yes"}).status_code == 400

@@ -80,6 +80,7 @@ FIELDS: dict[str, dict] = {
     "tokens": TOKEN_IDS,
     "add_special": BOOLEAN,
     "add_special_tokens": BOOLEAN,
+    "with_pieces": described(BOOLEAN, "each token as {id, piece}: its text, or its bytes where not whole UTF-8"),
     "add_generation_prompt": described(BOOLEAN, "end the prompt with the assistant's turn opening (default "
                                                 "true); false: it ends with the last message"),
     "chat_template_kwargs": described(OBJECT, "variables for the chat template (e.g. enable_thinking); not "

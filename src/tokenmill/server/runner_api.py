@@ -16,7 +16,7 @@ from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.errors import APIError, bad_request, client_safe, shown_value
 from tokenmill.server.generation import Generation, Result, all_deltas
 from tokenmill.server.logit_bias import runner_logit_bias
-from tokenmill.server.logprobs import token_text
+from tokenmill.server.logprobs import token_bytes, token_text
 from tokenmill.server.model_host import LoadSpec, ModelHost, model_for
 from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.structured_params import RUNNER_FIELDS, add_constraint, runner_spec
@@ -39,7 +39,7 @@ COMPLETION_FIELDS = {"prompt", "n_predict", "temperature", "top_k", "top_p", "mi
                      *RUNNER_FIELDS}
 EMBEDDING_FIELDS = {"content", "input", "model", "truncate"}
 TOKENIZE_FIELDS = {"content", "prompt", "messages", "model", "add_special", "add_special_tokens",
-                   "add_generation_prompt"}
+                   "add_generation_prompt", "with_pieces"}
 DETOKENIZE_FIELDS = {"tokens", "model"}
 # llama-server's names for SamplingParams fields, for error messages.
 FIELD_NAMES = {"max_tokens": "n_predict", "top_logprobs": "n_probs"}
@@ -326,7 +326,18 @@ async def tokenize(request: Request) -> Response:
         add = get_bool(body, "add_special", None)
         add = get_bool(body, "add_special_tokens", True) if add is None else add
         ids = await off_loop(lambda: tok.encode(text, add_special_tokens=bool(add)), len(text))
+    if get_bool(body, "with_pieces", False):
+        # llama-server: each token with its text, or its bytes where those are not whole UTF-8.
+        ids = [{"id": t, "piece": _piece(tok, t)} for t in ids]
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": served.engine.max_model_len})
+
+
+def _piece(tok, token_id: int) -> str | list[int]:
+    raw = bytes(token_bytes(tok, token_id))
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
 
 
 async def detokenize(request: Request) -> Response:
