@@ -138,3 +138,13 @@ def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template(noted
         # A variable that breaks the template is the template's 400, not a server error.
         refused(lambda: prompt_tokens(chat_template_kwargs={"note": 5}), "messages")
     wait_idle(host)
+
+
+@pytest.mark.parametrize("path, field", [("/v1/embeddings", "input"), ("/v1/completions", "prompt")])
+def test_truncate_prompt_tokens_zero_is_a_400_on_every_route(client, tiny, path, field):
+    # On /v1/embeddings 0 used to embed the whole input (a slice [-0:] keeps everything).
+    body = {"model": model_name(tiny[1]), field: "hello there", "max_tokens": 1}
+    r = client.post(path, json={**body, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    r = client.post(path, json={**body, "truncate_prompt_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2, r.text

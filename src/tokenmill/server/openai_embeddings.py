@@ -13,8 +13,8 @@ from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, off_
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context, requested_dimensions
 from tokenmill.server.model_host import model_for
 from tokenmill.server.errors import bad_request, shown_value
-from tokenmill.server.openai_params import truncate_prompt
-from tokenmill.server.validation import get_int, get_model_name, get_str, read_json, warn_unknown
+from tokenmill.server.openai_params import get_truncate, truncate_prompt
+from tokenmill.server.validation import get_model_name, get_str, read_json, warn_unknown
 
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens"}
 
@@ -55,7 +55,7 @@ async def embeddings(request: Request) -> Response:
     if fmt not in ("float", "base64"):
         raise bad_request(f"encoding_format must be float or base64, got {shown_value(fmt)}", "encoding_format")
     dims = requested_dimensions(body, served)
-    truncate = get_int(body, "truncate_prompt_tokens", lo=-1)
+    truncate = get_truncate(body)  # 0 was taken as "no truncation"; a 400 as in the completions routes
     limit = embedding_limit(served)
     inputs = await off_loop(lambda: _inputs(body.get("input"), served.engine.tokenizer), chars_in(body.get("input")))
     id_lists = [fit_to_context(truncate_prompt(ids, truncate, limit + 1), limit, False, "input") for ids in inputs]

@@ -115,10 +115,7 @@ def parse_options(body: dict, *, chat: bool) -> OpenAIOptions:
         num_speculative_tokens=get_int(body, "num_speculative_tokens", lo=0, hi=MAX_SPECULATIVE_TOKENS),
         logit_bias=openai_logit_bias(body),
     )
-    truncate = get_int(body, "truncate_prompt_tokens", lo=-1)
-    if truncate == 0:
-        raise bad_request("truncate_prompt_tokens must be positive, or -1 for the context size",
-                          "truncate_prompt_tokens")
+    truncate = get_truncate(body)
     include_usage = stream and bool(get_bool(stream_options, "include_usage", False,
                                              label="stream_options.include_usage"))
     continuous = bool(get_bool(stream_options, "continuous_usage_stats", False,
@@ -164,6 +161,15 @@ def template_options(body: dict) -> dict:
         raise bad_request(f"chat_template_kwargs.{reserved[0]} cannot be set there; it comes from the request's "
                           "own fields", "chat_template_kwargs")
     return {**extra, "add_generation_prompt": bool(get_bool(body, "add_generation_prompt", True))}
+
+
+def get_truncate(body: dict) -> int | None:
+    """vLLM's truncate_prompt_tokens: k > 0 or -1; 0 would keep nothing (a slice [-0:] keeps all)."""
+    truncate = get_int(body, "truncate_prompt_tokens", lo=-1)
+    if truncate == 0:
+        raise bad_request("truncate_prompt_tokens must be positive, or -1 for the context size",
+                          "truncate_prompt_tokens")
+    return truncate
 
 
 def truncate_prompt(ids: list[int], truncate: int | None, limit: int) -> list[int]:
