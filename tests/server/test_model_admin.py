@@ -139,6 +139,32 @@ def test_create_refuses_modelfile_parameters_a_request_would_be_refused(served, 
     assert c.post("/api/show", json={"model": "bad"}).status_code == 404
 
 
+def test_ollamas_runner_parameters_are_checked_and_dropped(served):
+    """A Modelfile written for Ollama sets runner options (mirostat, num_gpu, use_mmap) that mean nothing
+    here: create takes them as requests' options do (type-checked, then dropped), not as unknown."""
+    c, _, _ = served
+    modelfile = "FROM tiny-a\nPARAMETER mirostat 0\nPARAMETER num_gpu 99\nPARAMETER use_mmap false\nPARAMETER temperature 0\n"
+    r = c.post("/api/create", json={"model": "from-ollama", "modelfile": modelfile, "stream": False})
+    assert r.status_code == 200, r.text
+    r = c.post("/api/create", json={"model": "from-json", "from": "tiny-a", "stream": False,
+                                    "parameters": {"mirostat_tau": 5.0, "num_thread": 4, "penalize_newline": True}})
+    assert r.status_code == 200, r.text
+    for name in ("from-ollama", "from-json"):
+        shown = c.post("/api/show", json={"model": name}).json()["parameters"]
+        assert "mirostat" not in shown and "num_gpu" not in shown and "num_thread" not in shown, shown
+        assert generate(c, name).status_code == 200
+    assert "temperature" in c.post("/api/show", json={"model": "from-ollama"}).json()["parameters"]
+    for body, message in (({"modelfile": "FROM tiny-a\nPARAMETER use_mmap maybe\n"},
+                           "modelfile: line 2: PARAMETER use_mmap must be true or false, got 'maybe'"),
+                          ({"modelfile": "FROM tiny-a\nPARAMETER mirostat x\n"},
+                           "modelfile: line 2: PARAMETER mirostat must be an integer, got 'x'"),
+                          ({"from": "tiny-a", "parameters": {"num_gpu": "all"}}, "parameters.num_gpu must be an integer"),
+                          ({"from": "tiny-a", "parameters": {"use_mlock": 1}}, "parameters.use_mlock must be true or false")):
+        r = c.post("/api/create", json={"model": "bad", "stream": False, **body})
+        assert r.status_code == 400 and r.json()["error"] == message, r.text
+    assert c.post("/api/show", json={"model": "bad"}).status_code == 404
+
+
 def test_parameters_at_the_ends_of_their_ranges_serve_both_apis(served):
     c, _, _ = served
     # Ollama's "no limit" (num_predict -1/-2) and "random" (seed -1) are requests' values too.

@@ -11,7 +11,7 @@ from tokenmill.server.profiles import jinja_template
 from tokenmill.server.validation import check_name_field, get_dict, get_model_name, get_str
 from tokenmill.store.blobs import digest_ref, is_digest, parse_digest
 from tokenmill.store.derived import Profile
-from tokenmill.store.modelfile import PARAMETER_TYPES, ModelfileError, parse_modelfile
+from tokenmill.store.modelfile import IGNORED_PARAMETER_TYPES, PARAMETER_TYPES, ModelfileError, parse_modelfile
 from tokenmill.tokenizer import ChatTemplateError
 from tokenmill.tokenizer.chat_template import ChatTemplate
 
@@ -85,6 +85,12 @@ def _parameters(body: dict) -> dict:
     params = get_dict(body, "parameters") or {}
     out = {}
     for name, value in params.items():
+        ignored = IGNORED_PARAMETER_TYPES.get(name)
+        if ignored is not None:  # Ollama's, meaning nothing here: checked, then dropped
+            if not _has_type(value, ignored):
+                what = {bool: "true or false", int: "an integer", float: "a number"}[ignored]
+                raise bad_request(f"parameters.{name} must be {what}", f"parameters.{name}")
+            continue
         kind = PARAMETER_TYPES.get(name)
         if kind is None:
             raise bad_request(f"parameters: unknown parameter {name!r}", f"parameters.{name}")
@@ -103,6 +109,12 @@ def _parameters(body: dict) -> dict:
             except OverflowError:  # an integer too large for a float
                 raise bad_request(f"parameters.{name} is out of range", f"parameters.{name}") from None
     return out
+
+
+def _has_type(value, kind: type) -> bool:
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, int) if kind is int else isinstance(value, (int, float))
 
 
 def _messages(value) -> tuple[dict, ...]:

@@ -8,17 +8,13 @@ from tokenmill.engine import SamplingParams
 from tokenmill.engine.sampling_params import MAX_SPECULATIVE_TOKENS, InvalidSamplingParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.validation import get_bool, get_dict, get_float, get_int, get_stop, warn_once, warn_unknown
+from tokenmill.store.modelfile import IGNORED_PARAMETER_TYPES
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "typical_p": 1.0,
             "repeat_penalty": 1.1, "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
-# Runner and hardware options that mean nothing here, with their Ollama types: accepted so
-# Modelfile-style clients work, but a wrong-typed one is Ollama's 400 as it would be there.
-IGNORED_TYPES = {"num_batch": int, "num_gpu": int, "main_gpu": int, "num_thread": int, "num_gqa": int,
-                 "use_mmap": bool, "use_mlock": bool, "numa": bool, "low_vram": bool, "f16_kv": bool,
-                 "vocab_only": bool, "logits_all": bool, "embedding_only": bool, "penalize_newline": bool,
-                 "mirostat": int, "mirostat_tau": float, "mirostat_eta": float, "tfs_z": float,
-                 "rope_frequency_base": float, "rope_frequency_scale": float}
+# Runner and hardware options that mean nothing here: type-checked as Ollama does, then ignored.
+IGNORED_TYPES = IGNORED_PARAMETER_TYPES
 IGNORED = set(IGNORED_TYPES)
 # speculative, num_speculative_tokens: tokenmill's own (engine/speculative/), per request.
 KNOWN = {"num_keep", "num_ctx", "num_predict", "seed", "stop", "speculative", "num_speculative_tokens", *DEFAULTS,

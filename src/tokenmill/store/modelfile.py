@@ -17,6 +17,17 @@ PARAMETER_TYPES = {
     "temperature": float, "top_p": float, "min_p": float, "typical_p": float, "repeat_penalty": float,
     "presence_penalty": float, "frequency_penalty": float, "stop": str,
 }
+# Runner and hardware options that mean nothing here (and mirostat, not supported), with their Ollama
+# types: a Modelfile written for Ollama sets some of them (PARAMETER mirostat 0, num_gpu 99), so they
+# are type-checked as Ollama does and then dropped, not refused. Requests' options take them too
+# (server/ollama_params.py).
+IGNORED_PARAMETER_TYPES = {
+    "num_batch": int, "num_gpu": int, "main_gpu": int, "num_thread": int, "num_gqa": int,
+    "use_mmap": bool, "use_mlock": bool, "numa": bool, "low_vram": bool, "f16_kv": bool,
+    "vocab_only": bool, "logits_all": bool, "embedding_only": bool, "penalize_newline": bool,
+    "mirostat": int, "mirostat_tau": float, "mirostat_eta": float, "tfs_z": float,
+    "rope_frequency_base": float, "rope_frequency_scale": float,
+}
 _ROLES = ("system", "user", "assistant")
 _DIRECTIVE = re.compile(r"^\s*([A-Za-z]+)\s*(.*)$", re.S)
 
@@ -65,17 +76,27 @@ def _unquote(value: str) -> str:
 def _parameter(number: int, rest: str, params: dict) -> None:
     name, _, value = rest.strip().partition(" ")
     name = name.lower()
-    if name not in PARAMETER_TYPES:
+    if name not in PARAMETER_TYPES and name not in IGNORED_PARAMETER_TYPES:
         raise ModelfileError(f"line {number}: unknown PARAMETER {name!r}; known: {', '.join(sorted(PARAMETER_TYPES))}")
     value = _unquote(value)
     if not value:
         raise ModelfileError(f"line {number}: PARAMETER {name} needs a value")
+    if name in IGNORED_PARAMETER_TYPES:
+        kind = IGNORED_PARAMETER_TYPES[name]
+        if kind is bool and value.lower() not in ("true", "false"):
+            raise ModelfileError(f"line {number}: PARAMETER {name} must be true or false, got {value!r}")
+        if kind is not bool:
+            _typed(number, name, kind, value)
+        return  # checked, and dropped: it means nothing here
     if name == "stop":
         params.setdefault("stop", []).append(value)
         return
-    kind = PARAMETER_TYPES[name]
+    params[name] = _typed(number, name, PARAMETER_TYPES[name], value)
+
+
+def _typed(number: int, name: str, kind: type, value: str) -> int | float:
     try:
-        params[name] = kind(value)
+        return kind(value)
     except ValueError:
         what = "an integer" if kind is int else "a number"
         raise ModelfileError(f"line {number}: PARAMETER {name} must be {what}, got {value!r}") from None
