@@ -27,6 +27,19 @@ def test_completion_streaming_matches(client):
     assert sum(len(e.get("tokens", [])) for e in events) == 5
 
 
+def test_completion_n_predict_0_evaluates_the_prompt_into_the_cache_and_generates_nothing(client):
+    # llama-server's cache warm-up (editor plugins send it ahead of the request that will follow).
+    prompt = [10 + i % 50 for i in range(200)]
+    body = client.post("/completion", json={"prompt": prompt, "n_predict": 0, "temperature": 0}).json()
+    assert body["content"] == "" and body["tokens"] == [] and body["tokens_predicted"] == 0, body
+    assert body["stop"] is True and body["stop_type"] == "limit" and body["tokens_evaluated"] == len(prompt)
+    r = client.post("/completion", json={"prompt": prompt, "n_predict": 0, "stream": True})
+    events = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n") if e]
+    assert len(events) == 1 and events[0]["content"] == "" and events[0]["tokens_predicted"] == 0, events
+    after = client.post("/completion", json={"prompt": prompt + [7], "n_predict": 3, "temperature": 0}).json()
+    assert after["tokens_cached"] >= 128 and after["tokens_predicted"] == 3, after  # the warmed blocks
+
+
 def test_completion_names_the_stop_string_that_ended_it(client):
     free = client.post("/completion", json={"prompt": [10, 11, 12], "n_predict": 12, "temperature": 0}).json()
     word = free["content"][4:6]

@@ -94,7 +94,8 @@ FIELDS: dict[str, dict] = {
     "max_tokens": described({"type": "integer", "minimum": 0}, "at least 1; 0 only with /v1/completions' echo; "
                             "/v1/completions' default is 16 (null: to the context's end)"),
     "max_completion_tokens": {"type": "integer", "minimum": 1},
-    "n_predict": described(INTEGER, "-1: until the model stops (within the server's --max-tokens)"),
+    "n_predict": described(INTEGER, "-1: until the model stops (within the server's --max-tokens); "
+                                    "0: evaluate the prompt into the cache, generate nothing"),
     "min_tokens": {"type": "integer", "minimum": 0},
     "n": {"type": "integer", "minimum": 1},
     "best_of": INTEGER,

@@ -11,6 +11,7 @@ from starlette.routing import Route
 from tokenmill import kernels
 from tokenmill.config import Config
 from tokenmill.engine import ConfigError, SamplingParams
+from tokenmill.engine.output import TextDelta
 from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, normalize_messages, off_loop, render_chat
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context
 from tokenmill.server.errors import APIError, bad_request, client_safe, shown_value
@@ -116,7 +117,9 @@ def _params(body: dict, tok) -> SamplingParams:
     n_probs = get_int(body, "n_probs", 0, lo=0)
     top_k = get_int(body, "top_k", 40)
     return SamplingParams(  # llama-server's defaults
-        max_tokens=n_predict if n_predict > 0 else None,
+        # n_predict 0 (evaluate the prompt into the cache, generate nothing): the engine makes the one
+        # token a prompt's last step samples anyway, and the answer leaves it out (_evaluate_only).
+        max_tokens=n_predict if n_predict > 0 else 1 if n_predict == 0 else None,
         min_tokens=get_int(body, "min_tokens", 0),
         temperature=get_float(body, "temperature", 0.8),
         top_k=max(top_k, 0),
@@ -190,6 +193,7 @@ async def completion(request: Request) -> Response:
     get_int(body, "id_slot", lo=-1)
     # logit_bias may name tokens by their text, tokenized here: a long one off the event loop.
     params = await off_loop(lambda: _params(body, tok), chars_in(body.get("logit_bias")))
+    evaluate_only = body.get("n_predict") == 0
     await add_constraint(params, tok, runner_spec(body))
     stream = bool(get_bool(body, "stream", False))
     priority = get_priority(body)
@@ -199,9 +203,9 @@ async def completion(request: Request) -> Response:
         multi = len(gens) > 1
         if stream:
             # The response owns the slot from here: it is released when the stream ends, however it ends.
-            response, slot = sse_response(_stream(gens), on_close=slot.release, done_marker=False), None
+            response, slot = sse_response(_stream(gens, evaluate_only), on_close=slot.release, done_marker=False), None
             return response
-        results = await unless_disconnected(request, _collect(gens))
+        results = await unless_disconnected(request, _collect(gens, evaluate_only))
     finally:
         if slot is not None:
             slot.release()
@@ -258,9 +262,18 @@ def _indexed(obj: dict, index: int) -> dict:
     return {**obj, "index": index}  # which prompt, as llama-server says in every object
 
 
-async def _stream(gens: list[Generation]):
+def _evaluate_only(d: TextDelta) -> TextDelta:
+    """n_predict 0: the prompt was evaluated; the token sampled with its last step is not an answer,
+    so the request ends at its limit (an error or abort still says so)."""
+    reason = "length" if d.finish_reason in ("stop", "length") else d.finish_reason
+    return replace(d, text="", token_ids=[], logprobs=None, top_logprobs=None, stop_string=None,
+                   finish_reason=reason, num_output_tokens=0)
+
+
+async def _stream(gens: list[Generation], evaluate_only: bool = False):
     counts = [0] * len(gens)
     async for p, d in all_deltas(gens):
+        d = _evaluate_only(d) if evaluate_only else d
         gen = gens[p]
         counts[p] += len(d.token_ids)
         chunk = _indexed({"content": d.text, "stop": False, "tokens": d.token_ids}, p)
@@ -274,10 +287,11 @@ async def _stream(gens: list[Generation]):
             yield chunk
 
 
-async def _collect(gens: list[Generation]) -> list[dict]:
+async def _collect(gens: list[Generation], evaluate_only: bool = False) -> list[dict]:
     results = [Result() for _ in gens]
     stopping = [None] * len(gens)
     async for p, d in all_deltas(gens):
+        d = _evaluate_only(d) if evaluate_only else d
         results[p].add(d)
         stopping[p] = stopping[p] or d.stop_string
     out = []
