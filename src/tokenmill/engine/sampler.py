@@ -472,7 +472,9 @@ def _add_logprobs(
     result.top_logprobs = [[] for _ in params]
     for j, i in enumerate(rows):
         k = params[i].top_logprobs
-        result.top_logprobs[i] = list(zip(ids[j][:k], vals[j][:k]))
+        # A token the grammar mask or suppression ruled out has logprob -inf: it is no alternative,
+        # and JSON cannot carry it (a constrained row with one allowed token made the response a 500).
+        result.top_logprobs[i] = [(t, v) for t, v in zip(ids[j][:k], vals[j][:k]) if v != _NEG_INF]
 
 
 def _uniforms(n: int, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
