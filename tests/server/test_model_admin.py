@@ -197,3 +197,18 @@ def test_the_file_the_server_was_started_with_is_not_deleted_and_its_path_not_to
             assert path.exists() and generate(c, "mine").status_code == 200
     finally:
         server.stop()
+
+
+def test_runner_template_endpoints_show_a_created_models_template_and_system(served):
+    """/apply-template renders what the chat endpoints would for a model made with TEMPLATE and SYSTEM,
+    and /props shows that template, not its base file's."""
+    c, _, _ = served
+    modelfile = 'FROM tiny-a\nSYSTEM Be terse.\nTEMPLATE """{{ .System }}<<{{ .Prompt }}>>"""\n'
+    assert c.post("/api/create", json={"model": "terse", "modelfile": modelfile, "stream": False}).status_code == 200
+    r = c.post("/apply-template", json={"model": "terse", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["prompt"].endswith("Be terse.<<hi>>"), r.text
+    shown = c.get("/props", params={"model": "terse"}).json()["chat_template"]
+    base = c.get("/props", params={"model": "tiny-a"}).json()["chat_template"]
+    assert "<<" in shown and "<<" not in base  # the TEMPLATE (turned into Jinja), not the base file's
+    plain = c.post("/apply-template", json={"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}]})
+    assert "Be terse." not in plain.json()["prompt"]

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tokenmill.server import profiles
 from tokenmill.server.chat import chars_in, normalize_messages, off_loop
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.model_host import model_for
@@ -15,7 +16,6 @@ from tokenmill.server.ollama_models import tokenmill_version
 from tokenmill.server.runner_api import sampling_defaults
 from tokenmill.server.validation import check_name_field, get_model_name, read_json, warn_unknown
 from tokenmill.tokenizer import ChatTemplateError, TokenizerError
-from tokenmill.tokenizer.tokenizer import chat_template_source
 
 APPLY_TEMPLATE_FIELDS = {"messages", "model"}
 
@@ -26,7 +26,9 @@ async def props(request: Request) -> Response:
         check_name_field(name, "model")
     served = await model_for(request, name)
     engine = served.engine
-    template = chat_template_source(engine.loaded.gguf.metadata) or ""
+    # A model made with a TEMPLATE is served with it (profiles.tokenizer_for), so that is the one to show.
+    chat = profiles.tokenizer_for(engine.tokenizer, served.profile).chat_template
+    template = chat.source if chat is not None else ""
     return JSONResponse({
         "default_generation_settings": {"n_ctx": engine.max_model_len,
                                         "params": sampling_defaults(engine.tokenizer)},
@@ -52,7 +54,9 @@ async def apply_template(request: Request) -> Response:
         raise bad_request("messages is required", "messages")
     messages = normalize_messages(body["messages"])
     served = await model_for(request, get_model_name(body))
-    tok = served.engine.tokenizer
+    # The prompt the chat endpoints would render: a created model's TEMPLATE, SYSTEM and MESSAGEs too.
+    tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
+    messages = profiles.chat_messages(messages, served.profile)
     try:
         text = await off_loop(lambda: tok.apply_chat_template(messages, add_generation_prompt=True),
                               chars_in(messages))
