@@ -21,6 +21,7 @@ from tokenmill.engine.sampler import SampleResult
 from tokenmill.engine.speculative import Speculator, num_accepted, settle_generator
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.block_manager import PrefixMatch
+from tokenmill.structured import grammar_failure
 
 __all__ = ["ScheduledBatch", "ScheduledChunk", "Scheduler"]
 
@@ -389,9 +390,8 @@ class Scheduler:
             if (token in self.stop_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 return FinishReason.STOP
         if seq.constraint is not None:
-            # The mask only offered tokens the grammar allows, so a refusal is a bug, not the client's.
             if not seq.constraint.accept(token):
-                seq.error = f"the grammar rejected token {token}: {seq.constraint.error}"
+                seq.error = grammar_failure(len(seq.output_ids) - 1, seq.constraint.error)
                 return FinishReason.ERROR
             if seq.constraint.is_complete:  # nothing may follow: end now rather than sample an EOS
                 return FinishReason.STOP

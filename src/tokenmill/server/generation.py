@@ -25,6 +25,7 @@ from tokenmill.engine import (
 )
 from tokenmill.server.errors import APIError
 from tokenmill.server.model_host import ServedModel
+from tokenmill.structured import GRAMMAR_FAILED
 
 
 @dataclass
@@ -129,6 +130,8 @@ class Generation:
                 delta = assemblers[ev.index].push(ev)
                 self.num_prompt_tokens = delta.num_prompt_tokens
                 self.num_cached_tokens = delta.num_cached_tokens
+                if delta.finish_reason == "error" and (delta.error or "").startswith(GRAMMAR_FAILED):
+                    raise APIError(400, delta.error, code="grammar_failed")  # the client's grammar, not a fault
                 if delta.finish_reason == "error":
                     raise APIError(500, f"generation failed: {delta.error or 'engine error'}", code="engine_error")
                 if delta.finish_reason == "abort":

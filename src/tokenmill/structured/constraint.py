@@ -8,6 +8,19 @@ from __future__ import annotations
 import llguidance
 import torch
 
+# How a sequence's error starts when its grammar stopped it (the server answers it as the client's
+# grammar's problem, a 400, not a server failure).
+GRAMMAR_FAILED = "the grammar could not be followed"
+
+
+def grammar_failure(num_accepted: int, error: str | None) -> str:
+    """The error of a sequence whose grammar refused its next token. The mask only offers tokens the
+    grammar allows, so this is the grammar library giving up: a parser limit (a grammar too ambiguous
+    or with too many alternatives at one point, or one with no finite output)."""
+    detail = " ".join((error or "parser error").replace("<non-verbose/>", "").split())
+    return (f"{GRAMMAR_FAILED} after {num_accepted} output tokens: {detail[:300]}; "
+            f"simplify the grammar or schema (fewer alternatives at one point, a way to finish)")
+
 
 class Constraint:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
