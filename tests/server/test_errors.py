@@ -200,6 +200,10 @@ def test_n_counts_against_the_queue(client, tiny):
         err = openai_error(r, 400)
         assert err["code"] == "too_many_sequences" and "4 sequences" in err["message"] and "limit of 3" in err["message"]
         assert "retry-after" not in r.headers
+        # llama-server's /completion with a list of prompts: each one is a sequence too.
+        r = client.post("/completion", json={"prompt": ["a", "b", "c", "d"], "n_predict": 1})
+        assert r.status_code == 400 and "4 sequences" in r.text, r.text
+        assert client.post("/completion", json={"prompt": ["a", "b", "c"], "n_predict": 1}).status_code == 200
     finally:
         host.admission.max_queue = saved
 

@@ -197,7 +197,7 @@ async def completion(request: Request) -> Response:
     await add_constraint(params, tok, runner_spec(body))
     stream = bool(get_bool(body, "stream", False))
     priority = get_priority(body)
-    slot = host.admission.enter()
+    slot = host.admission.enter(len(prompts))  # each prompt is a sequence of its own
     try:
         gens = [Generation(served, ids, params, priority=priority, field_names=FIELD_NAMES) for ids in prompts]
         multi = len(gens) > 1
