@@ -132,7 +132,14 @@ class LLMEngine:
         self.loaded = loaded
         self.tokenizer = tokenizer
         mc = loaded.config
-        self.max_model_len = cfg.context_limit(mc.context_length)
+        # One sequence can never hold more than the whole KV cache: that is its context, and what
+        # /v1/models, /api/ps and /props report (llama.cpp's n_ctx is the cache's size too).
+        context = cfg.context_limit(mc.context_length)
+        self.max_model_len = min(context, cfg.num_blocks * cfg.block_size)
+        if self.max_model_len < context:
+            log.warning("the KV cache holds %d tokens (kv_size or the memory left for it), less than the %d-token "
+                        "context: a request's prompt and output get at most %d", self.max_model_len, context,
+                        self.max_model_len)
         # Bounded work: no request generates more than this, whatever it asks (context shift would
         # otherwise let a request without max_tokens run forever).
         self.max_new_tokens = cfg.max_new_tokens or mc.context_length
@@ -212,7 +219,6 @@ class LLMEngine:
         if num_ctx is not None and num_ctx < 2:
             raise RequestError(f"num_ctx must be at least 2, got {num_ctx}")
         limit = self.max_model_len if num_ctx is None else min(num_ctx, self.max_model_len)
-        limit = min(limit, self.cfg.num_blocks * self.cfg.block_size)
         if len(prompt_ids) >= limit and not truncate:
             raise PromptTooLongError(len(prompt_ids), limit)
         vocab = self.loaded.config.vocab_size
