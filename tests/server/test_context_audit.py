@@ -93,6 +93,27 @@ def test_ollama_at_the_context_truncates_or_refuses(kv):
     assert r.status_code == 200 and r.json()["prompt_eval_count"] == KV_TOKENS - 4
 
 
+def test_n_samples_that_overflow_the_cache_report_no_false_cache_hits(kv):
+    """4 samples of a 100-token prompt, each growing to 127 tokens, need more blocks than the cache
+    has: samples are preempted and recomputed. The recompute found the request's own blocks cached,
+    and usage said the whole fresh prompt had been a prefix-cache hit (cached_tokens == prompt_tokens)."""
+    c, host = kv
+    engine = host.current.engine
+    before = engine.stats.num_preemptions
+    prompt = ids(7, 100)
+    many = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "n": 4, "temperature": 0})
+    assert many.status_code == 200, many.text
+    assert engine.stats.num_preemptions > before
+    body = many.json()
+    assert [ch["finish_reason"] for ch in body["choices"]] == ["length"] * 4
+    assert body["usage"]["completion_tokens"] == 4 * (KV_TOKENS - 100)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    alone = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "temperature": 0}).json()
+    assert texts(body) == texts(alone) * 4
+    # Now the prompt is cached, up to its last full block before the last token.
+    assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+
+
 def test_concurrent_requests_over_the_cache_match_running_alone(kv):
     c, _ = kv
     bodies = [{"prompt": ids(20 + i, 40 + 7 * i), "max_tokens": 60, "temperature": 0} for i in range(4)]

@@ -206,7 +206,10 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.transition(Status.RUNNING)
             seq.num_computed_tokens = cached
-            seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_ids))
+            if seq.times.first_scheduled is None:
+                # The request's own prefix-cache hit, as usage reports it: a preempted (or shifted)
+                # sequence coming back finds its own blocks cached, which is no hit of the request's.
+                seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_ids))
             batch.num_cached_tokens += cached
             self.running.append(seq)
             batch.add(self._chunk(seq, num_new, []))
