@@ -6,6 +6,7 @@ import json
 import math
 
 import jsonschema
+import pytest
 
 from server_helpers import model_name
 
@@ -69,3 +70,42 @@ def test_a_grammar_the_parser_gives_up_on_mid_answer_is_a_400_not_a_server_error
     r = client.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 20,
                                              "guided_choice": ["yes", "no"]})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no")
+
+
+def test_boolean_schemas(client, tiny):
+    # true is JSON Schema's "any value" (llguidance takes objects only: it was a 400 'Expecting object
+    # schema to apply options'); false allows nothing.
+    name = model_name(tiny[1])
+    for seed in range(3):
+        r = client.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 60, "temperature": 1.0,
+                                                 "seed": seed, "guided_json": True})
+        assert r.status_code == 200, r.text
+        if r.json()["choices"][0]["finish_reason"] == "stop":
+            json.loads(r.json()["choices"][0]["text"])
+    r = client.post("/completion", json={"prompt": "x", "n_predict": 5, "json_schema": False})
+    assert r.status_code == 400 and "false allows no value" in r.json()["error"], r.text
+
+
+def test_an_overlapping_oneof_is_refused_with_advice_the_client_can_follow(client, tiny):
+    r = client.post("/api/chat", json={"model": model_name(tiny[1]), "messages": [{"role": "user", "content": "hi"}],
+                                       "stream": False, "format": {"oneOf": [{"type": "integer"}, {"type": "number"}]}})
+    assert r.status_code == 400, r.text
+    assert "use anyOf" in r.json()["error"] and "coerce_one_of" not in r.json()["error"], r.json()
+
+
+@pytest.mark.parametrize("so, param", [
+    ({"jsonx": {"type": "integer"}}, "structured_outputs.jsonx"),
+    ({"structural_tag": "{}"}, "structured_outputs.structural_tag"),
+])
+def test_an_unknown_structured_outputs_key_is_a_400_not_an_unconstrained_answer(client, tiny, so, param):
+    r = client.post("/v1/completions", json={"model": model_name(tiny[1]), "prompt": "x", "max_tokens": 5,
+                                             "structured_outputs": so})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "not supported" in r.json()["error"]["message"]
+
+
+def test_structured_outputs_options_beside_the_constraint_are_accepted(client, tiny):
+    r = client.post("/v1/completions", json={"model": model_name(tiny[1]), "prompt": "x", "max_tokens": 10,
+                                             "structured_outputs": {"choice": ["yes", "no"],
+                                                                    "disable_any_whitespace": True}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text

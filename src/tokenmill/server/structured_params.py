@@ -20,6 +20,10 @@ Found = tuple[GrammarSpec, str]
 GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+# vLLM's options beside the constraint: tuning of its backends' JSON (ours already has no free
+# whitespace and honours additionalProperties as written), nothing to change in what is allowed.
+STRUCTURED_OUTPUTS_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                              "whitespace_pattern"}
 OPENAI_FIELDS = {"response_format", "structured_outputs", *GUIDED_FIELDS}
 RUNNER_FIELDS = {"grammar", "json_schema"}
 
@@ -102,6 +106,12 @@ def _structured_outputs(so: Any) -> Found | None:
         return None
     if not isinstance(so, dict):
         raise bad_request("structured_outputs must be an object", "structured_outputs")
+    # An unknown key (a typo, or vLLM's structural_tag) would leave the output unconstrained unnoticed.
+    unknown = [k for k in so if k not in STRUCTURED_OUTPUTS_KEYS and k not in STRUCTURED_OUTPUTS_OPTIONS
+               and k != "json_object"]
+    if unknown:
+        raise bad_request(f"structured_outputs.{unknown[0][:60]} is not supported; structured_outputs takes one of "
+                          f"json, regex, choice, grammar, json_object", f"structured_outputs.{unknown[0][:60]}")
     found = [(GrammarSpec(kind, _schema(so[key], f"structured_outputs.{key}") if kind == "json_schema" else so[key]),
               f"structured_outputs.{key}") for key, kind in STRUCTURED_OUTPUTS_KEYS.items() if so.get(key) is not None]
     if so.get("json_object"):

@@ -48,12 +48,15 @@ class GrammarSpec:
         if self.kind == "json_schema":
             if not isinstance(self.value, (dict, bool)):
                 raise GrammarError(f"a JSON schema must be an object, got {type(self.value).__name__}")
-            _check_size(json.dumps(self.value))
-            check_finite(self.value)
+            if self.value is False:
+                raise GrammarError("the JSON schema false allows no value")
+            schema = {} if self.value is True else self.value  # true: any value (llguidance takes objects only)
+            _check_size(json.dumps(schema))
+            check_finite(schema)
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(self.value, overrides=JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
             except ValueError as exc:
-                raise GrammarError(f"invalid JSON schema: {exc}") from None
+                raise GrammarError(f"invalid JSON schema: {_schema_message(str(exc))}") from None
         if self.kind == "regex":
             _check_text(self.value, "a regex")
             return llguidance.LLMatcher.grammar_from_regex(self.value)
@@ -131,8 +134,16 @@ def _check_can_start(matcher: llguidance.LLMatcher, spec: GrammarSpec) -> None:
                            f"({_summary([probe.get_error()])}); is a rule recursive without a base case?")
 
 
+def _schema_message(text: str) -> str:
+    """llguidance's word on a schema, less advice about its own options, which a client cannot set."""
+    if "oneOf constraints are not supported" in text:
+        return ("oneOf is supported only where its branches plainly exclude each other (different types, for "
+                "one); use anyOf where a value may match several")
+    return text
+
+
 def _summary(messages: list[str], limit: int = 400) -> str:
     """llguidance's message on one line (it spans several, with a caret under the culprit)."""
     text = " ".join(line.strip() for line in (messages[0] if messages else "").splitlines() if line.strip())
-    text = text or "rejected by the grammar compiler"
+    text = _schema_message(text) or "rejected by the grammar compiler"
     return text if len(text) <= limit else text[:limit] + "..."
