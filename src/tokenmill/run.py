@@ -73,10 +73,16 @@ class RemoteChat:
 
 def _print_stream(chunks: Iterator[str]) -> str:
     parts = []
-    for text in chunks:
-        parts.append(text)
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    try:
+        for text in chunks:
+            parts.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    except BaseException:
+        if parts:  # the error (or Ctrl-C's exit) goes on a line of its own, not glued to the answer
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     sys.stdout.write("\n")
     return "".join(parts)
 

@@ -3,6 +3,7 @@
 one-line messages."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import urllib.error
@@ -61,7 +62,23 @@ def _error(base: str, exc: urllib.error.HTTPError) -> ServerError:
         detail = err.get("message") if isinstance(err, dict) else (err or detail)
     except (ValueError, AttributeError):
         pass
-    return ServerError(f"server answered {exc.code}: {detail}", exc.code)
+    return ServerError(f"server answered {exc.code}: {_cut(detail)}", exc.code)
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    """A server's message on one line and of a readable length (an HTML error page or a huge body
+    would otherwise fill the terminal)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _json(base: str, raw: bytes) -> dict:
+    """A response body as JSON; anything else (a proxy's HTML page) is a ServerError, not a traceback."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise ServerError(f"{base} answered something that is not JSON: {_cut(raw.decode(errors='replace'), 80)}") \
+            from None
 
 
 def _unauthorized(base: str) -> ServerError:
@@ -71,15 +88,26 @@ def _unauthorized(base: str) -> ServerError:
     return ServerError(f"the server at {base} requires an API key (set TOKENMILL_API_KEY)", 401)
 
 
+def _unreachable(base: str, exc: Exception) -> ServerError:
+    """A connection that failed or broke off (refused, reset, a body cut short: IncompleteRead is an
+    HTTPException, not an OSError)."""
+    if isinstance(exc, http.client.IncompleteRead):
+        return ServerError(f"the server at {base} closed the connection before its answer was complete")
+    return ServerError(f"cannot reach {base}: {getattr(exc, 'reason', None) or exc}")
+
+
 def call(base: str, method: str, path: str, body: dict | None = None, timeout: float = 600) -> dict:
     try:
         with urllib.request.urlopen(_request(base + path, method, body), timeout=timeout) as resp:
             raw = resp.read()
     except urllib.error.HTTPError as exc:
         raise _error(base, exc) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ServerError(f"cannot reach {base}: {getattr(exc, 'reason', exc)}") from None
-    return json.loads(raw) if raw.strip() else {}
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        raise _unreachable(base, exc) from None
+    obj = _json(base, raw) if raw.strip() else {}
+    if not isinstance(obj, dict):
+        raise ServerError(f"{base} answered {type(obj).__name__} where a JSON object belongs")
+    return obj
 
 
 def has_blob(base: str, digest: str, timeout: float = 30) -> bool:
@@ -93,8 +121,8 @@ def has_blob(base: str, digest: str, timeout: float = 30) -> bool:
         if exc.code == 404:
             return False
         raise _error(base, exc) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ServerError(f"cannot reach {base}: {getattr(exc, 'reason', exc)}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        raise _unreachable(base, exc) from None
 
 
 def push_blob(base: str, digest: str, path: Path, timeout: float = 600) -> None:
@@ -107,24 +135,31 @@ def push_blob(base: str, digest: str, path: Path, timeout: float = 600) -> None:
                 resp.read()
         except urllib.error.HTTPError as exc:
             raise _error(base, exc) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise ServerError(f"cannot reach {base}: {getattr(exc, 'reason', exc)}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            raise _unreachable(base, exc) from None
 
 
 def stream(base: str, path: str, body: dict) -> Iterator[dict]:
-    """NDJSON objects of a streaming Ollama response; an `error` object raises."""
+    """NDJSON objects of a streaming Ollama response; an `error` object raises, and so does a stream
+    that ends without its `done` object (a server that died or a connection cut mid-answer must not
+    look like a finished, short answer)."""
     try:
         with urllib.request.urlopen(_request(base + path, "POST", body)) as resp:
             for line in resp:
                 if line.strip():
-                    obj = json.loads(line)
+                    obj = _json(base, line)
+                    if not isinstance(obj, dict):
+                        raise ServerError(f"{base} answered something that is not an Ollama stream")
                     if "error" in obj:
-                        raise ServerError(str(obj["error"]))
+                        raise ServerError(_cut(str(obj["error"])))
                     yield obj
+                    if obj.get("done"):
+                        return
     except urllib.error.HTTPError as exc:
         raise _error(base, exc) from None
-    except urllib.error.URLError as exc:
-        raise ServerError(f"cannot reach {base}: {exc.reason}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        raise _unreachable(base, exc) from None
+    raise ServerError(f"the server at {base} closed the connection before its answer was complete")
 
 
 def answers(base: str, timeout: float = 0.5) -> bool:

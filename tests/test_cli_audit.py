@@ -1,0 +1,142 @@
+"""The command line as an Ollama user meets it, end to end through `main([...])`: every failure is one
+line on stderr naming what was wrong, with a non-zero exit code, never a traceback. A scripted HTTP
+server stands in for servers that misbehave (cut answers, HTML error pages, huge bodies) that a real
+tokenmill server does not produce on purpose."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tiny_model import TinyLlamaSpec, write_tiny_llama
+from tokenmill.cli import main
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """TOKENMILL_HOME with one tiny model, tiny-a, and no server where TOKENMILL_HOST points."""
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TOKENMILL_HOST", "127.0.0.1:9")  # the discard port: nothing answers
+    models = tmp_path / "home" / "models"
+    models.mkdir(parents=True)
+    write_tiny_llama(models / "tiny-a.gguf", TinyLlamaSpec(seed=1))
+    return models
+
+
+def one_error_line(err: str) -> str:
+    """The error line of a command's stderr; fails on a traceback or a second error line."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# --- a scripted server ----------------------------------------------------------------------------
+class Scripted:
+    """Answers /api/version like an Ollama server; every other route answers `reply` (status, body,
+    declared length: more than the body sent = a connection cut mid-answer). Requests are kept."""
+
+    def __init__(self):
+        self.reply: tuple[int, bytes, int | None] = (200, b"{}", None)
+        self.requests: list[tuple[str, str, bytes]] = []
+        scripted = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, status: int, body: bytes, length: int | None = None) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(length or len(body)))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(body)
+                self.wfile.flush()
+                self.close_connection = True
+
+            def _any(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path == "/api/version":
+                    return self._answer(200, b'{"version": "0.0.0"}')
+                scripted.requests.append((self.command, self.path, body))
+                self._answer(*scripted.reply)
+
+            do_GET = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    server = Scripted()
+    monkeypatch.setenv("TOKENMILL_HOST", server.address)
+    yield server
+    server.close()
+
+
+def ndjson(*objs: dict) -> bytes:
+    return b"".join(json.dumps(o).encode() + b"\n" for o in objs)
+
+
+SERVER_COMMANDS = [["ps"], ["show", "m"], ["rm", "m"], ["stop", "m"], ["cp", "m", "n"], ["run", "m", "hi"],
+                   ["run", "m", "hi", "--raw"]]
+
+
+@pytest.mark.parametrize("argv", SERVER_COMMANDS)
+def test_an_answer_cut_short_is_an_error_not_a_traceback(scripted, argv, capsys):
+    # A server that dies mid-answer: the body is shorter than its Content-Length. `call` let
+    # http.client's IncompleteRead out (a traceback); `run` printed the part it had and exited 0.
+    scripted.reply = (200, ndjson({"message": {"content": "part"}, "response": "part", "done": False}), 100000)
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert one_error_line(err) == (f"error: the server at http://{scripted.address} closed the connection "
+                                   "before its answer was complete")
+    assert out in ("", "part\n")  # what came is shown, on a line of its own
+
+
+@pytest.mark.parametrize("argv", SERVER_COMMANDS)
+def test_an_answer_that_is_not_json_is_one_line(scripted, argv, capsys):
+    # A proxy's HTML page with status 200 was a JSONDecodeError traceback (ps, show, rm, stop, cp),
+    # or `error: Expecting value: line 1 column 1 (char 0)` (run).
+    scripted.reply = (200, b"<html><body>Bad gateway</body></html>\n", None)
+    assert main(argv) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: http://{scripted.address} answered something that is not JSON: <html>")
+
+
+@pytest.mark.parametrize("argv", SERVER_COMMANDS)
+def test_a_huge_error_body_is_cut_to_one_readable_line(scripted, argv, capsys):
+    scripted.reply = (500, json.dumps({"error": "boom\n" + "x" * 100_000}).encode(), None)
+    assert main(argv) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: server answered 500: boom xxx") and line.endswith("...") and len(line) < 400
+
+
+def test_an_error_in_the_middle_of_an_answer_gets_its_own_line(scripted, capsys):
+    scripted.reply = (200, ndjson({"message": {"content": "Once upon"}, "done": False}, {"error": "engine failed"}),
+                      None)
+    assert main(["run", "m", "tell a story"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "Once upon\n"  # was "Once upon" with "error: ..." glued after it on the terminal
+    assert one_error_line(err) == "error: engine failed"
+
+
