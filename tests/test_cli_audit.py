@@ -140,3 +140,48 @@ def test_an_error_in_the_middle_of_an_answer_gets_its_own_line(scripted, capsys)
     assert one_error_line(err) == "error: engine failed"
 
 
+# --- run: the prompt from a pipe -----------------------------------------------------------------
+def test_piped_stdin_is_the_prompt_as_in_ollama(scripted, monkeypatch, capsys):
+    # `cat notes | tokenmill run m "summarize"`: one answer to stdin then the argument, as `ollama run`
+    # does. It used to open the chat: each piped line a turn, with ">>> " prompts in the output.
+    scripted.reply = (200, ndjson({"message": {"content": "short"}, "done": False},
+                                  {"message": {"content": ""}, "done": True}), None)
+    monkeypatch.setattr("sys.stdin", io.StringIO("line one\nline two\n"))
+    assert main(["run", "m", "summarize"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "short\n" and ">>>" not in out and "Type a message" not in err
+    [(method, path, body)] = scripted.requests
+    assert (method, path) == ("POST", "/api/chat")
+    assert json.loads(body)["messages"] == [{"role": "user", "content": "line one\nline two\n summarize"}]
+
+
+def test_piped_stdin_without_a_prompt_argument_is_the_whole_prompt(scripted, monkeypatch, capsys):
+    scripted.reply = (200, ndjson({"response": "ok", "done": True}), None)
+    monkeypatch.setattr("sys.stdin", io.StringIO("2+2="))
+    assert main(["run", "m", "--raw"]) == 0
+    assert capsys.readouterr().out == "ok\n"
+    [(_, path, body)] = scripted.requests
+    assert path == "/api/generate" and json.loads(body)["prompt"] == "2+2="
+
+
+@pytest.mark.parametrize("stdin", [io.StringIO(""), None])
+def test_run_with_empty_or_closed_stdin_loads_the_model_and_exits(scripted, monkeypatch, stdin, capsys):
+    # `tokenmill run m < /dev/null` (or with stdin closed): nothing to say, so no chat opens (input()
+    # on a closed stdin was "error: input(): lost sys.stdin"); the model is loaded and checked.
+    scripted.reply = (200, b'{"done": true}', None)
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["run", "m"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and "Type a message" not in err
+    [(_, path, body)] = scripted.requests
+    assert path == "/api/generate" and json.loads(body) == {"model": "m", "stream": False}
+
+
+def test_run_with_empty_stdin_and_an_unknown_model_says_so(scripted, monkeypatch, capsys):
+    scripted.reply = (404, b'{"error": "model \\"nope\\" not found, try pulling it first"}', None)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["run", "nope"]) == 1
+    assert one_error_line(capsys.readouterr().err) == \
+        'error: server answered 404: model "nope" not found, try pulling it first'
+
+

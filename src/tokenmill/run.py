@@ -87,6 +87,21 @@ def _print_stream(chunks: Iterator[str]) -> str:
     return "".join(parts)
 
 
+def piped_prompt(prompt: str | None) -> str | None:
+    """As `ollama run`: stdin that is no terminal (a pipe, a file, /dev/null) is read whole and put
+    before the prompt argument, and the answer is one-shot (`cat notes.txt | tokenmill run m
+    "summarize"`); without this, each piped line became a chat turn with `>>> ` prompts in the output."""
+    try:
+        if sys.stdin is not None and sys.stdin.isatty():
+            return prompt
+        piped = sys.stdin.read() if sys.stdin is not None else ""  # None: started with stdin closed
+    except (OSError, ValueError):  # a closed or unreadable stdin holds no prompt
+        piped = ""
+    if not piped:
+        return prompt if prompt is not None else ""
+    return " ".join(p for p in (piped, prompt) if p)
+
+
 def interactive(chat, params: SamplingParams) -> int:
     history: list[dict] = []
     print("Type a message; /bye or Ctrl-D to leave, /clear to forget the conversation.", file=sys.stderr)
@@ -137,13 +152,15 @@ def cmd_run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens if args.max_tokens is not None else 256,
                             temperature=temperature if temperature is not None else 0.0)
     try:
+        prompt = piped_prompt(args.prompt)
         chat = choose_chat(args)
-        if args.prompt is None:
+        if prompt is None or not prompt.strip():
             if isinstance(chat, RemoteChat):
                 chat.load()
-            return interactive(chat, params)
-        _print_stream(chat.stream(args.prompt, params, raw=args.raw))
+            # Nothing piped (`< /dev/null`): the model is loaded and checked, as Ollama's run does.
+            return interactive(chat, params) if prompt is None else 0
+        _print_stream(chat.stream(prompt, params, raw=args.raw))
         return 0
-    except (StoreError, ModelLoadError, TokenizerError, RuntimeError, ValueError) as exc:
+    except (StoreError, ModelLoadError, TokenizerError, RuntimeError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ server's request counter proves the answer came from it) and runs in-process whe
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import re
 import sys
@@ -177,20 +178,25 @@ def test_a_server_that_wants_an_api_key_is_a_server_not_a_fallback(store, monkey
         server.stop()
 
 
-def test_interactive_run_checks_the_model_before_the_prompt(store, monkeypatch, capsys):
-    import io
+class _Terminal(io.StringIO):
+    """Typed input: `run` without a prompt opens the chat only on a terminal (piped stdin is the prompt)."""
 
+    def isatty(self) -> bool:
+        return True
+
+
+def test_interactive_run_checks_the_model_before_the_prompt(store, monkeypatch, capsys):
     server, host = start_server("tiny-a", kv_size=2048)
     monkeypatch.setenv("TOKENMILL_HOST", f"127.0.0.1:{server.port}")
     try:
         assert host.wait_ready(30)
-        monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))  # never read: the model is unknown
+        monkeypatch.setattr("sys.stdin", _Terminal("hello\n"))  # never read: the model is unknown
         assert main(["run", "nosuchmodel"]) == 1
         err = capsys.readouterr().err
         assert 'model "nosuchmodel" not found' in err and "Type a message" not in err
         assert "hello" in sys.stdin.read()
         # A known model is loaded first (as Ollama's run does), then the prompt opens.
-        monkeypatch.setattr("sys.stdin", io.StringIO("/bye\n"))
+        monkeypatch.setattr("sys.stdin", _Terminal("/bye\n"))
         assert main(["run", "tiny-b"]) == 0
         assert "Type a message" in capsys.readouterr().err
         assert "tiny-b" in {m.name for m in host.loaded_models()}
