@@ -185,3 +185,10 @@ def test_run_with_empty_stdin_and_an_unknown_model_says_so(scripted, monkeypatch
         'error: server answered 404: model "nope" not found, try pulling it first'
 
 
+# --- list -----------------------------------------------------------------------------------------
+def test_ls_is_list(home, capsys):
+    assert main(["ls"]) == 0  # Ollama's spelling was "invalid choice: 'ls'"
+    out = capsys.readouterr().out
+    assert out.startswith("NAME") and "tiny-a" in out
+
+

