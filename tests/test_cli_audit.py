@@ -192,3 +192,28 @@ def test_ls_is_list(home, capsys):
     assert out.startswith("NAME") and "tiny-a" in out
 
 
+# --- serve's settings -----------------------------------------------------------------------------
+@pytest.mark.parametrize("flags,env,wanted", [
+    (["--drain-timeout", "nan"], {}, "error: flag --drain-timeout: drain_timeout must be a finite number, got nan"),
+    (["--max-memory-gb", "inf"], {}, "error: flag --max-memory-gb: max_memory_gb must be a finite number, got inf"),
+    ([], {"TOKENMILL_REQUEST_TIMEOUT": "-inf"},
+     "error: env TOKENMILL_REQUEST_TIMEOUT: request_timeout must be a finite number, got -inf"),
+    (["--threads", "99999999999999"], {}, "error: flag --threads: threads must be at most 1024, got 99999999999999"),
+])
+def test_settings_that_crashed_at_startup_are_refused_first(home, monkeypatch, capsys, flags, env, wanted):
+    # nan passed every bound and inf every check; both then crashed startup (int(nan): ValueError,
+    # int(inf): OverflowError, a thread count beyond a C int: TypeError), each as a traceback.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "tiny-a", *flags, "--print-config"]) == 1
+    assert capsys.readouterr().err == wanted + "\n"
+
+
+def test_a_config_file_with_nan_names_the_file(home, tmp_path, capsys):
+    config = tmp_path / "tokenmill.toml"
+    config.write_text("http_keep_alive = nan\n")
+    assert main(["serve", "--config", str(config), "--print-config"]) == 1
+    assert capsys.readouterr().err == \
+        f"error: config file {config}: http_keep_alive must be a finite number, got nan\n"
+
+

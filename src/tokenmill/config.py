@@ -12,6 +12,7 @@ import argparse
 import difflib
 import ipaddress
 import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -28,6 +29,9 @@ CONFIG_ENV = "TOKENMILL_CONFIG"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 POLICIES = ("fifo", "priority", "sjf")  # engine.config.POLICIES (a test keeps them equal)
 DEFAULT_BLOCK_SIZE = 64  # engine.config.DEFAULT_BLOCK_SIZE (a test keeps them equal)
+# More threads than any CPU has cores; far beyond it, a count overflowed the compiled pool's C int
+# (a TypeError traceback at startup).
+MAX_THREADS = 1024
 
 
 class ConfigError(ValueError):
@@ -123,7 +127,7 @@ OPTIONS: tuple[Option, ...] = (
            "start as one batch; 0 = never", ("--max-wait-ms",), lo=0),
     Option("threads", int, 0, "compute threads, for the whole process (every model it loads); 0 = physical "
            "cores within affinity and cgroup quota. On a shared machine fewer is steadier: busy-waiting threads "
-           "that lose their core slow every step", ("--threads",), lo=1, zero_ok=True),
+           "that lose their core slow every step", ("--threads",), lo=1, hi=MAX_THREADS, zero_ok=True),
     Option("max_tokens", int, 0, "most tokens one request may generate, whatever it asks (Ollama's num_predict "
            "-1 and -2 stop here too); 0 = the model's context length", ("--max-tokens",), lo=1, zero_ok=True),
     Option("request_timeout", float, 0.0, "seconds after which a request is finished (with `length`), waiting or "
@@ -282,6 +286,10 @@ def _convert(o: Option, value: Any, source: str, from_text: bool) -> Any:
 
 
 def _check(o: Option, value: Any, source: str) -> None:
+    # nan passes every bound (each comparison is False) and inf fails later, where seconds become
+    # ints (int(inf): a traceback at startup); neither is a setting, from any source (TOML has both).
+    if o.kind is float and not math.isfinite(value):
+        raise ConfigError(f"{source}: {o.name} must be a finite number, got {value}")
     if o.choices is not None and value not in o.choices:
         raise ConfigError(f"{source}: {o.name} must be one of {', '.join(o.choices)}, got {value!r}")
     if o.zero_ok and value == 0:
