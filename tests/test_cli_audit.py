@@ -217,3 +217,42 @@ def test_a_config_file_with_nan_names_the_file(home, tmp_path, capsys):
         f"error: config file {config}: http_keep_alive must be a finite number, got nan\n"
 
 
+def test_serving_a_file_that_is_not_gguf_is_refused_before_listening(home, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model\n")
+    assert main(["serve", str(notes), "--port", "0"]) == 1  # it used to serve, its one model never loading
+    assert capsys.readouterr().err == f"error: {notes} is not a GGUF file\n"
+
+
+def test_device_cuda_without_cuda_is_refused_before_listening(home, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["serve", "tiny-a", "--device", "cuda", "--port", "0"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: flag --device: device cuda asked for, but ")
+
+
+def test_serve_on_port_0_says_which_port_it_got(home, tmp_path):
+    # "listening on http://127.0.0.1:0" named a port no client can reach; the chosen one is shown.
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "tiny-a", "--port", "0",
+                             "--no-compile", "--log-level", "warning"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if "listening on" in line:
+                break
+        else:
+            pytest.fail("serve printed no 'listening on' line")
+        url = line.split("listening on ")[1].split(",")[0]
+        assert not url.endswith(":0")
+        with urllib.request.urlopen(url + "/api/version", timeout=30) as resp:
+            assert "version" in json.loads(resp.read())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+

@@ -60,13 +60,38 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def check_model_name(model: str) -> None:
-    """Raise UnknownModelError for a name that is neither in the catalog nor a file, before serving."""
-    from tokenmill.store import ModelNotInstalledError, resolve_model
+    """Raise UnknownModelError for a name that is neither in the catalog nor a file, before serving,
+    and StoreError for a path to a file that is no GGUF (a typo such as `serve ./notes.txt` used to
+    start a server whose only model could never load)."""
+    from tokenmill.store import ModelNotInstalledError, StoreError, resolve_model
+    from tokenmill.store.local import looks_like_path
 
     try:
-        resolve_model(model)
+        path = resolve_model(model)
     except ModelNotInstalledError:
-        pass  # known: pulled in the background
+        return  # known: pulled in the background
+    if looks_like_path(model):
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as exc:
+            raise StoreError(f"cannot read {model}: {exc.strerror or exc}") from None
+        if magic != b"GGUF":
+            raise StoreError(f"{model} is not a GGUF file")
+
+
+def check_device(settings: Config) -> str | None:
+    """Why the device asked for cannot be used here, or None: with --device cuda on a machine
+    without CUDA no model could ever load, so the server refuses to start (a setting, not a model's fault)."""
+    if settings.device != "cuda":
+        return None
+    from tokenmill.model.gpu.device import DeviceUnavailable, resolve_device
+
+    try:
+        resolve_device(settings.device)
+    except DeviceUnavailable as exc:
+        return f"{settings.source('device')}: {exc}"
+    return None
 
 
 def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:
@@ -120,6 +145,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    unusable = check_device(settings)
+    if unusable:
+        print(f"error: {unusable}", file=sys.stderr)
+        return 1
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
@@ -133,7 +162,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
         return 1
     server, _ = build_server(settings)
-    print(f"tokenmill listening on http://{settings.host}:{settings.port}, loading {model}", file=sys.stderr)
+    port = sock.getsockname()[1]  # the one the system chose for --port 0
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    print(f"tokenmill listening on http://{host}:{port}, loading {model}", file=sys.stderr)
     try:
         server.run(sockets=[sock])
     finally:
