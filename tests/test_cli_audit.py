@@ -256,3 +256,30 @@ def test_serve_on_port_0_says_which_port_it_got(home, tmp_path):
         proc.wait(30)
 
 
+# --- create ---------------------------------------------------------------------------------------
+def test_create_reports_a_bad_parameter_value_by_line(home, tmp_path, capsys):
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text("FROM tiny-a\n# a comment\nSYSTEM \"\"\"be\nbrief\"\"\"\nPARAMETER num_ctx -5\n")
+    assert main(["create", "mine", "-f", str(modelfile)]) == 1
+    assert capsys.readouterr().err == "error: line 5: PARAMETER num_ctx must be at least 2, got -5\n"
+
+
+@pytest.mark.parametrize("content,wanted", [
+    (None, "error: no Modelfile at {path} (name one with -f)"),
+    (b"FROM tiny-a\n\xff\xfe\n", "error: {path} is not a text Modelfile: not UTF-8 at byte 12"),
+])
+def test_create_with_an_unreadable_modelfile_is_one_line(home, tmp_path, capsys, content, wanted):
+    path = tmp_path / "Modelfile"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["create", "mine", "-f", str(path)]) == 1
+    assert capsys.readouterr().err == wanted.format(path=path) + "\n"
+
+
+def test_create_from_a_file_that_is_not_gguf_sends_nothing(scripted, tmp_path, capsys):
+    # It was pushed to the server as a blob first ("transferring model data"), then refused there.
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    (tmp_path / "Modelfile").write_text("FROM ./notes.txt\n")
+    assert main(["create", "mine", "-f", str(tmp_path / "Modelfile")]) == 1
+    assert capsys.readouterr().err == "error: FROM ./notes.txt: not a GGUF file\n"
+    assert scripted.requests == []

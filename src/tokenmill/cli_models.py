@@ -126,7 +126,8 @@ def cmd_create(args: argparse.Namespace) -> int:
     from tokenmill.store.modelfile import parse_modelfile
 
     modelfile = Path(args.file)
-    parsed = parse_modelfile(modelfile.read_text())
+    text = _read_modelfile(modelfile)
+    parsed = parse_modelfile(text)
     profile = parsed.profile
     body = {"model": args.model, "stream": False,
             **{k: v for k, v in (("system", profile.system), ("template", profile.template)) if v is not None},
@@ -137,7 +138,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         body["files"] = {local.name: digest_ref(file_digest(local))}
     else:
         body["from"] = parsed.base
-    base_model, profile = _checked(body)
+    base_model, profile = _checked(body, text)
     server = server_url()
     if answers(server):
         if local is not None:
@@ -154,23 +155,69 @@ def cmd_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_modelfile(path: Path) -> str:
+    """The Modelfile's text, or one line saying why it cannot be read (not Python's errno text, and
+    no traceback for a file that is not UTF-8)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ServerError(f"no Modelfile at {path} (name one with -f)") from None
+    except IsADirectoryError:
+        raise ServerError(f"{path} is a directory, not a Modelfile") from None
+    except UnicodeDecodeError as exc:
+        raise ServerError(f"{path} is not a text Modelfile: not UTF-8 at byte {exc.start}") from None
+    except OSError as exc:
+        raise ServerError(f"cannot read the Modelfile {path}: {exc.strerror or exc}") from None
+
+
 def _local_file(base: str, folder: Path) -> Path:
     path = Path(base).expanduser()
     path = path if path.is_absolute() else folder / path
     if not path.is_file():
         raise ServerError(f"FROM {base}: no such file")
+    # Checked here, before it is pushed to a server (or copied into the store) only to be refused there.
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ServerError(f"FROM {base}: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise ServerError(f"FROM {base}: not a GGUF file")
     return path
 
 
-def _checked(body: dict):
-    """(base, profile) of a create request, or its error as a one-line message."""
+def _checked(body: dict, text: str):
+    """(base, profile) of a create request, or its error as a one-line message that says which
+    Modelfile line holds the value (the parser reports its own errors by line; the values' ranges
+    are checked after it, by the server's validator, which knows only the field)."""
     from tokenmill.server.errors import APIError
     from tokenmill.server.model_create import create_request
 
     try:
         return create_request(body)
     except APIError as exc:
-        raise ServerError(exc.message) from None
+        message = exc.message
+        field = exc.param or ""
+        if field.startswith("parameters."):
+            name = field.removeprefix("parameters.")
+            line = _directive_line(text, "PARAMETER", name)
+            message = message.replace(f"parameters.{name}", f"PARAMETER {name}", 1)
+        else:  # the one-valued directives; a message's index is not its line
+            line = _directive_line(text, field.upper()) if field in ("system", "template") else None
+        raise ServerError(f"line {line}: {message}" if line else message) from None
+
+
+def _directive_line(text: str, directive: str, name: str | None = None) -> int | None:
+    """The number of the Modelfile's last `directive` line (for PARAMETER, the one setting `name`):
+    the value that counts, since a later line overrides an earlier one."""
+    from tokenmill.store.modelfile import _lines
+
+    found = None
+    for number, line in _lines(text):
+        words = line.split()
+        if words and words[0].upper() == directive and (name is None or [w.lower() for w in words[1:2]] == [name]):
+            found = number
+    return found
 
 
 def _push(server: str, digest: str, path: Path) -> None:
