@@ -283,3 +283,25 @@ def test_create_from_a_file_that_is_not_gguf_sends_nothing(scripted, tmp_path, c
     assert main(["create", "mine", "-f", str(tmp_path / "Modelfile")]) == 1
     assert capsys.readouterr().err == "error: FROM ./notes.txt: not a GGUF file\n"
     assert scripted.requests == []
+
+
+# --- bench ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bench", ["offline", "single-stream"])
+def test_a_benchmark_of_an_unknown_model_is_one_line(home, bench, capsys):
+    assert main(["bench", bench, "--model", "nope"]) == 1  # was an UnknownModelError traceback
+    assert one_error_line(capsys.readouterr().err.replace(f"tokenmill bench {bench}: error:", "error:")) \
+        .startswith("error: unknown model 'nope'")
+
+
+def test_a_benchmark_of_a_file_that_is_not_gguf_is_one_line(home, tmp_path, capsys):
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("not a model\n")
+    assert main(["bench", "single-stream", "--model", str(notes)]) == 1  # was a GGUFError traceback
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "tokenmill bench single-stream: error: " in err and "not a GGUF file" in err
+
+
+def test_an_unknown_benchmark_goes_to_stderr(capsys):
+    assert main(["bench", "nope"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("tokenmill bench: unknown benchmark 'nope'")

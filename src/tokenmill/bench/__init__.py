@@ -44,7 +44,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0 if rest else 2
     name, argv = rest[0].replace("_", "-"), rest[1:]
     if name not in BENCHMARKS:
-        print(f"tokenmill bench: unknown benchmark {rest[0]!r}\n\n{_usage()}", end="")
+        print(f"tokenmill bench: unknown benchmark {rest[0]!r}\n\n{_usage()}", end="", file=sys.stderr)
         return 2
     try:
         module = importlib.import_module(BENCHMARKS[name][0])
@@ -59,3 +59,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"tokenmill bench {name} needs the Python package {package!r}, which this install lacks: {hint}",
               file=sys.stderr)
         return 1
+    except Exception as exc:  # noqa: BLE001 - only the model errors below are the user's; the rest re-raise
+        if not isinstance(exc, _model_errors()):
+            raise
+        # `--model nope` or a file that is no GGUF: the user's mistake, not a traceback.
+        print(f"tokenmill bench {name}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _model_errors() -> tuple[type[Exception], ...]:
+    """What a benchmark raises for a model it cannot find or load (imported late: torch comes with them)."""
+    from tokenmill.gguf.reader import GGUFError
+    from tokenmill.model.registry import ModelLoadError
+    from tokenmill.store.catalog import StoreError
+    from tokenmill.tokenizer.chat_template import TokenizerError
+
+    return StoreError, GGUFError, ModelLoadError, TokenizerError
