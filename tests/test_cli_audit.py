@@ -234,6 +234,20 @@ def test_device_cuda_without_cuda_is_refused_before_listening(home, capsys):
     assert line.startswith("error: flag --device: device cuda asked for, but ")
 
 
+@pytest.mark.parametrize("draft,wanted", [
+    ("nonexistent", "draft model 'nonexistent': unknown model 'nonexistent'"),
+    ("{notes}", "draft model '{notes}': {notes} is not a GGUF file"),
+])
+def test_a_draft_model_that_cannot_load_is_refused_before_listening(home, tmp_path, capsys, draft, wanted):
+    # The draft loads with every model and is never pulled: the server used to start and then fail
+    # every model's load, the reason only in its log.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model\n")
+    assert main(["serve", "tiny-a", "--port", "0", "--speculative", "draft:" + draft.format(notes=notes)]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: flag --speculative: " + wanted.format(notes=notes))
+
+
 def test_serve_on_port_0_says_which_port_it_got(home, tmp_path):
     # "listening on http://127.0.0.1:0" named a port no client can reach; the chosen one is shown.
     import urllib.request

@@ -63,7 +63,7 @@ def check_model_name(model: str) -> None:
     """Raise UnknownModelError for a name that is neither in the catalog nor a file, before serving,
     and StoreError for a path to a file that is no GGUF (a typo such as `serve ./notes.txt` used to
     start a server whose only model could never load)."""
-    from tokenmill.store import ModelNotInstalledError, StoreError, resolve_model
+    from tokenmill.store import ModelNotInstalledError, resolve_model
     from tokenmill.store.local import looks_like_path
 
     try:
@@ -71,13 +71,38 @@ def check_model_name(model: str) -> None:
     except ModelNotInstalledError:
         return  # known: pulled in the background
     if looks_like_path(model):
-        try:
-            with open(path, "rb") as f:
-                magic = f.read(4)
-        except OSError as exc:
-            raise StoreError(f"cannot read {model}: {exc.strerror or exc}") from None
-        if magic != b"GGUF":
-            raise StoreError(f"{model} is not a GGUF file")
+        _check_gguf(model, path)
+
+
+def _check_gguf(model: str, path) -> None:
+    from tokenmill.store import StoreError
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise StoreError(f"cannot read {model}: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise StoreError(f"{model} is not a GGUF file")
+
+
+def check_draft(settings: Config) -> str | None:
+    """Why --speculative draft:MODEL cannot work, or None. The draft is loaded with every model and
+    never pulled, so a name that is unknown or not installed (or a file that is no GGUF) would fail
+    every model's load after the server had started; it is refused before it starts."""
+    if not settings.speculative.startswith("draft:"):
+        return None
+    from tokenmill.store import StoreError, resolve_model
+    from tokenmill.store.local import looks_like_path
+
+    name = settings.speculative[len("draft:"):].strip()
+    try:
+        path = resolve_model(name)
+        if looks_like_path(name):
+            _check_gguf(name, path)
+    except StoreError as exc:
+        return f"{settings.source('speculative')}: draft model {name!r}: {exc}"
+    return None
 
 
 def check_device(settings: Config) -> str | None:
@@ -145,7 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    unusable = check_device(settings)
+    unusable = check_device(settings) or check_draft(settings)
     if unusable:
         print(f"error: {unusable}", file=sys.stderr)
         return 1
