@@ -251,18 +251,19 @@ async def completions(request: Request) -> Response:
         return echo_logprobs(tok, g.prompt_ids, scores, opts.params.top_logprobs > 0)
 
     async def stream_body(gens: list[Generation]):
-        offsets = [len(prefix(g)) for g in _by_choice(gens)]
+        by_choice = _by_choice(gens)  # once per stream, not per token
+        offsets = [len(prefix(g)) for g in by_choice]
         counts = [0] * len(offsets)
         unechoed = set(range(len(offsets))) if echo else set()
         if echo and not scores_prompt:  # the prompt's chunk goes first; with its logprobs, once they exist
-            for i, g in enumerate(_by_choice(gens)):
+            for i, g in enumerate(by_choice):
                 unechoed.discard(i)
                 yield env.wrap([{"index": i, "text": prefix(g), "logprobs": None, "finish_reason": None}],
                                usage=_running_usage(opts, g, 0))
         async for i, d in all_deltas(gens):
             if i in unechoed and (d.prompt_logprobs is not None or d.finished):
                 unechoed.discard(i)
-                g = _by_choice(gens)[i]
+                g = by_choice[i]
                 yield env.wrap([{"index": i, "text": prefix(g), "finish_reason": None,
                                  "logprobs": prompt_logprobs_of(g, d.prompt_logprobs)}],
                                usage=_running_usage(opts, g, counts[i]))
@@ -273,7 +274,7 @@ async def completions(request: Request) -> Response:
             offsets[i] += len(d.text)
             if d.text or lp or d.finished:
                 yield env.wrap([{"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}],
-                               usage=_running_usage(opts, _by_choice(gens)[i], counts[i]))
+                               usage=_running_usage(opts, by_choice[i], counts[i]))
         if opts.include_usage:
             yield env.wrap([], usage=_total_usage(gens, counts))
 
