@@ -211,6 +211,25 @@ def test_openai_required_tool_calls_stream_as_deltas(oai, tiny, parallel):
     assert len(pieces) > len(calls)
 
 
+@pytest.mark.parametrize("max_tokens", [3, 20, 30, 40])
+@pytest.mark.parametrize("choice, parallel", [("required", False), ("required", True),
+                                              ({"type": "function", "function": {"name": "get_weather"}}, False)])
+def test_a_call_cut_by_max_tokens_reads_the_same_streamed_or_not(oai, tiny, max_tokens, choice, parallel):
+    # Cut before the name is written the text is content; after, a call with its arguments as far as
+    # they got (as OpenAI answers), in both forms.
+    kwargs = dict(model=model_name(tiny[1]), messages=[{"role": "user", "content": "weather?"}],
+                  tools=[WEATHER, TIME], tool_choice=choice, max_tokens=max_tokens, temperature=1.0, seed=5,
+                  parallel_tool_calls=parallel)
+    full = oai.chat.completions.create(**kwargs).choices[0]
+    content, calls, reasons = stream_calls(oai.chat.completions.create(**kwargs, stream=True))
+    assert reasons == [full.finish_reason] == ["length"]
+    assert [(c["name"], c["arguments"]) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in full.message.tool_calls or []]
+    assert (content or None) == full.message.content
+    if max_tokens >= 30:  # past the name on this model and seed
+        assert calls and all(c.id.startswith("call_") for c in full.message.tool_calls)
+
+
 def test_openai_parallel_required_calls_may_be_several(oai, tiny):
     # Sampled lists of calls: over a few seeds some answer has more than one call, all valid.
     counts = []

@@ -180,10 +180,31 @@ def _one_constraint(found, tool_use: ToolUse):
 def _message(tool_use: ToolUse, r: Result) -> tuple[dict, str | None]:
     """The assistant message of a finished choice, with its tool calls parsed out, and the finish reason."""
     content, calls = tool_use.extract(r.text) if tool_use.active else (r.text, [])
+    if not calls and tool_use.active and r.finish_reason == "length":
+        content, cut = _cut_calls(tool_use, r.text)
+        if cut:
+            return {"role": "assistant", "content": content, "tool_calls": cut}, r.finish_reason
     if not calls:
         return {"role": "assistant", "content": r.text}, r.finish_reason
     reason = "tool_calls" if r.finish_reason == "stop" else r.finish_reason
     return {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}, reason
+
+
+def _cut_calls(tool_use: ToolUse, text: str) -> tuple[str | None, list[dict]]:
+    """A text that max_tokens cut inside a call, read as the stream reads it: a call whose name was
+    written is a call, its arguments as far as they got (as OpenAI answers; a streaming client
+    assembles the same), so the answer does not depend on `stream`."""
+    parser = tool_use.stream()
+    content, calls = "", {}
+    for p in parser.feed(text) + parser.finish():
+        if p.content is not None:
+            content += p.content
+        elif p.name is not None:
+            calls[p.index] = {"id": p.call_id, "type": "function", "function": {"name": p.name,
+                                                                                "arguments": p.arguments or ""}}
+        else:
+            calls[p.index]["function"]["arguments"] += p.arguments or ""
+    return content or None, list(calls.values())
 
 
 def _tool_delta(p: Piece) -> dict:
