@@ -192,7 +192,7 @@ static void tile_range(const Weight& w, const Acts& a, int64_t M, [[maybe_unused
                        int64_t t1, float* out, int64_t ldo) {
 #if defined(TM_AMX)
     if constexpr (kAmxType<T>) {
-        if (M >= kAmxRows && amx_enabled()) {
+        if (M >= amx_min_rows(w) && amx_enabled()) {
             tiles_amx<T>(w, a, M, t0, t1, out, ldo);
             if (w.stream_out) _mm_sfence();
             return;

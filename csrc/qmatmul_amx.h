@@ -25,6 +25,15 @@ bool amx_enabled();  // cpu.cpp
 void count_amx_pass();  // cpu.cpp: how many thread passes took AMX, so tests can see that it ran
 
 constexpr int64_t kAmxRows = 16;  // rows of an A tile: a call takes AMX for whole groups of 16
+// A vocabulary-wide output (the head, Weight::stream_out) takes AMX only from this many rows: its weight
+// streams from memory once per call, and with one or two groups of 16 the VNNI kernels, which ask for
+// each block ahead as they go, hide that better than the AMX pass's decode of a chunk of tiles. On the
+// 2-core Sapphire Rapids box (2 threads, alternated, fastest of 4) a Q8_0 head of 262,144 x 640 (Gemma
+// 3's) at 16 / 24 / 32 / 48 / 64 rows took 21.8 / 31.0 / 40.6 / 56.9 / 84.4 ms on VNNI against 28.4 /
+// 39.6 / 42.2 / 56.7 / 68.5 on AMX, one of 49,152 x 576 (SmolLM2's) 2.64 / 4.21 / 5.05 / 8.22 / 10.9
+// against 2.94 / 4.70 / 4.98 / 7.45 / 9.53; the other weights gain from 16 rows (bench/qmatmul.py).
+constexpr int64_t kAmxWideRows = 48;
+inline int64_t amx_min_rows(const Weight& w) { return w.stream_out ? kAmxWideRows : kAmxRows; }
 
 // Types with one scale per block of 32. Q6_K's integer scales are per 16 inputs: with a tile product
 // per half block it measured no faster than VNNI (bench/qmatmul.py, Gemma 3's down), so it stays there.

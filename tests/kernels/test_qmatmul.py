@@ -198,17 +198,19 @@ def test_amx_gives_the_vnni_kernels_bits(t, blocks):
 
 @pytest.mark.skipif(not _amx_runs(), reason="this CPU (or build) has no AMX-INT8")
 def test_amx_vocabulary_wide_output():
+    # A head this wide streams from memory: AMX takes it from 48 rows (kAmxWideRows), below on VNNI.
     n, k = 16384 + 8, 64
     w = QuantizedWeight.from_gguf(random_gguf(Q.Q8_0, n, k), Q.Q8_0, (n, k))
-    x = torch.randn(20, k)
-    with native.use_amx(False):
-        vnni = qmatmul(x, w)
-    with native.use_amx(True):
-        before = native.module().amx_passes()
-        lines = torch.full((20, n + 8), float("nan"))
-        amx = qmatmul(x, w, out=lines[:, :n])
-        assert native.module().amx_passes() > before
-    assert torch.equal(amx, vnni) and lines[:, n:].isnan().all()
+    for m, takes_amx in ((20, False), (47, False), (50, True)):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        with native.use_amx(False):
+            vnni = qmatmul(x, w)
+        with native.use_amx(True):
+            before = native.module().amx_passes()
+            lines = torch.full((m, n + 8), float("nan"))
+            amx = qmatmul(x, w, out=lines[:, :n])
+            assert (native.module().amx_passes() > before) == takes_amx, m
+        assert torch.equal(amx, vnni) and lines[:, n:].isnan().all()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
