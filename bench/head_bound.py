@@ -10,7 +10,8 @@ B = sum_b (d1_b / 2) * max_n |w_n|_1,b of its exact one (|w|_1,b: the L1 norm of
 column whose a_n is below max(a) - 2B is then certainly not the argmax; the others (the candidates)
 would be computed exactly, with the same kernel, bitwise as today. This script counts them on real
 hidden states (the bench speculative prompts run through the model: the final norm's output at every
-position), and checks that the bound held for every row and column against the exact head (fp64).
+position), and checks that the bound held for every row and column against the head of both planes,
+the exact one (in fp64).
 
     PYTHONPATH=src .venv/bin/python bench/head_bound.py --model smollm2
 """
@@ -38,19 +39,26 @@ def block_l1_max(w: np.ndarray) -> np.ndarray:
     return np.abs(w).reshape(vocab, dim // BLOCK, BLOCK).sum(-1).max(0)
 
 
-def first_plane(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(x1 = d1 q1, d1) per row and block: the activations' first int8 plane, as the kernels quantize it."""
-    xb = x.reshape(x.shape[0], -1, BLOCK)
-    d1 = np.abs(xb).max(-1) / 127
-    q1 = np.round(xb / np.where(d1 > 0, d1, 1.0)[..., None])
-    return (q1 * d1[..., None]).reshape(x.shape), d1
+def first_plane(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x1 = d1 q1, d1 per row and block, and the two-plane x the kernels multiply), from the kernels' own
+    quantization (kernels/qmatmul.py)."""
+    import torch
+
+    from tokenmill.kernels.qmatmul import quantize_activations
+
+    acts = quantize_activations(torch.from_numpy(x).float())
+    m, k = x.shape
+    d1 = acts.d.double().numpy() * 128  # d = d1 / 128
+    q1 = acts.q[:, 0].double().numpy().reshape(m, -1, BLOCK)
+    return (q1 * d1[..., None]).reshape(m, k), d1, acts.dequantize().double().numpy()
 
 
 def candidates(x: np.ndarray, w: np.ndarray, l1max: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
     """Per row of x [rows, dim]: (how many candidate columns, the bound B, whether |exact - one-plane| <= B
-    held for every column of every row and each row's exact argmax was a candidate)."""
-    x1, d1 = first_plane(x)
-    approx, exact = x1 @ w.T, x @ w.T
+    held for every column of every row and each row's exact argmax was a candidate), exact being the
+    head of the two planes, as the kernels compute it."""
+    x1, d1, x2 = first_plane(x)
+    approx, exact = x1 @ w.T, x2 @ w.T
     bound = (d1 / 2 * l1max).sum(-1)
     chosen = approx >= (approx.max(-1) - 2 * bound)[:, None]
     held = bool((np.abs(exact - approx) <= bound[:, None] * (1 + 1e-9)).all()
