@@ -22,6 +22,7 @@ void register_penalties(py::module_& m);
 void register_topk(py::module_& m);
 void register_logsumexp(py::module_& m);
 void register_embedding(py::module_& m);
+void register_head_argmax(py::module_& m);
 
 PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     m.doc() = "tokenmill's compiled CPU kernels (one ISA variant)";
@@ -39,4 +40,5 @@ PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     register_topk(m);
     register_logsumexp(m);
     register_embedding(m);
+    register_head_argmax(m);
 }

@@ -1,0 +1,257 @@
+// Greedy rows' token from a Q8_0 output head without all of its dot products: the argmax of
+// qmatmul(x, head), bitwise the column torch.max would pick from the full logits.
+//
+// The activations' first plane alone (q1: half of the integer work, kernels' Acts layout) gives every
+// column a coarse logit within a bound of the exact one: the fine plane q2 (|q2| <= 64) adds, in block
+// b, scale_c * dc_b * (q2 . w_c), at most dc_b * 64 * L_b, where L_b is the largest |scale_c| * sum |w_c|
+// over the head's columns (block_norms, once per weight). A column whose coarse logit lies more than
+// twice the row's bound (plus float slack) below the best coarse logit cannot be the argmax; the few
+// tiles left (bench/head_bound.py: SmolLM2 34 columns of 49,152 at the median, Gemma 3 7 of 262,144)
+// are computed exactly by the qmatmul kernel itself (tile_avx512, one row), so their values are the
+// full kernel's bits, and the first index of the largest wins as in torch.max. A row whose coarse
+// logits hold a NaN or an infinity takes every tile exactly.
+//
+// AVX-512 only (the verification rows of speculative decoding, and batched greedy rows, are where a
+// head's per-row work shows); kernels/head_argmax.py falls back to qmatmul + argmax elsewhere.
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "qmatmul_avx512.h"
+
+namespace py = pybind11;
+
+namespace tmk::qmm {
+namespace {
+
+// Per block b: the largest |scale| * sum |w| of a column of the head (w the signed values u - 128).
+void block_norms(const Weight& w, float* out) {
+    const int64_t nb = w.blocks(), tiles = w.tiles();
+    std::vector<float> part(size_t(tiles * nb));
+    parallel_for(tiles, 64, [&](int64_t t0, int64_t t1) {
+        uint8_t u[kTile][kBlock];
+        for (int64_t t = t0; t < t1; ++t) {
+            const int cols = int(std::min<int64_t>(kTile, w.N - t * kTile));
+            for (int64_t b = 0; b < nb; ++b) {
+                decode_block(w.type, w.qs_at(t, b), u);
+                float most = 0.f;
+                for (int c = 0; c < cols; ++c) {
+                    int32_t l1 = 0;
+                    for (int k = 0; k < kBlock; ++k) l1 += std::abs(int32_t(u[c][k]) - int_offset(Q8_0));
+                    most = std::max(most, std::fabs(half_at(w.sc_at(t, b), c)) * float(l1));
+                }
+                part[size_t(t * nb + b)] = most;
+            }
+        }
+    });
+    for (int64_t b = 0; b < nb; ++b) {
+        float most = 0.f;
+        for (int64_t t = 0; t < tiles; ++t) most = std::max(most, part[size_t(t * nb + b)]);
+        out[b] = most;
+    }
+}
+
+#if defined(TM_AVX512)
+// Lanes of tile t that are columns of the head (a tail tile's others are padding).
+inline __mmask16 tile_columns(const Weight& w, int64_t t) {
+    const int64_t left = w.N - t * kTile;
+    return left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+// A tile whose coarse logits (of one row) reach within the row's margin of the best coarse logit seen.
+struct Candidate {
+    int64_t row, tile;
+    float most;  // its largest coarse logit
+};
+
+// One row's pass over a part of the tiles: the best coarse logit so far, and whether one was a NaN or
+// an infinity (the row then takes every tile exactly).
+struct RowScan {
+    float margin;  // twice the row's bound, and float slack
+    float best = -std::numeric_limits<float>::infinity();
+    bool odd = false;
+};
+
+// The coarse logits of one row in tile t: kept as a candidate when they reach the best so far less the
+// margin. The best only grows, so every tile that reaches the final floor (the row's best less the
+// margin) is kept; the final floor then drops the ones kept early.
+inline void scan_tile(const Weight& w, int64_t t, int64_t m, __m512 v, RowScan& row, std::vector<Candidate>& out) {
+    const __mmask16 cols = tile_columns(w, t);
+    row.odd = row.odd || _mm512_mask_fpclass_ps_mask(cols, v, 0x99) != 0;  // NaN or infinity
+    if (_mm512_mask_cmp_ps_mask(cols, v, _mm512_set1_ps(row.best - row.margin), _CMP_GE_OQ) == 0) return;
+    const float most = _mm512_mask_reduce_max_ps(cols, v);
+    out.push_back({m, t, most});
+    row.best = std::max(row.best, most);
+}
+
+// Coarse logits of rows [m0, m0 + MR) for tiles [t, t + NT): the first plane's integer dots (the
+// offset taken off with that plane's own block sums s1), scaled by the tiles' scales and the rows'
+// d1 = 128 dc, straight into the rows' scans (never stored). Each activation word is broadcast once for
+// all NT tiles: one plane makes half the qmatmul kernel's products per load, so a tile at a time would
+// be bound by loads.
+template <int NT, int MR>
+void coarse_group(const Weight& w, int64_t t, const Acts& a, const int32_t* s1, int64_t m0, RowScan* rows,
+                  std::vector<Candidate>& out) {
+    const int64_t nb = w.blocks();
+    __m512 acc[NT][MR];
+    for (int n = 0; n < NT; ++n)
+        for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        if (m0 == 0)
+            for (int n = 0; n < NT; ++n) prefetch_ahead(Q8_0, w.qs_at(t + n, b), w.sc_at(t + n, b));
+        __m512i isum[NT][MR];
+        for (int r = 0; r < MR; ++r) {
+            const __m512i start = _mm512_set1_epi32(-int_offset(Q8_0) * s1[(m0 + r) * nb + b]);
+            for (int n = 0; n < NT; ++n) isum[n][r] = start;
+        }
+        for (int j = 0; j < 8; ++j) {
+            __m512i v[NT];
+            for (int n = 0; n < NT; ++n) v[n] = step_values<Q8_0>(w.qs_at(t + n, b), j);
+            for (int r = 0; r < MR; ++r) {
+                int32_t word;
+                std::memcpy(&word, a.row(m0 + r) + b * kBlock + 4 * j, 4);
+                const __m512i x = _mm512_set1_epi32(word);
+                for (int n = 0; n < NT; ++n) isum[n][r] = _mm512_dpbusd_epi32(isum[n][r], v[n], x);
+            }
+        }
+        for (int n = 0; n < NT; ++n) {
+            const __m512 scale = load_halves(w.sc_at(t + n, b));
+            for (int r = 0; r < MR; ++r) {
+                const float d1 = a.dx(m0 + r, b) * float(1 << kFine);
+                acc[n][r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(d1)), _mm512_cvtepi32_ps(isum[n][r]),
+                                            acc[n][r]);
+            }
+        }
+    }
+    for (int n = 0; n < NT; ++n)
+        for (int r = 0; r < MR; ++r) scan_tile(w, t + n, m0 + r, acc[n][r], rows[m0 + r], out);
+}
+
+// Tiles [t, t + NT) of every row: rows three at a time (and the last one or two).
+template <int NT>
+void coarse_tiles(const Weight& w, int64_t t, const Acts& a, const int32_t* s1, int64_t M, RowScan* rows,
+                  std::vector<Candidate>& out) {
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) coarse_group<NT, 3>(w, t, a, s1, m, rows, out);
+    if (M - m == 2) coarse_group<NT, 2>(w, t, a, s1, m, rows, out);
+    if (M - m == 1) coarse_group<NT, 1>(w, t, a, s1, m, rows, out);
+}
+
+// Tiles [t0, t1): four at a time for one or two rows (independent chains enough to hide vpdpbusd's
+// latency), two at a time for more.
+void coarse_range(const Weight& w, int64_t t0, int64_t t1, const Acts& a, const int32_t* s1, int64_t M,
+                  RowScan* rows, std::vector<Candidate>& out) {
+    int64_t t = t0;
+    if (M <= 2)
+        for (; t + 4 <= t1; t += 4) coarse_tiles<4>(w, t, a, s1, M, rows, out);
+    for (; t + 2 <= t1; t += 2) coarse_tiles<2>(w, t, a, s1, M, rows, out);
+    for (; t < t1; ++t) coarse_tiles<1>(w, t, a, s1, M, rows, out);
+}
+
+// tokens[m] = argmax over columns of row m's logits (torch.max's index). norms: block_norms of w.
+void head_argmax(const Weight& w, const Acts& a, int64_t M, const float* norms, int64_t* tokens) {
+    const int64_t nb = w.blocks(), tiles = w.tiles();
+    // The first plane's sums per row and block (Acts holds both planes' joined sums only), and each
+    // row's margin: twice its bound (one for a candidate, one for the best), with a 1% slack that covers
+    // the float rounding of both sums and of the bound itself many times over (about 1e-3 of it).
+    std::vector<int32_t> s1(size_t(M * nb));
+    std::vector<RowScan> start(static_cast<size_t>(M));
+    for (int64_t m = 0; m < M; ++m) {
+        float bound = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+            int32_t s = 0;
+            for (int k = 0; k < kBlock; ++k) s += a.row(m)[b * kBlock + k];
+            s1[size_t(m * nb + b)] = s;
+            bound += a.dx(m, b) * norms[b];
+        }
+        start[size_t(m)].margin = 2.02f * 64.f * bound;
+        start[size_t(m)].odd = !std::isfinite(start[size_t(m)].margin);
+    }
+    // Each part of the tiles scans them with its own rows' state and candidate list.
+    const int parts = int(std::max<int64_t>(1, std::min<int64_t>(num_threads(), tiles / 16)));
+    std::vector<std::vector<RowScan>> scans(static_cast<size_t>(parts), start);
+    std::vector<std::vector<Candidate>> found(static_cast<size_t>(parts));
+    run(parts, [&](int part, int n) {
+        const int64_t per = (tiles + n - 1) / n, t0 = part * per, t1 = std::min(tiles, t0 + per);
+        if (t0 < t1) coarse_range(w, t0, t1, a, s1.data(), M, scans[size_t(part)].data(), found[size_t(part)]);
+    });
+    // Each row's floor from every part's best; the candidates that reach it, or every tile of an odd row.
+    std::vector<float> floor(static_cast<size_t>(M));
+    std::vector<char> every(static_cast<size_t>(M), 0);
+    for (int64_t m = 0; m < M; ++m) {
+        float best = -std::numeric_limits<float>::infinity();
+        for (const auto& scan : scans) {
+            best = std::max(best, scan[size_t(m)].best);
+            every[size_t(m)] |= scan[size_t(m)].odd;
+        }
+        floor[size_t(m)] = best - start[size_t(m)].margin;
+        every[size_t(m)] |= !std::isfinite(floor[size_t(m)]);
+    }
+    std::vector<Candidate> pairs;
+    for (const auto& list : found)
+        for (const Candidate& c : list)
+            if (!every[size_t(c.row)] && c.most >= floor[size_t(c.row)]) pairs.push_back(c);
+    for (int64_t m = 0; m < M; ++m)
+        if (every[size_t(m)])
+            for (int64_t t = 0; t < tiles; ++t) pairs.push_back({m, t, 0.f});
+
+    // The candidates exactly, by the qmatmul kernel's own tile (w.stream_out is off: plain stores).
+    std::vector<float> values(pairs.size() * kTile);
+    parallel_for(int64_t(pairs.size()), 8, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+            tile_avx512<Q8_0, 1, false>(w, pairs[size_t(p)].tile, a, nullptr, pairs[size_t(p)].row,
+                                        values.data() + p * kTile, 0, false);  // ldo 0: row m lands at the pointer
+    });
+    // torch.max's rules, in any order of the candidates: the largest value at its first index, or the
+    // first NaN.
+    std::vector<float> top(static_cast<size_t>(M), 0.f);
+    std::vector<char> nan(static_cast<size_t>(M), 0);
+    for (int64_t m = 0; m < M; ++m) tokens[m] = -1;
+    for (size_t p = 0; p < pairs.size(); ++p) {
+        const size_t m = size_t(pairs[p].row);
+        for (int64_t i = 0; i < kTile && pairs[p].tile * kTile + i < w.N; ++i) {
+            const float v = values[p * kTile + size_t(i)];
+            const int64_t index = pairs[p].tile * kTile + i;
+            if (std::isnan(v)) {
+                if (!nan[m] || index < tokens[m]) tokens[m] = index;
+                nan[m] = 1;
+            } else if (!nan[m] && (tokens[m] < 0 || v > top[m] || (v == top[m] && index < tokens[m]))) {
+                top[m] = v;
+                tokens[m] = index;
+            }
+        }
+    }
+}
+#endif
+
+}  // namespace
+}  // namespace tmk::qmm
+
+void register_head_argmax(py::module_& m) {
+    using namespace tmk::qmm;
+    m.def(
+        "head_block_norms",
+        [](uintptr_t qs, uintptr_t sc, int64_t N, int64_t K, uintptr_t out) {
+            const Weight w{Q8_0, tmk::ptr<const uint8_t>(qs), tmk::ptr<const uint8_t>(sc), nullptr, N, K};
+            block_norms(w, tmk::ptr<float>(out));
+        },
+        py::call_guard<py::gil_scoped_release>(),
+        "a repacked Q8_0 weight [N, K] -> per block of 32 inputs, the largest |scale| * sum |q| of a column");
+#if defined(TM_AVX512)
+    m.def(
+        "head_argmax",
+        [](uintptr_t acts, int64_t M, int64_t K, uintptr_t qs, uintptr_t sc, int64_t N, uintptr_t norms,
+           uintptr_t out) {
+            const Weight w{Q8_0, tmk::ptr<const uint8_t>(qs), tmk::ptr<const uint8_t>(sc), nullptr, N, K};
+            head_argmax(w, Acts{tmk::ptr<const uint8_t>(acts), K}, M, tmk::ptr<const float>(norms),
+                        tmk::ptr<int64_t>(out));
+        },
+        py::call_guard<py::gil_scoped_release>(),
+        "tokens [M] int64 = argmax of activations [M, K] @ a repacked Q8_0 head [N, K]^T (torch.max's index)");
+#endif
+}

@@ -1,0 +1,109 @@
+"""csrc/head_argmax.cpp against its twin, the first index of each row's largest logit from the full
+qmatmul: random heads (real Q8_0 quantization), exact ties (duplicated columns), heads whose columns
+all lie within the bound of each other (every tile a candidate), a partial last tile, a head as wide
+as a vocabulary, zero activations, and a column whose scale is infinite (the row then takes every
+tile exactly); 1 and 2 threads; every variant (those without the kernel take the full logits)."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.kernels import native
+from tokenmill.kernels.head_argmax import GreedyHead, head_argmax_reference
+from tokenmill.kernels.qmatmul import QuantizedWeight, qmatmul
+
+Q = gguf.GGMLQuantizationType
+VARIANTS = ["torch"] + native.runnable_variants()
+
+
+def q8_head(values: np.ndarray) -> np.ndarray:
+    return gguf.quants.quantize(values.astype(np.float32), Q.Q8_0)
+
+
+def head(raw: np.ndarray, n: int, k: int) -> QuantizedWeight:
+    return QuantizedWeight.from_gguf(raw, Q.Q8_0, (n, k))
+
+
+def check(w: QuantizedWeight, x: torch.Tensor, variant: str) -> None:
+    with native.use_variant(variant):
+        h = GreedyHead(w)
+        assert h.native == (variant == "avx512")
+        expected = qmatmul(x, w).max(dim=-1).indices
+        for threads in (1, 2):
+            native.set_num_threads(threads)
+            try:
+                assert torch.equal(h(x), expected), f"{variant}, {threads} threads"
+            finally:
+                native.set_num_threads(torch.get_num_threads())
+        assert torch.equal(head_argmax_reference(x, w), expected)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n,k", [(1, 32), (37, 64), (1000, 96), (16384 + 24, 64)])
+def test_random_heads(variant, n, k):
+    rng = np.random.default_rng(n + k)
+    w = head(q8_head(rng.standard_normal((n, k)) * 0.05), n, k)
+    for m in (1, 2, 3, 5, 9, 17):
+        check(w, torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3, variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_exact_ties_take_the_first_index(variant):
+    rng = np.random.default_rng(1)
+    n, k = 2000, 64
+    values = rng.standard_normal((n, k)) * 0.05
+    values[5] *= 4  # far ahead of the others for the row below ...
+    values[[700, 1500, 1999]] = values[5]  # ... and three exact copies after it
+    w = head(q8_head(values), n, k)
+    x = torch.from_numpy(values[5:6] / np.abs(values[5]).max()).float().repeat(3, 1)
+    logits = qmatmul(x, w)
+    assert logits[0, 5] == logits[0, 700] == logits[0, 1999] == logits[0].max()
+    check(w, x, variant)
+    with native.use_variant(variant):
+        assert GreedyHead(w)(x).tolist() == [5, 5, 5]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_columns_all_within_the_bound(variant):
+    # Every column the same but for one input: the coarse pass cannot rule any tile out.
+    rng = np.random.default_rng(2)
+    n, k = 3000, 128
+    values = np.tile(rng.standard_normal(k) * 0.05, (n, 1))
+    values[:, 7] += rng.standard_normal(n) * 1e-3
+    w = head(q8_head(values), n, k)
+    check(w, torch.randn(4, k, generator=torch.Generator().manual_seed(3)), variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_zero_activations_and_an_infinite_scale(variant):
+    rng = np.random.default_rng(4)
+    n, k = 500, 64
+    raw = q8_head(rng.standard_normal((n, k)) * 0.05)
+    w = head(raw, n, k)
+    check(w, torch.zeros(2, k), variant)  # every logit 0: the first column
+    odd = raw.copy()
+    odd[37, 0:2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)  # column 37's first block scale
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    x[1, :32] = 0  # that row's product with the infinite block is a NaN (0 * inf)
+    check(head(odd, n, k), x, variant)
+
+
+def test_norms_bound_every_column():
+    # block_norms: per block, the largest |scale| * sum |q| over the columns, from the repacked head.
+    if len(VARIANTS) == 1:
+        pytest.skip("no native variant built")
+    rng = np.random.default_rng(6)
+    n, k = 77, 96
+    raw = q8_head(rng.standard_normal((n, k)) * 0.05)
+    blocks = raw.reshape(n, k // 32, 34)
+    scale = np.abs(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    l1 = np.abs(blocks[..., 2:].view(np.int8).astype(np.int32)).sum(-1)
+    expected = (scale * l1).max(0)
+    for variant in VARIANTS[1:]:
+        with native.use_variant(variant):
+            w = head(raw, n, k)
+            out = torch.empty(k // 32)
+            native.module().head_block_norms(w.qs.data_ptr(), w.sc.data_ptr(), n, k, out.data_ptr())
+            assert np.allclose(out.numpy(), expected, rtol=1e-6), variant
