@@ -20,7 +20,7 @@ from tokenmill.engine.health import StepFaults, StepShape
 from tokenmill.engine.prompt_scores import score_prompt_rows
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput
+from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput, argmax_only
 from tokenmill.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from tokenmill.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from tokenmill.engine.speculative import SpecConfigError, row_generators
@@ -31,6 +31,7 @@ from tokenmill.kernels import native
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import LoadedModel, load_model
 from tokenmill.model.decode_graph import DecodeGraph
+from tokenmill.model.decoder import GREEDY_HEAD_ROWS
 from tokenmill.model.step_graph import MIN_TOKENS, StepGraph
 from tokenmill.structured import MaskWorker, PendingMasks
 from tokenmill.tokenizer import Tokenizer
@@ -342,16 +343,28 @@ class LLMEngine:
                                   if c.seq.constraint is not None]
                                  + [state for c in batch.sampling_chunks for state in c.mask_states()])
         self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
-        out = self.runner.run(batch)
+        out = self.runner.run(batch, greedy_tokens=True) if self._argmax_only(batch) else self.runner.run(batch)
         logits = out.logits
         if out.prompt_rows:
             score_prompt_rows(self.runner.model, out.prompt_rows)
         if masks is not None:
             masks.wait()  # forking copies a parent's matcher, which the worker may still be reading
         self.scheduler.fork_samples(batch, lambda: next(self._seq_ids))
+        if out.tokens is not None:  # a forked sample's token is its parent's row's
+            return SampleResult(token_ids=self._logits(out.tokens, batch).tolist())
         if logits is None:
             return None
         return self.sampler(self._logits(logits, batch), self._sampler_input(batch, masks), owned=True)
+
+    def _argmax_only(self, batch: ScheduledBatch) -> bool:
+        """Whether every sampling row of the step takes its logits' argmax and nothing else (sampler.py's
+        argmax_only, no grammar), and the runner can give tokens for them: up to GREEDY_HEAD_ROWS rows,
+        where skipping most of the head pays."""
+        chunks = batch.sampling_chunks
+        if (not chunks or not getattr(self.runner, "picks_greedy_tokens", False)
+                or sum(c.num_sample_rows for c in chunks) > GREEDY_HEAD_ROWS):
+            return False
+        return all(c.seq.constraint is None and argmax_only(c.seq.params, len(c.seq.output_ids)) for c in chunks)
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:
         """How many decode steps this batch runs in a row (1: an ordinary step), its blocks reserved."""
@@ -362,7 +375,8 @@ class LLMEngine:
 
     @staticmethod
     def _logits(logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
-        # Forked samples reuse their parent's row: the prompt was computed once, for all of them.
+        # Forked samples reuse their parent's row (of logits, or of greedy tokens): the prompt was
+        # computed once, for all of them.
         rows = batch.logit_rows()
         return logits if rows is None else logits.index_select(0, torch.tensor(rows, device=logits.device))
 

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.engine.request import Sequence
 from tokenmill.engine.scheduler import ScheduledBatch, ScheduledChunk
+from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import AttentionMetadata, ChunkSpec
@@ -47,6 +48,8 @@ class PromptRows:
 class StepOutput:
     logits: torch.Tensor | None  # [sampled rows, vocab] in batch order; None if nobody samples
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    # run(greedy_tokens=True): each sampled row's greedy token (int64, batch order) in place of logits.
+    tokens: torch.Tensor | None = None
 
 
 def scored_positions(seq: Sequence, start: int, num_new: int) -> range:
@@ -96,6 +99,7 @@ class UbatchInputs:
 
 class ModelRunner:
     supports_drafts = True  # computes and returns logits for every proposed row (ScheduledChunk.draft_ids)
+    picks_greedy_tokens = True  # run(greedy_tokens=True): tokens instead of logits
 
     def __init__(self, model: torch.nn.Module, kv: KVStorage, blocks: BlockManager, n_ubatch: int,
                  decode_graph: DecodeGraph | None = None, step_graph: StepGraph | None = None, *,
@@ -111,15 +115,26 @@ class ModelRunner:
         self.step_graph_steps = 0  # ... and through the compiled prefill/mixed graph
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        """Logits of the sampling rows (the model's dtype), and the hidden states of prompt rows to score."""
-        logits: list[torch.Tensor] = []
+    def run(self, batch: ScheduledBatch, greedy_tokens: bool = False) -> StepOutput:
+        """Logits of the sampling rows (the model's dtype), and the hidden states of prompt rows to score.
+        greedy_tokens: every sampling row takes its logits' argmax and nothing else (the engine checked),
+        so the rows' tokens come back instead, from DecoderLM.greedy_tokens (most of the head skipped)."""
+        if greedy_tokens:
+            tokens, prompt_rows = self._run(batch, self.model.greedy_tokens, lambda logits: argmax_rows(logits.float()))
+            return StepOutput(None, prompt_rows, tokens)
+        return StepOutput(*self._run(batch, self.model.logits, lambda logits: logits))
+
+    def _run(self, batch: ScheduledBatch, head, from_logits) -> tuple[torch.Tensor | None, list[PromptRows]]:
+        """The model over the batch's micro-batches: head(hidden, rows) of the sampling rows (or
+        from_logits(logits) where the compiled decode graph made logits) joined in batch order (None
+        when no row samples), and the prompt rows to score."""
+        outputs: list[torch.Tensor] = []
         prompt_rows: list[PromptRows] = []
         for ubatch in split_ubatches(batch.chunks, self.n_ubatch):
             ids, positions, specs, sample_rows, scored = UbatchInputs.build(ubatch, self.blocks)
             graph_logits = None if scored else self._run_graph(ids, positions, specs, sample_rows)
             if graph_logits is not None:
-                logits.append(graph_logits)
+                outputs.append(from_logits(graph_logits))
                 continue
             meta = self.attention_meta(specs)
             if self.step_graph is not None and self.step_graph.accepts(len(ids)):
@@ -128,12 +143,12 @@ class ModelRunner:
             else:
                 hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv)
             if sample_rows:
-                logits.append(self.model.logits(hidden, torch.tensor(sample_rows)))
+                outputs.append(head(hidden, torch.tensor(sample_rows)))
             for seq, where, row in scored:
                 prompt_rows.append(PromptRows(seq, where.start, hidden[row:row + len(where)].clone()))
-        if not logits:
-            return StepOutput(None, prompt_rows)
-        return StepOutput(logits[0] if len(logits) == 1 else torch.cat(logits), prompt_rows)
+        if not outputs:
+            return None, prompt_rows
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), prompt_rows
 
     def hidden_states(self, ids: list[int], start: int, block_table) -> torch.Tensor:
         """One sequence's chunk at positions start.. run eagerly (embeddings): its last layer's hidden

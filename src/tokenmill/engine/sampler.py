@@ -73,6 +73,14 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+def argmax_only(p: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a row's token is its raw logits' argmax and nothing else is asked of them: greedy, no
+    logprobs, penalties, logit_bias or suppression (ignore_eos, below min_tokens). Its grammar, if
+    any, is the caller's to rule out. Such rows need no logits (DecoderLM.greedy_tokens)."""
+    return (p.is_greedy and not p.logprobs and p.top_logprobs == 0 and not p.uses_penalties and not p.logit_bias
+            and not p.ignore_eos and num_output_tokens >= p.min_tokens)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """The generator a request keeps for its lifetime, or None to use the global RNG."""
     if seed is None:

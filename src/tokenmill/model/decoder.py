@@ -12,6 +12,9 @@ from torch import nn
 
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kernels import gpu as gpu_ops
+from tokenmill.kernels.argmax import argmax_rows
+from tokenmill.kernels.head_argmax import GreedyHead
+from tokenmill.kernels.qmatmul import QuantizedWeight
 from tokenmill.kvcache.storage import KVStorage, LayerKV
 from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
 from tokenmill.model.gpu.batch import DeviceBatch
@@ -25,6 +28,10 @@ Parts = list[GGUFWeight]
 # What a step's attention reads: eager PyTorch metadata, the compiled graphs' tensors, or the native
 # kernel's paged batch.
 StepMeta = AttentionMetadata | GraphDecodeMeta | GraphStepMeta | PagedBatch
+# greedy_tokens takes the bounded head kernel up to this many rows: speculative verification and small
+# batches, where the qmatmul kernel's head runs on VNNI. From 48 rows the head takes AMX (faster than
+# the bounded kernel's first pass, which stays on VNNI), and by then the head is a small share of a step.
+GREEDY_HEAD_ROWS = 16
 
 
 class DecoderLM(nn.Module):
@@ -39,6 +46,7 @@ class DecoderLM(nn.Module):
         self.embed_rows: EmbeddingRows | None = None
         self.head_quantized: QuantizedParts | None = None
         self.native_steps = NativeSteps()  # the whole layer stack in one native call, when it can run so
+        self._greedy: tuple[QuantizedWeight, GreedyHead | None] | None = None  # greedy_tokens' head
 
     def pack_weights(self) -> None:
         """After loading: give every dense bf16 weight its oneDNN-packed form (see model/linear.py)."""
@@ -96,6 +104,28 @@ class DecoderLM(nn.Module):
         if self.head_quantized is not None:
             return self.head_quantized.matmul(h)
         return dense_linear(h, self.lm_head, self.lm_head_packed)
+
+    def greedy_tokens(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 [rows]: each row's greedy token, the first index of its largest logit (torch.max's),
+        bitwise logits(hidden, indices)'s. Up to GREEDY_HEAD_ROWS rows of a Q8_0 head, the bounded kernel
+        (kernels/head_argmax.py) skips most of the head's work; otherwise the logits' argmax."""
+        head = self._greedy_head()
+        rows = hidden.shape[0] if indices is None else indices.numel()
+        if head is None or rows > GREEDY_HEAD_ROWS:
+            return argmax_rows(self.logits(hidden, indices).float())
+        return head(self.final_hidden(hidden, indices).float())
+
+    def _greedy_head(self) -> GreedyHead | None:
+        """The head's GreedyHead when its bounded kernel runs here (one Q8_0 part on the CPU), made once
+        per head weight (move_blocks replaces it)."""
+        q = self.head_quantized
+        if q is None or len(q.parts) != 1 or not isinstance(q.parts[0][0], QuantizedWeight):
+            return None
+        w = q.parts[0][0]
+        if self._greedy is None or self._greedy[0] is not w:
+            head = GreedyHead(w)
+            self._greedy = (w, head if head.native else None)
+        return self._greedy[1]
 
     BLOCK_TENSORS: tuple[str, ...] = ()  # each block's GGUF tensor names, without "blk.N." and ".weight"
 

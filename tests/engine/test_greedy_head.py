@@ -1,0 +1,102 @@
+"""Greedy steps that take their tokens straight from the head (DecoderLM.greedy_tokens, the bounded
+kernel of kernels/head_argmax.py): on tiny Llama and Gemma 3 models with a Q8_0 head, requests alone,
+batched, with speculation and with parallel samples get exactly the tokens they get from the full
+logits; the engine takes that path only when every sampling row wants nothing but the argmax, and
+falls back to the sampler when a row asks for logprobs, penalties, a bias, suppression or a grammar."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import gguf
+import pytest
+
+from engine_helpers import assert_all_free, make_engine, run_one_at_a_time, run_to_completion
+from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
+from tiny_spm import tiny_spm_metadata
+from tokenmill.engine import SamplingParams
+from tokenmill.kernels import head_argmax, native, variant
+from tokenmill.model import load_model
+from tokenmill.model.decoder import DecoderLM
+
+Q = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.skipif(variant() == "torch", reason="native kernels not built")
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0)
+
+
+def llama(tmp_path):
+    return load_model(write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(weight_type=Q.Q8_0, context_length=512)))
+
+
+def gemma(tmp_path):
+    return load_model(write_tiny_gemma3(tmp_path / "g.gguf", tiny_spm_metadata(),
+                                        TinyGemma3Spec(weight_type=Q.Q8_0, context_length=512)))
+
+
+def count_calls(monkeypatch) -> list[int]:
+    """The steps that took greedy tokens instead of logits from here on: calls[0]."""
+    calls = [0]
+    real = DecoderLM.greedy_tokens
+
+    def counted(model, hidden, indices=None):
+        calls[0] += 1
+        return real(model, hidden, indices)
+
+    monkeypatch.setattr(DecoderLM, "greedy_tokens", counted)
+    return calls
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[3 + (7 * i + 13 * j) % 250 for j in range(5 + 3 * i)] + [40, 41, 42, 40, 41] for i in range(n)]
+
+
+def outputs(model, monkeypatch, on: bool, requests, **cfg):
+    """Each request alone, all at once, and three parallel samples of the first (forked after its prompt)."""
+    monkeypatch.setattr(head_argmax, "_ENABLED", on)
+    engine = make_engine(model, max_total_tokens=4096, **cfg)
+    if cfg.get("speculative") == "ngram":  # propose whenever a match is found (rows cost nothing here)
+        spec = engine.scheduler.speculator
+        spec.cfg = replace(spec.cfg, row_cost=1e-4, learn_step_costs=False)
+        spec.proposer.cfg = spec.cfg
+    samples: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    engine.add_request(requests[0][0], requests[0][1], n=3)
+    while engine.has_unfinished():
+        for ev in engine.step():
+            samples[ev.index] += ev.token_ids
+    assert_all_free(engine)
+    return run_one_at_a_time(engine, requests), run_to_completion(engine, requests), samples
+
+
+@pytest.mark.parametrize("model_fn", [llama, gemma], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_same_tokens_as_the_full_logits(model_fn, speculative, monkeypatch, tmp_path):
+    requests = [(p, GREEDY) for p in prompts(5)]
+    cfg = dict(speculative=speculative, num_speculative_tokens=6, spec_ngram_min=1)
+    off = outputs(model_fn(tmp_path), monkeypatch, False, requests, **cfg)
+    calls = count_calls(monkeypatch)
+    model = model_fn(tmp_path)
+    on = outputs(model, monkeypatch, True, requests, **cfg)
+    assert on == off
+    assert on[2][0] == on[2][1] == on[2][2] == on[0][0]  # greedy samples are the request alone
+    assert calls[0] > 0
+    # The bounded kernel ran where it is built (elsewhere greedy_tokens took the logits' argmax).
+    assert head_argmax.GreedyHead(model.model.head_quantized.parts[0][0]).native == (native.variant() == "avx512")
+
+
+@pytest.mark.parametrize("extra", [dict(logprobs=True), dict(top_logprobs=2), dict(repeat_penalty=1.3),
+                                   dict(logit_bias={40: 5.0}), dict(ignore_eos=True), dict(min_tokens=40)],
+                         ids=lambda d: next(iter(d)))
+def test_rows_that_want_more_than_the_argmax_take_the_sampler(extra, monkeypatch, tmp_path):
+    model = llama(tmp_path)
+    monkeypatch.setattr(head_argmax, "_ENABLED", True)
+    calls = count_calls(monkeypatch)
+    engine = make_engine(model, max_total_tokens=4096)
+    special = replace(GREEDY, **extra)
+    # Alone, the request never takes the greedy head; beside plain greedy requests it makes their steps
+    # take the sampler too, and every request still gets the tokens it gets alone.
+    alone = run_one_at_a_time(engine, [(prompts(1)[0], special)])
+    assert calls[0] == 0
+    mixed = run_to_completion(engine, [(prompts(1)[0], special)] + [(p, GREEDY) for p in prompts(3)[1:]])
+    assert mixed[0] == alone[0]
+    plain = run_one_at_a_time(engine, [(p, GREEDY) for p in prompts(3)[1:]])
+    assert mixed[1:] == plain
