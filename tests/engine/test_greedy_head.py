@@ -100,3 +100,16 @@ def test_rows_that_want_more_than_the_argmax_take_the_sampler(extra, monkeypatch
     assert mixed[0] == alone[0]
     plain = run_one_at_a_time(engine, [(p, GREEDY) for p in prompts(3)[1:]])
     assert mixed[1:] == plain
+
+
+def test_a_batch_past_the_amx_head_rows(monkeypatch, tmp_path):
+    # 50 sequences decoding together: steps of 48 rows and more take the logits' argmax where the head
+    # runs on AMX (DecoderLM.greedy_tokens), fewer the bounded kernel; either way the tokens of each
+    # request alone.
+    monkeypatch.setattr(head_argmax, "_ENABLED", True)
+    calls = count_calls(monkeypatch)
+    engine = make_engine(llama(tmp_path), max_total_tokens=16384)
+    requests = [(p[:12], replace(GREEDY, max_tokens=8)) for p in prompts(50)]
+    together = run_to_completion(engine, requests)
+    assert calls[0] > 0
+    assert together == run_one_at_a_time(engine, requests)

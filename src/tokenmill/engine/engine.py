@@ -31,7 +31,6 @@ from tokenmill.kernels import native
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import LoadedModel, load_model
 from tokenmill.model.decode_graph import DecodeGraph
-from tokenmill.model.decoder import GREEDY_HEAD_ROWS
 from tokenmill.model.step_graph import MIN_TOKENS, StepGraph
 from tokenmill.structured import MaskWorker, PendingMasks
 from tokenmill.tokenizer import Tokenizer
@@ -358,11 +357,10 @@ class LLMEngine:
 
     def _argmax_only(self, batch: ScheduledBatch) -> bool:
         """Whether every sampling row of the step takes its logits' argmax and nothing else (sampler.py's
-        argmax_only, no grammar), and the runner can give tokens for them: up to GREEDY_HEAD_ROWS rows,
-        where skipping most of the head pays."""
+        argmax_only, no grammar), and the runner can give tokens for them (DecoderLM.greedy_tokens: the
+        head need not write its logits)."""
         chunks = batch.sampling_chunks
-        if (not chunks or not getattr(self.runner, "picks_greedy_tokens", False)
-                or sum(c.num_sample_rows for c in chunks) > GREEDY_HEAD_ROWS):
+        if not chunks or not getattr(self.runner, "picks_greedy_tokens", False):
             return False
         return all(c.seq.constraint is None and argmax_only(c.seq.params, len(c.seq.output_ids)) for c in chunks)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kernels import gpu as gpu_ops
+from tokenmill.kernels import native as native_kernels
 from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.kernels.head_argmax import GreedyHead
 from tokenmill.kernels.qmatmul import QuantizedWeight
@@ -28,10 +29,15 @@ Parts = list[GGUFWeight]
 # What a step's attention reads: eager PyTorch metadata, the compiled graphs' tensors, or the native
 # kernel's paged batch.
 StepMeta = AttentionMetadata | GraphDecodeMeta | GraphStepMeta | PagedBatch
-# greedy_tokens takes the bounded head kernel up to this many rows: speculative verification and small
-# batches, where the qmatmul kernel's head runs on VNNI. From 48 rows the head takes AMX (faster than
-# the bounded kernel's first pass, which stays on VNNI), and by then the head is a small share of a step.
-GREEDY_HEAD_ROWS = 16
+# When greedy_tokens takes the bounded head kernel (kernels/head_argmax.py, VNNI) rather than the full
+# logits' argmax: below AMX_HEAD_ROWS rows, where the full head is on VNNI too (csrc/qmatmul_amx.h's
+# kAmxWideRows), on a CPU without AMX, and once the logits would take LOGITS_OUT_OF_CACHE floats or more
+# (writing and reading them back dominates). On the 2-core Sapphire Rapids box (2 threads, real hidden
+# states) SmolLM2's head at 1 / 3 / 9 / 17 / 32 rows took 1.00 / 1.20 / 1.22 / 1.11 / 1.27x less time
+# bounded, at 48 / 64 / 96 / 128 rows (AMX) 0.89 / 0.83 / 0.78 / 0.72x, at 192 (36 MB of logits) 1.52x;
+# Gemma 3's (262,144 columns) 1.18-1.26x at 1-17 rows and 1.55-1.96x at 32-256.
+AMX_HEAD_ROWS = 48
+LOGITS_OUT_OF_CACHE = 8 << 20
 
 
 class DecoderLM(nn.Module):
@@ -107,11 +113,12 @@ class DecoderLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """int64 [rows]: each row's greedy token, the first index of its largest logit (torch.max's),
-        bitwise logits(hidden, indices)'s. Up to GREEDY_HEAD_ROWS rows of a Q8_0 head, the bounded kernel
-        (kernels/head_argmax.py) skips most of the head's work; otherwise the logits' argmax."""
+        bitwise logits(hidden, indices)'s. With a Q8_0 head the bounded kernel (kernels/head_argmax.py)
+        skips most of the head's work where that pays (AMX_HEAD_ROWS); otherwise the logits' argmax."""
         head = self._greedy_head()
         rows = hidden.shape[0] if indices is None else indices.numel()
-        if head is None or rows > GREEDY_HEAD_ROWS:
+        if head is None or not (rows < AMX_HEAD_ROWS or not native_kernels.amx()
+                                or rows * self.head_quantized.out_features >= LOGITS_OUT_OF_CACHE):
             return argmax_rows(self.logits(hidden, indices).float())
         return head(self.final_hidden(hidden, indices).float())
 
