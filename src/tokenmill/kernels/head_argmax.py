@@ -9,10 +9,10 @@ is missing (not the avx512 variant, or not a Q8_0 head) GreedyHead computes the 
 argmax, so callers need not ask."""
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
-
-import os
 
 from tokenmill.kernels import native
 from tokenmill.kernels.qmatmul import Q, QuantizedActivations, QuantizedWeight, qmatmul, quantize_activations
