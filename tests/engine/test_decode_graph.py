@@ -32,9 +32,9 @@ def _compare_paths(engine, diffs: list[tuple[str, int, float]]):
     graphs = [g for g in (runner.decode_graph, runner.step_graph) if g is not None]
     run = runner.run
 
-    def both(batch):
+    def both(batch, **kwargs):  # greedy_tokens=True: tokens, no logits to compare
         before = runner.graph_steps, runner.step_graph_steps
-        out = run(batch)
+        out = run(batch, **kwargs)
         fast = out.logits
         after = runner.graph_steps, runner.step_graph_steps
         if fast is None or after == before:

@@ -62,11 +62,11 @@ class FailAfter:
     def __init__(self, run, n: int):
         self.run, self.n, self.calls = run, n, 0
 
-    def __call__(self, batch):
+    def __call__(self, batch, **kwargs):
         self.calls += 1
         if self.calls >= self.n:
             raise RuntimeError("simulated device failure")
-        return self.run(batch)
+        return self.run(batch, **kwargs)
 
 
 @pytest.fixture
