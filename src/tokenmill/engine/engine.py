@@ -20,10 +20,11 @@ from tokenmill.engine.health import StepFaults, StepShape
 from tokenmill.engine.prompt_scores import score_prompt_rows
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput, argmax_only
+from tokenmill.engine.sampler import SampleResult, Sampler, argmax_only
+from tokenmill.engine.sampler_input import sampler_input
 from tokenmill.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from tokenmill.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
-from tokenmill.engine.speculative import SpecConfigError, row_generators
+from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
+from tokenmill.engine.speculative import SpecConfigError
 from tokenmill.engine.speculative.build import build_speculator
 from tokenmill.engine.stats import HISTOGRAM_NAMES, EngineStats, HistogramSnapshot, StatsSnapshot, StepRecord
 from tokenmill.kvcache import BlockManager
@@ -32,7 +33,7 @@ from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import LoadedModel, load_model
 from tokenmill.model.decode_graph import DecodeGraph
 from tokenmill.model.step_graph import MIN_TOKENS, StepGraph
-from tokenmill.structured import MaskWorker, PendingMasks
+from tokenmill.structured import MaskWorker
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
@@ -103,16 +104,6 @@ def kv_cache_dtype(cfg: EngineConfig, loaded: LoadedModel) -> torch.dtype:
         raise ConfigError(f"kv_dtype {cfg.kv_dtype} needs the native kernels with float32 activations "
                           f"(dtype gguf or fp32); this engine runs {loaded.dtype} on {native.variant()}")
     return wanted
-
-
-def _recent_ids(chunk: ScheduledChunk, row: int) -> list[int]:
-    """The penalty window of a chunk's sampled row: the context, then the proposals before the row."""
-    seq = chunk.seq
-    n = seq.params.repeat_last_n
-    if not row or n == 0:
-        return seq.last_token_ids(n)
-    window = seq.last_token_ids(n) + chunk.draft_ids[:row]
-    return window[-n:] if n > 0 else window
 
 
 class LLMEngine:
@@ -353,7 +344,7 @@ class LLMEngine:
             return SampleResult(token_ids=self._logits(out.tokens, batch).tolist())
         if logits is None:
             return None
-        return self.sampler(self._logits(logits, batch), self._sampler_input(batch, masks), owned=True)
+        return self.sampler(self._logits(logits, batch), sampler_input(batch, self.scheduler.stop_ids, masks), owned=True)
 
     def _argmax_only(self, batch: ScheduledBatch) -> bool:
         """Whether every sampling row of the step takes its logits' argmax and nothing else (sampler.py's
@@ -377,35 +368,6 @@ class LLMEngine:
         # computed once, for all of them.
         rows = batch.logit_rows()
         return logits if rows is None else logits.index_select(0, torch.tensor(rows, device=logits.device))
-
-    def _sampler_input(self, batch: ScheduledBatch, masks: PendingMasks | None = None) -> SamplerInput:
-        # One row per sampled row: a speculating sequence has one for its last token and one for each
-        # proposal, each sampled as the step that reached it without speculation would (its penalty
-        # window and output count include the proposals before it; speculative/verify.py).
-        chunks = batch.sampling_chunks
-        rows = [(c, j) for c in chunks for j in range(c.num_sample_rows)]
-        seqs = [c.seq for c, _ in rows]
-        params = [s.params for s in seqs]
-        uses_penalties = any(p.uses_penalties for p in params)
-        recent = [_recent_ids(c, j) for c, j in rows] if uses_penalties else []
-        generators: list = []
-        for c in chunks:
-            if c.draft_ids and c.seq.generator is not None:
-                c.row_generators = row_generators(c.seq.generator, c.num_sample_rows)
-                generators += c.row_generators
-            else:
-                generators += [c.seq.generator] * c.num_sample_rows
-        return SamplerInput(
-            params=params,
-            generators=generators,
-            recent_token_ids=recent,
-            num_output_tokens=[len(c.seq.output_ids) + j for c, j in rows],
-            stop_token_ids=[self.scheduler.stop_ids] * len(rows),
-            # A forked sample has its parent's grammar state, hence its parent's mask; a proposed row
-            # the state after the proposals before it.
-            token_masks=None if masks is None else masks.for_rows(
-                [key for c in chunks for key in c.mask_keys()]),
-        )
 
     def _fail(self, batch: ScheduledBatch, message: str) -> list[TokenEvent]:
         events = []
