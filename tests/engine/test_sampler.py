@@ -10,9 +10,9 @@ from tokenmill.engine.sampler import (
     apply_penalties,
     greedy_tokens,
     make_generator,
-    truncate_logits,
 )
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.truncation import truncate_logits
 
 sampler = Sampler()
 

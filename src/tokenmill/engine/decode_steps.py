@@ -21,7 +21,8 @@ import torch
 
 from tokenmill.engine.batch import ScheduledBatch
 from tokenmill.engine.request import Sequence
-from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput, device_index, suppressed_tokens
+from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput, suppressed_tokens
+from tokenmill.engine.uploads import device_index
 from tokenmill.engine.scheduler import Scheduler
 
 

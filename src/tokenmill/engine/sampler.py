@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.truncation import sample_group, truncated_candidates
+from tokenmill.engine.uploads import device_index, upload
 from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.kernels.categorical import sample_categorical, sample_nucleus
 from tokenmill.kernels.logprobs import row_logprobs
 from tokenmill.kernels.penalties import apply_penalties_rows
-from tokenmill.kernels.topk import topk_rows
 from tokenmill.structured import TokenMasks, apply_token_masks
 
 _NEG_INF = float("-inf")
@@ -159,13 +160,13 @@ class Sampler:
             # per row by construction: those rows share one call, each with a uniform from its own
             # generator. The torch path samples a seeded row as a batch of one.
             vocab = logits.shape[1]
-            batched = [i for i in seeded_rows if _group(params[i], vocab) in _COMPILED_GROUPS]
+            batched = [i for i in seeded_rows if sample_group(params[i], vocab) in _COMPILED_GROUPS]
             if batched:
                 idx = device_index(batched, logits.device)
                 tokens[idx] = _draw_compiled(logits[idx], [params[i] for i in batched],
                                              [torch.rand((1,), generator=gens[i]) for i in batched])
             for i in seeded_rows:
-                if _group(params[i], vocab) not in _COMPILED_GROUPS:
+                if sample_group(params[i], vocab) not in _COMPILED_GROUPS:
                     tokens[i] = _sample(logits[i : i + 1], [params[i]], gens[i])[0]
 
         return logits, tokens
@@ -201,8 +202,8 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], recent_t
         return logits
     out = logits if in_place else logits.clone()
     dev = logits.device
-    _penalise(out, params, _on(dev, torch.tensor(windows, dtype=torch.int64)),
-              _on(dev, torch.tensor(offsets, dtype=torch.int64)))
+    _penalise(out, params, upload(dev, torch.tensor(windows, dtype=torch.int64)),
+              upload(dev, torch.tensor(offsets, dtype=torch.int64)))
     return out
 
 
@@ -221,17 +222,17 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams], *, in_p
         return logits
     out = logits if in_place else logits.clone()
     dev = out.device
-    out.index_put_((_on(dev, torch.tensor(rows)), _on(dev, torch.tensor(ids))),
-                   _on(dev, torch.tensor(values, dtype=out.dtype)), accumulate=True)
+    out.index_put_((upload(dev, torch.tensor(rows)), upload(dev, torch.tensor(ids))),
+                   upload(dev, torch.tensor(values, dtype=out.dtype)), accumulate=True)
     return out
 
 
 def _penalise(out: torch.Tensor, params: list[SamplingParams], ids: torch.Tensor, offsets: torch.Tensor) -> None:
     dev = out.device
     apply_penalties_rows(out, ids, offsets,
-                         _on(dev, torch.tensor([p.repeat_penalty for p in params], dtype=torch.float32)),
-                         _on(dev, torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)),
-                         _on(dev, torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)))
+                         upload(dev, torch.tensor([p.repeat_penalty for p in params], dtype=torch.float32)),
+                         upload(dev, torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)),
+                         upload(dev, torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -305,19 +306,9 @@ def _keep_a_way_out(logits: torch.Tensor, inp: SamplerInput, where: tuple[torch.
         logits[row, device_index(stops or [0], logits.device)] = 0.0
 
 
-def truncate_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature and truncation in vocabulary order: the logits a draw is made from, with removed
-    tokens at -inf, for every row through the torch path (the rows the sampler draws with compiled
-    kernels take a full sort here, with the same rules). For tests and debugging."""
-    out = torch.full_like(logits, _NEG_INF)
-    for rows, vals, ids in _truncate(logits, params, every_row=True):
-        out[rows] = out[rows].scatter_(1, ids, vals)
-    return out
-
-
 def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Generator | None) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for rows, vals, ids in _truncate(logits, params):
+    for rows, vals, ids in truncated_candidates(logits, params):
         # Inverse CDF over unnormalised weights: one uniform per row. The float64 running sum
         # only rises at tokens with weight > 0, so a removed (-inf) token can never be hit.
         w = (vals - vals.max(dim=-1, keepdim=True).values).exp_().double()
@@ -329,7 +320,7 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
         # lands past the last candidate: clamp it into the row, as the compiled draws do.
         choice = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
         out[rows] = (choice if ids is None else ids.gather(1, choice)).squeeze(1)
-    rows = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) in _COMPILED_GROUPS]
+    rows = [i for i, p in enumerate(params) if sample_group(p, logits.shape[1]) in _COMPILED_GROUPS]
     if rows:
         idx = device_index(rows, logits.device)
         sub = logits if len(rows) == logits.shape[0] else logits[idx]
@@ -346,120 +337,23 @@ def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms:
     """Rows of the compiled groups, each with its uniform (a float32 tensor of one value)."""
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     for group in _COMPILED_GROUPS:
-        picked = [i for i, p in enumerate(params) if _group(p, logits.shape[1]) == group]
+        picked = [i for i, p in enumerate(params) if sample_group(p, logits.shape[1]) == group]
         if not picked:
             continue
         rows = device_index(picked, logits.device)
         x = logits if len(picked) == logits.shape[0] else logits[rows]
         dev = logits.device
         # Uploaded without waiting for the device's queue (_on), as every host-built tensor here.
-        temps = _on(dev, torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
+        temps = upload(dev, torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
                                       dtype=torch.float32))
-        log_min_p = torch.log(_on(dev, torch.tensor([params[i].min_p for i in picked], dtype=torch.float32)))
-        u = _on(dev, torch.cat([uniforms[i].reshape(1) for i in picked]))
+        log_min_p = torch.log(upload(dev, torch.tensor([params[i].min_p for i in picked], dtype=torch.float32)))
+        u = upload(dev, torch.cat([uniforms[i].reshape(1) for i in picked]))
         if group == "plain":
             out[rows] = sample_categorical(x, temps, log_min_p, u)
         else:
-            top_p = _on(dev, torch.tensor([params[i].top_p for i in picked], dtype=torch.float32))
+            top_p = upload(dev, torch.tensor([params[i].top_p for i in picked], dtype=torch.float32))
             out[rows] = sample_nucleus(x, temps, top_p, log_min_p, u)
     return out
-
-
-def _group(p: SamplingParams, vocab: int) -> str:
-    """How much of the vocabulary a sampled row looks at (_truncate's groups)."""
-    if 0 < p.top_k < vocab:
-        return "top_k"  # typical_p and top_p then only see the k survivors
-    if p.typical_p < 1.0:
-        return "sort"  # needs the entropy of the whole distribution
-    return "nucleus" if p.top_p < 1.0 else "plain"
-
-
-def _truncate(logits: torch.Tensor, params: list[SamplingParams], *, every_row: bool = False):
-    """Scale by temperature and apply top_k, typical_p, top_p, min_p, for the rows with top_k or
-    typical_p (the others take compiled draws, _sample), or with every_row for all of them.
-
-    Each group of rows yields (rows, values, ids): the candidates' scaled logits, sorted descending
-    (removed ones at -inf), and their vocabulary ids."""
-    vocab = logits.shape[1]
-    dev = logits.device
-    n = logits.shape[0]
-    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-
-    groups: dict[str, list[int]] = {"top_k": [], "sort": [], "nucleus": [], "plain": []}
-    for i, p in enumerate(params):
-        group = _group(p, vocab)
-        groups["sort" if every_row and group in ("nucleus", "plain") else group].append(i)
-
-    def scaled(rows: list[int], x: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows of logits / temperature (or of x, already gathered for those rows)."""
-        if x is None:
-            x = logits if len(rows) == n else logits[device_index(rows, dev)]
-        temps = [params[i].temperature if params[i].temperature > 0 else 1.0 for i in rows]
-        return x / _column(temps, x)
-
-    if rows := groups["top_k"]:
-        sub = [params[i] for i in rows]
-        ks = [top_k[i] for i in rows]
-        # Top-k commutes with a positive temperature: select first, then scale only k values.
-        raw = logits if len(rows) == n else logits[device_index(rows, dev)]
-        vals, ids = topk_rows(raw, max(ks))
-        vals = scaled(rows, vals)
-        pos = torch.arange(vals.shape[1], device=dev)
-        vals = vals.masked_fill(pos[None, :] >= _column(ks, vals, torch.long), _NEG_INF)
-        yield device_index(rows, dev), _filter_sorted(vals, sub), ids
-    if rows := groups["sort"]:
-        vals, ids = scaled(rows).sort(dim=-1, descending=True, stable=True)
-        yield device_index(rows, dev), _filter_sorted(vals, [params[i] for i in rows]), ids
-
-
-def _filter_sorted(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """typical_p, top_p, min_p on candidates sorted by descending logit (top_k already applied)."""
-    if any(p.typical_p < 1.0 for p in params):
-        x = _typical(x, params)
-    if any(p.top_p < 1.0 for p in params):
-        x = _top_p(x, params)
-    return _min_p(x, params)
-
-
-def _typical(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Locally typical sampling as llama.cpp does it: rank tokens by |surprise - entropy| and keep
-    the closest ones until their mass exceeds typical_p (the token crossing it is kept)."""
-    logp = torch.log_softmax(x, dim=-1)
-    p = logp.exp()
-    entropy = -(p * logp).nan_to_num(nan=0.0).sum(dim=-1, keepdim=True)  # 0 * -inf -> 0
-    shifted = (-logp - entropy).abs()  # removed tokens: +inf, so they rank last
-    order = shifted.argsort(dim=-1, stable=True)
-    mass_before = _shift_right(p.gather(1, order).cumsum(dim=-1))
-    drop_sorted = mass_before > _column([q.typical_p for q in params], x)
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    active = _column([q.typical_p < 1.0 for q in params], x, torch.bool)
-    return x.masked_fill(drop & active, _NEG_INF)
-
-
-def _top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Keep the shortest prefix (x is sorted descending) whose mass reaches top_p. With top_k, the
-    mass is the k candidates' (renormalised), as in llama.cpp and Ollama."""
-    cum = torch.exp(x - x.logsumexp(dim=-1, keepdim=True)).cumsum(dim=-1)
-    p = _column([q.top_p for q in params], x)
-    excl = _shift_right(cum)
-    # excl == 0 exactly for the most likely survivor (everything before it is a removed 0), so it
-    # is always kept, even for top_p = 0.
-    drop = (excl >= p) & (excl > 0) & _column([q.top_p < 1.0 for q in params], x, torch.bool)
-    return x.masked_fill(drop, _NEG_INF)
-
-
-def _min_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    active = [p.min_p > 0.0 for p in params]
-    if not any(active):
-        return x
-    # Keep p >= min_p * p_max, i.e. logit >= max_logit + log(min_p); needs no sort.
-    thresh = x.max(dim=-1, keepdim=True).values + torch.log(_column([p.min_p for p in params], x))
-    return x.masked_fill((x < thresh) & _column(active, x, torch.bool), _NEG_INF)
-
-
-def _shift_right(cum: torch.Tensor) -> torch.Tensor:
-    """Inclusive cumulative sums -> exclusive ones (the mass strictly before each token)."""
-    return torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
 
 
 def _add_logprobs(
@@ -487,20 +381,6 @@ def _add_logprobs(
 
 def _uniforms(n: int, gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """float32 [n, 1] uniforms from gen (a CPU generator, or the global CPU RNG), on device."""
-    return _on(torch.device(device), torch.rand((n, 1), generator=gen))
+    return upload(torch.device(device), torch.rand((n, 1), generator=gen))
 
 
-def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
-    """A host-built tensor on device. To a GPU without waiting for its queue (torch.tensor(...,
-    device=cuda) copies synchronously, so the host would wait there for the step's model run instead
-    of queueing the sampler's kernels behind it)."""
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
-
-
-def device_index(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ids on `device`, uploaded without waiting for its queue (_on)."""
-    return _on(torch.device(device), torch.tensor(values, dtype=torch.long))
-
-
-def _column(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return _on(like.device, torch.tensor(values, dtype=dtype or like.dtype)).unsqueeze(1)
