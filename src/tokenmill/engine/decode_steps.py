@@ -22,8 +22,8 @@ import torch
 from tokenmill.engine.batch import ScheduledBatch
 from tokenmill.engine.request import Sequence
 from tokenmill.engine.sampler import SampleResult, Sampler, SamplerInput, suppressed_tokens
-from tokenmill.engine.uploads import device_index
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.uploads import device_index
 
 
 def plain_decode(seq: Sequence) -> bool:

@@ -344,7 +344,8 @@ class LLMEngine:
             return SampleResult(token_ids=self._logits(out.tokens, batch).tolist())
         if logits is None:
             return None
-        return self.sampler(self._logits(logits, batch), sampler_input(batch, self.scheduler.stop_ids, masks), owned=True)
+        inp = sampler_input(batch, self.scheduler.stop_ids, masks)
+        return self.sampler(self._logits(logits, batch), inp, owned=True)
 
     def _argmax_only(self, batch: ScheduledBatch) -> bool:
         """Whether every sampling row of the step takes its logits' argmax and nothing else (sampler.py's

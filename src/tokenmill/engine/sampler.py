@@ -343,9 +343,9 @@ def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms:
         rows = device_index(picked, logits.device)
         x = logits if len(picked) == logits.shape[0] else logits[rows]
         dev = logits.device
-        # Uploaded without waiting for the device's queue (_on), as every host-built tensor here.
+        # Uploaded without waiting for the device's queue (uploads.py), as every host-built tensor here.
         temps = upload(dev, torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
-                                      dtype=torch.float32))
+                                         dtype=torch.float32))
         log_min_p = torch.log(upload(dev, torch.tensor([params[i].min_p for i in picked], dtype=torch.float32)))
         u = upload(dev, torch.cat([uniforms[i].reshape(1) for i in picked]))
         if group == "plain":
