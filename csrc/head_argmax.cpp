@@ -13,6 +13,17 @@
 //
 // AVX-512 only (the verification rows of speculative decoding, and batched greedy rows, are where a
 // head's per-row work shows); kernels/head_argmax.py falls back to qmatmul + argmax elsewhere.
+//
+// A row alone (single-stream greedy decoding) is bound by reading the head from memory, not by its dot
+// products: Gemma 3's 262,144 x 640 Q8_0 head is 178 MB a token, most of a step's bytes. Its coarse
+// pass can read a 6-bit copy of the head instead (coarse_pack, once per head: each value's top six bits,
+// u6 = u >> 2, in Q6_K's layout: 416 bytes a block of 16 columns with the scales, against Q8_0's 544),
+// with both activation planes, which a row alone can afford. The coarse value 4 u6 + 1.5 - 128 is within
+// 1.5 of the exact u - 128, so a column's exact logit sum_b scale_cb dc_b (w . X) (X = 128 q1 + q2, the
+// joined planes) is within B_c = sum_b |scale_cb| 1.5 dc_b |X_b|_1 of its coarse one (one more FMA a
+// block), and a column is a candidate when its coarse logit plus B_c reaches the row's best coarse logit
+// less B there. On Gemma 3's real rows (bench speculative's prompts) a few tiles of 16,384 are left.
+
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -56,6 +67,28 @@ void block_norms(const Weight& w, float* out) {
     }
 }
 
+// The 6-bit copy's bytes per block of a tile (Q6_K's qs layout: step_values<Q6_K> reads it).
+constexpr int kCoarseBlock = 384;
+
+// Writes w's 6-bit copy: tile t's block b at out + (t * blocks + b) * kCoarseBlock.
+void coarse_pack(const Weight& w, uint8_t* out) {
+    const int64_t nb = w.blocks();
+    parallel_for(w.tiles(), 64, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* qs = w.qs_at(t, b);
+                uint8_t* dst = out + (t * nb + b) * kCoarseBlock;
+                std::memset(dst, 0, kCoarseBlock);
+                for (int j = 0; j < 8; ++j)
+                    for (int i = 0; i < 64; ++i) {
+                        const int u6 = qs[64 * j + i] >> 2;
+                        dst[64 * (j & 3) + i] |= uint8_t(j < 4 ? (u6 & 15) : (u6 & 15) << 4);
+                        dst[256 + 64 * (j >> 2) + i] |= uint8_t((u6 >> 4) << (2 * (j & 3)));
+                    }
+            }
+    });
+}
+
 #if defined(TM_AVX512)
 // Lanes of tile t that are columns of the head (a tail tile's others are padding).
 inline __mmask16 tile_columns(const Weight& w, int64_t t) {
@@ -89,77 +122,128 @@ inline void scan_tile(const Weight& w, int64_t t, int64_t m, __m512 v, RowScan& 
     row.best = std::max(row.best, most);
 }
 
+// The 6-bit copy and the per-row factors its column bounds take: e[m * blocks + b] = 1.02 * 1.5 dc_b
+// |X_b|_1 (2% slack for the float rounding of the sums and of the bound, as the margins' 1%).
+struct SixBit {
+    const uint8_t* values;
+    const float* e;
+};
+
+// A tile's coarse logits v of one row with their column bounds bnd (6-bit copy): kept as a candidate
+// when v + bnd reaches the row's best v - bnd so far less the margin (0 with both planes); its `most` is
+// its largest v + bnd.
+inline void scan_tile_bounded(const Weight& w, int64_t t, int64_t m, __m512 v, __m512 bnd, RowScan& row,
+                              std::vector<Candidate>& out) {
+    const __mmask16 cols = tile_columns(w, t);
+    const __m512 hi = _mm512_add_ps(v, bnd), lo = _mm512_sub_ps(v, bnd);
+    row.odd = row.odd || _mm512_mask_fpclass_ps_mask(cols, hi, 0x99) != 0 ||
+              _mm512_mask_fpclass_ps_mask(cols, lo, 0x99) != 0;  // NaN or infinity
+    row.best = std::max(row.best, _mm512_mask_reduce_max_ps(cols, lo));
+    if (_mm512_mask_cmp_ps_mask(cols, hi, _mm512_set1_ps(row.best - row.margin), _CMP_GE_OQ) == 0) return;
+    out.push_back({m, t, _mm512_mask_reduce_max_ps(cols, hi)});
+}
+
 // Coarse logits of rows [m0, m0 + MR) for tiles [t, t + NT): the first plane's integer dots (the
 // offset taken off with that plane's own block sums s1), scaled by the tiles' scales and the rows'
 // d1 = 128 dc, straight into the rows' scans (never stored). Each activation word is broadcast once for
 // all NT tiles: one plane makes half the qmatmul kernel's products per load, so a tile at a time would
-// be bound by loads.
-template <int NT, int MR>
-void coarse_group(const Weight& w, int64_t t, const Acts& a, const int32_t* s1, int64_t m0, RowScan* rows,
-                  std::vector<Candidate>& out) {
+// be bound by loads. With kSix: the 6-bit copy's values against both planes, u6 . X joined as the qmatmul
+// kernel joins them, 2 wc . X = 8 u6 . X - 253 S in the integer sums (scaled by dc / 2), and each
+// column's bound beside.
+template <int NT, int MR, bool kSix>
+void coarse_group(const Weight& w, const SixBit* six, int64_t t, const Acts& a, const int32_t* s1, int64_t m0,
+                  RowScan* rows, std::vector<Candidate>& out) {
     const int64_t nb = w.blocks();
-    __m512 acc[NT][MR];
+    __m512 acc[NT][MR], bnd[NT][MR];
     for (int n = 0; n < NT; ++n)
-        for (int r = 0; r < MR; ++r) acc[n][r] = _mm512_setzero_ps();
+        for (int r = 0; r < MR; ++r) acc[n][r] = bnd[n][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* qs[NT];
+        for (int n = 0; n < NT; ++n)
+            qs[n] = kSix ? six->values + ((t + n) * nb + b) * kCoarseBlock : w.qs_at(t + n, b);
         if (m0 == 0)
-            for (int n = 0; n < NT; ++n) prefetch_ahead(Q8_0, w.qs_at(t + n, b), w.sc_at(t + n, b));
-        __m512i isum[NT][MR];
+            for (int n = 0; n < NT; ++n) prefetch_ahead(kSix ? Q6_K : Q8_0, qs[n], w.sc_at(t + n, b));
+        __m512i isum[NT][MR], fine[kSix ? NT : 1][MR];
         for (int r = 0; r < MR; ++r) {
-            const __m512i start = _mm512_set1_epi32(-int_offset(Q8_0) * s1[(m0 + r) * nb + b]);
+            const __m512i start = kSix ? _mm512_setzero_si512()
+                                       : _mm512_set1_epi32(-int_offset(Q8_0) * s1[(m0 + r) * nb + b]);
             for (int n = 0; n < NT; ++n) isum[n][r] = start;
+            if constexpr (kSix)
+                for (int n = 0; n < NT; ++n) fine[n][r] = _mm512_setzero_si512();
         }
+#pragma GCC unroll 8  // the 6-bit values' shifts per step are constants then
         for (int j = 0; j < 8; ++j) {
             __m512i v[NT];
-            for (int n = 0; n < NT; ++n) v[n] = step_values<Q8_0>(w.qs_at(t + n, b), j);
+            for (int n = 0; n < NT; ++n) v[n] = kSix ? step_values<Q6_K>(qs[n], j) : step_values<Q8_0>(qs[n], j);
             for (int r = 0; r < MR; ++r) {
-                int32_t word;
-                std::memcpy(&word, a.row(m0 + r) + b * kBlock + 4 * j, 4);
-                const __m512i x = _mm512_set1_epi32(word);
+                const __m512i x = _mm512_set1_epi32(int32_t(load_u32(a.row(m0 + r) + b * kBlock + 4 * j)));
                 for (int n = 0; n < NT; ++n) isum[n][r] = _mm512_dpbusd_epi32(isum[n][r], v[n], x);
+                if constexpr (kSix) {
+                    const __m512i x2 = _mm512_set1_epi32(int32_t(load_u32(a.fine(m0 + r) + b * kBlock + 4 * j)));
+                    for (int n = 0; n < NT; ++n) fine[n][r] = _mm512_dpbusd_epi32(fine[n][r], v[n], x2);
+                }
             }
         }
         for (int n = 0; n < NT; ++n) {
             const __m512 scale = load_halves(w.sc_at(t + n, b));
             for (int r = 0; r < MR; ++r) {
-                const float d1 = a.dx(m0 + r, b) * float(1 << kFine);
-                acc[n][r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(d1)), _mm512_cvtepi32_ps(isum[n][r]),
+                float d1 = a.dx(m0 + r, b) * float(1 << kFine);
+                __m512i sums = isum[n][r];
+                if constexpr (kSix) {  // u6 . X joined from both planes, then 2 wc . X = 8 u6 . X - 253 S
+                    sums = _mm512_add_epi32(_mm512_slli_epi32(sums, kFine), fine[n][r]);
+                    sums = _mm512_sub_epi32(_mm512_slli_epi32(sums, 3),
+                                            _mm512_set1_epi32(253 * a.block_sum(m0 + r, b)));
+                    d1 = 0.5f * a.dx(m0 + r, b);
+                    bnd[n][r] = _mm512_fmadd_ps(_mm512_abs_ps(scale), _mm512_set1_ps(six->e[(m0 + r) * nb + b]),
+                                                bnd[n][r]);
+                }
+                acc[n][r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(d1)), _mm512_cvtepi32_ps(sums),
                                             acc[n][r]);
             }
         }
     }
     for (int n = 0; n < NT; ++n)
-        for (int r = 0; r < MR; ++r) scan_tile(w, t + n, m0 + r, acc[n][r], rows[m0 + r], out);
+        for (int r = 0; r < MR; ++r) {
+            if constexpr (kSix)
+                scan_tile_bounded(w, t + n, m0 + r, acc[n][r], bnd[n][r], rows[m0 + r], out);
+            else
+                scan_tile(w, t + n, m0 + r, acc[n][r], rows[m0 + r], out);
+        }
 }
 
 // Tiles [t, t + NT) of every row: rows three at a time (and the last one or two).
-template <int NT>
-void coarse_tiles(const Weight& w, int64_t t, const Acts& a, const int32_t* s1, int64_t M, RowScan* rows,
-                  std::vector<Candidate>& out) {
+template <int NT, bool kSix>
+void coarse_tiles(const Weight& w, const SixBit* six, int64_t t, const Acts& a, const int32_t* s1, int64_t M,
+                  RowScan* rows, std::vector<Candidate>& out) {
     int64_t m = 0;
-    for (; m + 3 <= M; m += 3) coarse_group<NT, 3>(w, t, a, s1, m, rows, out);
-    if (M - m == 2) coarse_group<NT, 2>(w, t, a, s1, m, rows, out);
-    if (M - m == 1) coarse_group<NT, 1>(w, t, a, s1, m, rows, out);
+    for (; m + 3 <= M; m += 3) coarse_group<NT, 3, kSix>(w, six, t, a, s1, m, rows, out);
+    if (M - m == 2) coarse_group<NT, 2, kSix>(w, six, t, a, s1, m, rows, out);
+    if (M - m == 1) coarse_group<NT, 1, kSix>(w, six, t, a, s1, m, rows, out);
 }
 
 // Tiles [t0, t1): four at a time for one or two rows (independent chains enough to hide vpdpbusd's
 // latency), two at a time for more.
-void coarse_range(const Weight& w, int64_t t0, int64_t t1, const Acts& a, const int32_t* s1, int64_t M,
-                  RowScan* rows, std::vector<Candidate>& out) {
+template <bool kSix>
+void coarse_range(const Weight& w, const SixBit* six, int64_t t0, int64_t t1, const Acts& a, const int32_t* s1,
+                  int64_t M, RowScan* rows, std::vector<Candidate>& out) {
     int64_t t = t0;
     if (M <= 2)
-        for (; t + 4 <= t1; t += 4) coarse_tiles<4>(w, t, a, s1, M, rows, out);
-    for (; t + 2 <= t1; t += 2) coarse_tiles<2>(w, t, a, s1, M, rows, out);
-    for (; t < t1; ++t) coarse_tiles<1>(w, t, a, s1, M, rows, out);
+        for (; t + 4 <= t1; t += 4) coarse_tiles<4, kSix>(w, six, t, a, s1, M, rows, out);
+    for (; t + 2 <= t1; t += 2) coarse_tiles<2, kSix>(w, six, t, a, s1, M, rows, out);
+    for (; t < t1; ++t) coarse_tiles<1, kSix>(w, six, t, a, s1, M, rows, out);
 }
 
-// tokens[m] = argmax over columns of row m's logits (torch.max's index). norms: block_norms of w.
-void head_argmax(const Weight& w, const Acts& a, int64_t M, const float* norms, int64_t* tokens) {
+// tokens[m] = argmax over columns of row m's logits (torch.max's index). norms: block_norms of w (not
+// read with the 6-bit copy, coarse: from coarse_pack).
+void head_argmax(const Weight& w, const Acts& a, int64_t M, const float* norms, int64_t* tokens,
+                 const uint8_t* coarse = nullptr) {
     const int64_t nb = w.blocks(), tiles = w.tiles();
     // The first plane's sums per row and block (Acts holds both planes' joined sums only), and each
     // row's margin: twice its bound (one for a candidate, one for the best), with a 1% slack that covers
-    // the float rounding of both sums and of the bound itself many times over (about 1e-3 of it).
+    // the float rounding of both sums and of the bound itself many times over (about 1e-3 of it). With
+    // the 6-bit copy the bounds are per column (e) and the margin 0.
     std::vector<int32_t> s1(size_t(M * nb));
+    std::vector<float> e(coarse ? size_t(M * nb) : 0);
     std::vector<RowScan> start(static_cast<size_t>(M));
     for (int64_t m = 0; m < M; ++m) {
         float bound = 0.f;
@@ -167,18 +251,30 @@ void head_argmax(const Weight& w, const Acts& a, int64_t M, const float* norms, 
             int32_t s = 0;
             for (int k = 0; k < kBlock; ++k) s += a.row(m)[b * kBlock + k];
             s1[size_t(m * nb + b)] = s;
-            bound += a.dx(m, b) * norms[b];
+            if (coarse) {  // |X_b|_1 of the joined planes
+                int32_t l1 = 0;
+                for (int k = 0; k < kBlock; ++k)
+                    l1 += std::abs((int32_t(a.row(m)[b * kBlock + k]) << kFine) + a.fine(m)[b * kBlock + k]);
+                e[size_t(m * nb + b)] = 1.02f * 1.5f * a.dx(m, b) * float(l1);
+            } else {
+                bound += a.dx(m, b) * norms[b];
+            }
         }
-        start[size_t(m)].margin = 2.02f * 64.f * bound;
+        start[size_t(m)].margin = coarse ? 0.f : 2.02f * 64.f * bound;
         start[size_t(m)].odd = !std::isfinite(start[size_t(m)].margin);
     }
+    const SixBit six{coarse, e.data()};
     // Each part of the tiles scans them with its own rows' state and candidate list.
     const int parts = int(std::max<int64_t>(1, std::min<int64_t>(num_threads(), tiles / 16)));
     std::vector<std::vector<RowScan>> scans(static_cast<size_t>(parts), start);
     std::vector<std::vector<Candidate>> found(static_cast<size_t>(parts));
     run(parts, [&](int part, int n) {
         const int64_t per = (tiles + n - 1) / n, t0 = part * per, t1 = std::min(tiles, t0 + per);
-        if (t0 < t1) coarse_range(w, t0, t1, a, s1.data(), M, scans[size_t(part)].data(), found[size_t(part)]);
+        if (t0 >= t1) return;
+        if (coarse)
+            coarse_range<true>(w, &six, t0, t1, a, s1.data(), M, scans[size_t(part)].data(), found[size_t(part)]);
+        else
+            coarse_range<false>(w, nullptr, t0, t1, a, s1.data(), M, scans[size_t(part)].data(), found[size_t(part)]);
     });
     // Each row's floor from every part's best; the candidates that reach it, or every tile of an odd row.
     std::vector<float> floor(static_cast<size_t>(M));
@@ -242,16 +338,29 @@ void register_head_argmax(py::module_& m) {
         },
         py::call_guard<py::gil_scoped_release>(),
         "a repacked Q8_0 weight [N, K] -> per block of 32 inputs, the largest |scale| * sum |q| of a column");
+    m.def("head_coarse_bytes", [](int64_t N, int64_t K) { return ((N + kTile - 1) / kTile) * (K / kBlock) * kCoarseBlock; },
+          "bytes of a Q8_0 head's 6-bit copy (head_coarse_pack)");
+    m.def(
+        "head_coarse_pack",
+        [](uintptr_t qs, uintptr_t sc, int64_t N, int64_t K, uintptr_t out) {
+            const Weight w{Q8_0, tmk::ptr<const uint8_t>(qs), tmk::ptr<const uint8_t>(sc), nullptr, N, K};
+            coarse_pack(w, tmk::ptr<uint8_t>(out));
+        },
+        py::call_guard<py::gil_scoped_release>(),
+        "a repacked Q8_0 head [N, K] -> its 6-bit copy (head_coarse_bytes bytes)");
 #if defined(TM_AVX512)
     m.def(
         "head_argmax",
         [](uintptr_t acts, int64_t M, int64_t K, uintptr_t qs, uintptr_t sc, int64_t N, uintptr_t norms,
-           uintptr_t out) {
+           uintptr_t out, uintptr_t coarse) {
             const Weight w{Q8_0, tmk::ptr<const uint8_t>(qs), tmk::ptr<const uint8_t>(sc), nullptr, N, K};
             head_argmax(w, Acts{tmk::ptr<const uint8_t>(acts), K}, M, tmk::ptr<const float>(norms),
-                        tmk::ptr<int64_t>(out));
+                        tmk::ptr<int64_t>(out), coarse ? tmk::ptr<const uint8_t>(coarse) : nullptr);
         },
+        py::arg("acts"), py::arg("M"), py::arg("K"), py::arg("qs"), py::arg("sc"), py::arg("N"), py::arg("norms"),
+        py::arg("out"), py::arg("coarse") = 0,
         py::call_guard<py::gil_scoped_release>(),
-        "tokens [M] int64 = argmax of activations [M, K] @ a repacked Q8_0 head [N, K]^T (torch.max's index)");
+        "tokens [M] int64 = argmax of activations [M, K] @ a repacked Q8_0 head [N, K]^T (torch.max's index); "
+        "coarse: its 6-bit copy (head_coarse_pack), or 0");
 #endif
 }

@@ -13,7 +13,7 @@ import pytest
 from engine_helpers import assert_all_free, make_engine, run_one_at_a_time, run_to_completion
 from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
 from tiny_spm import tiny_spm_metadata
-from tokenmill.engine import SamplingParams
+from tokenmill.engine import SamplingParams, memory
 from tokenmill.kernels import head_argmax, native, variant
 from tokenmill.model import load_model
 from tokenmill.model.decoder import DecoderLM
@@ -113,3 +113,28 @@ def test_a_batch_past_the_amx_head_rows(monkeypatch, tmp_path):
     together = run_to_completion(engine, requests)
     assert calls[0] > 0
     assert together == run_one_at_a_time(engine, requests)
+
+
+@pytest.mark.parametrize("model_fn", [llama, gemma], ids=["llama", "gemma3"])
+def test_the_heads_6_bit_copy_gives_the_same_tokens(model_fn, monkeypatch, tmp_path):
+    # A head that is most of a model's bytes keeps a 6-bit copy for one-row steps (greedy, one stream);
+    # the tiny models' heads are not, so the share is lowered to 0 here. The same tokens as the full
+    # logits, alone, batched and in parallel samples; the copy is counted in the model's memory and
+    # taken from the KV cache's share of a budget.
+    requests = [(p, GREEDY) for p in prompts(4)]
+    off = outputs(model_fn(tmp_path), monkeypatch, False, requests)
+    monkeypatch.setattr(head_argmax, "_ENABLED", True)
+    monkeypatch.setattr(head_argmax, "COARSE_HEAD_SHARE", 0.0)
+    loaded = model_fn(tmp_path)
+    kept = loaded.model.greedy_head_bytes()
+    assert kept > 0
+    assert memory.kept_bytes(loaded) == kept
+    assert outputs(loaded, monkeypatch, True, requests) == off
+    head = loaded.model._greedy_head()
+    assert head is None or head.coarse is not None  # built where the bounded kernel runs (avx512)
+    cfg = make_engine(model_fn(tmp_path), max_total_tokens=4096).cfg
+    per_token = memory.kv_bytes_per_token(cfg, loaded)
+    fitted = memory.fit_kv_cache(cfg, loaded, kept + 1024 * per_token)
+    assert fitted.max_total_tokens == 1024  # what is left after the copy
+    monkeypatch.setattr(head_argmax, "COARSE_HEAD_SHARE", 1.01)
+    assert loaded.model.greedy_head_bytes() == 0

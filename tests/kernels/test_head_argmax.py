@@ -2,7 +2,8 @@
 qmatmul: random heads (real Q8_0 quantization), exact ties (duplicated columns), heads whose columns
 all lie within the bound of each other (every tile a candidate), a partial last tile, a head as wide
 as a vocabulary, zero activations, and a column whose scale is infinite (the row then takes every
-tile exactly); 1 and 2 threads; every variant (those without the kernel take the full logits)."""
+tile exactly); 1 and 2 threads; every variant (those without the kernel take the full logits); each with
+and without the head's 6-bit copy (one-row calls scan it instead of the Q8_0 bytes)."""
 from __future__ import annotations
 
 import gguf
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from tokenmill.kernels import native
-from tokenmill.kernels.head_argmax import GreedyHead, head_argmax_reference
+from tokenmill.kernels.head_argmax import COARSE_HEAD_SHARE, GreedyHead, coarse_copy_bytes, head_argmax_reference
 from tokenmill.kernels.qmatmul import QuantizedWeight, qmatmul
 
 Q = gguf.GGMLQuantizationType
@@ -28,15 +29,19 @@ def head(raw: np.ndarray, n: int, k: int) -> QuantizedWeight:
 
 def check(w: QuantizedWeight, x: torch.Tensor, variant: str) -> None:
     with native.use_variant(variant):
-        h = GreedyHead(w)
-        assert h.native == (variant == "avx512")
         expected = qmatmul(x, w).max(dim=-1).indices
-        for threads in (1, 2):
-            native.set_num_threads(threads)
-            try:
-                assert torch.equal(h(x), expected), f"{variant}, {threads} threads"
-            finally:
-                native.set_num_threads(torch.get_num_threads())
+        for coarse in (False, True):
+            h = GreedyHead(w, coarse=coarse)
+            assert h.native == (variant == "avx512")
+            assert (h.coarse is not None) == (coarse and h.native)
+            for threads in (1, 2):
+                native.set_num_threads(threads)
+                try:
+                    assert torch.equal(h(x), expected), f"{variant}, coarse {coarse}, {threads} threads"
+                    for m in range(min(len(x), 3)):  # one row at a time: the 6-bit copy's calls
+                        assert torch.equal(h(x[m:m + 1]), expected[m:m + 1]), f"{variant}, coarse {coarse}, row {m}"
+                finally:
+                    native.set_num_threads(torch.get_num_threads())
         assert torch.equal(head_argmax_reference(x, w), expected)
 
 
@@ -107,3 +112,32 @@ def test_norms_bound_every_column():
             out = torch.empty(k // 32)
             native.module().head_block_norms(w.qs.data_ptr(), w.sc.data_ptr(), n, k, out.data_ptr())
             assert np.allclose(out.numpy(), expected, rtol=1e-6), variant
+
+
+def test_coarse_copy_holds_the_top_six_bits():
+    # head_coarse_pack: each value's u >> 2 (u = q + 128), in Q6_K's layout: step j's low four bits in the
+    # nibbles of bytes 64 (j % 4) + i (high nibble from step 4), its top two in bits 2 (j % 4) of byte
+    # 256 + 64 (j // 4) + i.
+    if "avx512" not in VARIANTS:
+        pytest.skip("the 6-bit copy is the avx512 variant's")
+    rng = np.random.default_rng(7)
+    n, k = 40, 96
+    with native.use_variant("avx512"):
+        w = head(q8_head(rng.standard_normal((n, k)) * 0.05), n, k)
+        copy = GreedyHead(w, coarse=True).coarse.numpy().reshape(-1, 384).astype(np.int32)
+    u = w.qs.numpy().reshape(-1, 8, 64).astype(np.int32)  # [tile block, step, byte]: Q8_0's u
+    assert len(copy) == len(u)
+    for j in range(8):
+        nib = copy[:, 64 * (j % 4):64 * (j % 4) + 64]
+        nib = nib & 15 if j < 4 else nib >> 4
+        top = (copy[:, 256 + 64 * (j // 4):256 + 64 * (j // 4) + 64] >> (2 * (j % 4))) & 3
+        assert np.array_equal(nib | top << 4, u[:, j] >> 2), f"step {j}"
+
+
+def test_coarse_copy_only_for_heads_that_are_most_of_the_weights():
+    q8 = int(Q.Q8_0)
+    head_bytes = 262144 * 20 * 34  # Gemma 3's head: 170 MiB of ~250
+    assert coarse_copy_bytes(q8, 262144, 640, head_bytes, int(head_bytes / 0.7)) == 16384 * 20 * 384
+    assert coarse_copy_bytes(q8, 262144, 640, head_bytes, int(head_bytes / COARSE_HEAD_SHARE) + 10) == 0
+    assert coarse_copy_bytes(int(Q.Q6_K), 262144, 640, head_bytes, head_bytes) == 0  # Q8_0 heads only
+    assert coarse_copy_bytes(q8, 49152, 576, 30 << 20, 140 << 20) == 0  # SmolLM2's: a fifth of its bytes

@@ -34,7 +34,14 @@ def weights_bytes(loaded: LoadedModel) -> int:
         file_bytes = os.path.getsize(loaded.gguf.path)
     except OSError:  # the file went away after loading: the dense count is what is left to go on
         file_bytes = 0
-    return max(dense, file_bytes)
+    return max(dense, file_bytes) + kept_bytes(loaded)
+
+
+def kept_bytes(loaded: LoadedModel) -> int:
+    """What the model keeps beside its weights as loaded (a greedy head's 6-bit copy, made at its first
+    greedy step): taken from the KV cache's share of a memory budget."""
+    head_bytes = getattr(loaded.model, "greedy_head_bytes", None)
+    return head_bytes() if head_bytes is not None else 0
 
 
 def fit_kv_cache(cfg: EngineConfig, loaded: LoadedModel, max_kv_bytes: int | None,
@@ -43,6 +50,7 @@ def fit_kv_cache(cfg: EngineConfig, loaded: LoadedModel, max_kv_bytes: int | Non
     most max_kv_bytes (None: as is)."""
     if max_kv_bytes is None:
         return cfg
+    max_kv_bytes -= kept_bytes(loaded)
     per_token = kv_bytes_per_token(cfg, loaded, draft)
     tokens = min(cfg.max_total_tokens, max_kv_bytes // per_token) // cfg.block_size * cfg.block_size
     if tokens < min(MIN_KV_TOKENS, cfg.max_total_tokens):

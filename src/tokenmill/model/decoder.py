@@ -14,7 +14,7 @@ from tokenmill.gguf.config import ModelConfig
 from tokenmill.kernels import gpu as gpu_ops
 from tokenmill.kernels import native as native_kernels
 from tokenmill.kernels.argmax import argmax_rows
-from tokenmill.kernels.head_argmax import GreedyHead
+from tokenmill.kernels.head_argmax import GreedyHead, coarse_copy_bytes
 from tokenmill.kernels.qmatmul import QuantizedWeight
 from tokenmill.kvcache.storage import KVStorage, LayerKV
 from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
@@ -124,15 +124,29 @@ class DecoderLM(nn.Module):
 
     def _greedy_head(self) -> GreedyHead | None:
         """The head's GreedyHead when its bounded kernel runs here (one Q8_0 part on the CPU), made once
-        per head weight (move_blocks replaces it)."""
+        per head weight (move_blocks replaces it), with the 6-bit copy where greedy_head_bytes says."""
+        w = self._head_weight()
+        if w is None:
+            return None
+        if self._greedy is None or self._greedy[0] is not w:
+            head = GreedyHead(w, coarse=self.greedy_head_bytes() > 0)
+            self._greedy = (w, head if head.native else None)
+        return self._greedy[1]
+
+    def _head_weight(self) -> QuantizedWeight | None:
         q = self.head_quantized
         if q is None or len(q.parts) != 1 or not isinstance(q.parts[0][0], QuantizedWeight):
             return None
-        w = q.parts[0][0]
-        if self._greedy is None or self._greedy[0] is not w:
-            head = GreedyHead(w)
-            self._greedy = (w, head if head.native else None)
-        return self._greedy[1]
+        return q.parts[0][0]
+
+    def greedy_head_bytes(self) -> int:
+        """What the greedy head keeps besides the weights: a 6-bit copy of a head that is most of the
+        weights' bytes (kernels/head_argmax.py), counted from the load on, made at the first greedy step."""
+        w = self._head_weight()
+        if w is None:
+            return 0
+        layers = sum(m.quantized.nbytes for m in self.modules() if isinstance(m, Linear) and m.quantized is not None)
+        return coarse_copy_bytes(w.ggml_type, w.out_features, w.in_features, w.nbytes, w.nbytes + layers)
 
     BLOCK_TENSORS: tuple[str, ...] = ()  # each block's GGUF tensor names, without "blk.N." and ".weight"
 
