@@ -108,13 +108,22 @@ struct RowScan {
     float margin;  // twice the row's bound, and float slack
     float best = -std::numeric_limits<float>::infinity();
     bool odd = false;
+    const int64_t* excluded = nullptr;  // columns that are no candidates (the ids a row suppresses)
+    int64_t num_excluded = 0;
+    // Lanes of tile t that are columns of the head and not excluded.
+    __mmask16 columns(const Weight& w, int64_t t) const {
+        __mmask16 cols = tile_columns(w, t);
+        for (int64_t i = 0; i < num_excluded; ++i)
+            if (excluded[i] / kTile == t) cols = __mmask16(cols & ~(1u << (excluded[i] % kTile)));
+        return cols;
+    }
 };
 
 // The coarse logits of one row in tile t: kept as a candidate when they reach the best so far less the
 // margin. The best only grows, so every tile that reaches the final floor (the row's best less the
 // margin) is kept; the final floor then drops the ones kept early.
 inline void scan_tile(const Weight& w, int64_t t, int64_t m, __m512 v, RowScan& row, std::vector<Candidate>& out) {
-    const __mmask16 cols = tile_columns(w, t);
+    const __mmask16 cols = row.columns(w, t);
     row.odd = row.odd || _mm512_mask_fpclass_ps_mask(cols, v, 0x99) != 0;  // NaN or infinity
     if (_mm512_mask_cmp_ps_mask(cols, v, _mm512_set1_ps(row.best - row.margin), _CMP_GE_OQ) == 0) return;
     const float most = _mm512_mask_reduce_max_ps(cols, v);
@@ -134,7 +143,7 @@ struct SixBit {
 // its largest v + bnd.
 inline void scan_tile_bounded(const Weight& w, int64_t t, int64_t m, __m512 v, __m512 bnd, RowScan& row,
                               std::vector<Candidate>& out) {
-    const __mmask16 cols = tile_columns(w, t);
+    const __mmask16 cols = row.columns(w, t);
     const __m512 hi = _mm512_add_ps(v, bnd), lo = _mm512_sub_ps(v, bnd);
     row.odd = row.odd || _mm512_mask_fpclass_ps_mask(cols, hi, 0x99) != 0 ||
               _mm512_mask_fpclass_ps_mask(cols, lo, 0x99) != 0;  // NaN or infinity
@@ -236,7 +245,7 @@ void coarse_range(const Weight& w, const SixBit* six, int64_t t0, int64_t t1, co
 // tokens[m] = argmax over columns of row m's logits (torch.max's index). norms: block_norms of w (not
 // read with the 6-bit copy, coarse: from coarse_pack).
 void head_argmax(const Weight& w, const Acts& a, int64_t M, const float* norms, int64_t* tokens,
-                 const uint8_t* coarse = nullptr) {
+                 const uint8_t* coarse = nullptr, const int64_t* excluded = nullptr, int64_t num_excluded = 0) {
     const int64_t nb = w.blocks(), tiles = w.tiles();
     // The first plane's sums per row and block (Acts holds both planes' joined sums only), and each
     // row's margin: twice its bound (one for a candidate, one for the best), with a 1% slack that covers
@@ -262,6 +271,8 @@ void head_argmax(const Weight& w, const Acts& a, int64_t M, const float* norms, 
         }
         start[size_t(m)].margin = coarse ? 0.f : 2.02f * 64.f * bound;
         start[size_t(m)].odd = !std::isfinite(start[size_t(m)].margin);
+        start[size_t(m)].excluded = excluded;
+        start[size_t(m)].num_excluded = num_excluded;
     }
     const SixBit six{coarse, e.data()};
     // Each part of the tiles scans them with its own rows' state and candidate list.
@@ -310,7 +321,9 @@ void head_argmax(const Weight& w, const Acts& a, int64_t M, const float* norms, 
     for (int64_t m = 0; m < M; ++m) tokens[m] = -1;
     for (size_t p = 0; p < pairs.size(); ++p) {
         const size_t m = size_t(pairs[p].row);
-        for (int64_t i = 0; i < kTile && pairs[p].tile * kTile + i < w.N; ++i) {
+        const __mmask16 cols = start[m].columns(w, pairs[p].tile);
+        for (int64_t i = 0; i < kTile; ++i) {
+            if (!((cols >> i) & 1)) continue;
             const float v = values[p * kTile + size_t(i)];
             const int64_t index = pairs[p].tile * kTile + i;
             if (std::isnan(v)) {
@@ -322,6 +335,9 @@ void head_argmax(const Weight& w, const Acts& a, int64_t M, const float* norms, 
             }
         }
     }
+    // A row with every column excluded: torch.max's index over logits all -inf.
+    for (int64_t m = 0; m < M; ++m)
+        if (tokens[m] < 0) tokens[m] = 0;
 }
 #endif
 
@@ -330,11 +346,14 @@ void head_argmax(const Weight& w, const Acts& a, int64_t M, const float* norms, 
 
 void register_head_argmax(py::module_& m) {
     using namespace tmk::qmm;
+    // A repacked Q8_0 head [N, K] from its arrays' addresses.
+    const auto head = [](uintptr_t qs, uintptr_t sc, int64_t N, int64_t K) {
+        return Weight{Q8_0, tmk::ptr<const uint8_t>(qs), tmk::ptr<const uint8_t>(sc), nullptr, N, K};
+    };
     m.def(
         "head_block_norms",
-        [](uintptr_t qs, uintptr_t sc, int64_t N, int64_t K, uintptr_t out) {
-            const Weight w{Q8_0, tmk::ptr<const uint8_t>(qs), tmk::ptr<const uint8_t>(sc), nullptr, N, K};
-            block_norms(w, tmk::ptr<float>(out));
+        [head](uintptr_t qs, uintptr_t sc, int64_t N, int64_t K, uintptr_t out) {
+            block_norms(head(qs, sc, N, K), tmk::ptr<float>(out));
         },
         py::call_guard<py::gil_scoped_release>(),
         "a repacked Q8_0 weight [N, K] -> per block of 32 inputs, the largest |scale| * sum |q| of a column");
@@ -342,25 +361,25 @@ void register_head_argmax(py::module_& m) {
           "bytes of a Q8_0 head's 6-bit copy (head_coarse_pack)");
     m.def(
         "head_coarse_pack",
-        [](uintptr_t qs, uintptr_t sc, int64_t N, int64_t K, uintptr_t out) {
-            const Weight w{Q8_0, tmk::ptr<const uint8_t>(qs), tmk::ptr<const uint8_t>(sc), nullptr, N, K};
-            coarse_pack(w, tmk::ptr<uint8_t>(out));
+        [head](uintptr_t qs, uintptr_t sc, int64_t N, int64_t K, uintptr_t out) {
+            coarse_pack(head(qs, sc, N, K), tmk::ptr<uint8_t>(out));
         },
         py::call_guard<py::gil_scoped_release>(),
         "a repacked Q8_0 head [N, K] -> its 6-bit copy (head_coarse_bytes bytes)");
 #if defined(TM_AVX512)
     m.def(
         "head_argmax",
-        [](uintptr_t acts, int64_t M, int64_t K, uintptr_t qs, uintptr_t sc, int64_t N, uintptr_t norms,
-           uintptr_t out, uintptr_t coarse) {
-            const Weight w{Q8_0, tmk::ptr<const uint8_t>(qs), tmk::ptr<const uint8_t>(sc), nullptr, N, K};
-            head_argmax(w, Acts{tmk::ptr<const uint8_t>(acts), K}, M, tmk::ptr<const float>(norms),
-                        tmk::ptr<int64_t>(out), coarse ? tmk::ptr<const uint8_t>(coarse) : nullptr);
+        [head](uintptr_t acts, int64_t M, int64_t K, uintptr_t qs, uintptr_t sc, int64_t N, uintptr_t norms,
+               uintptr_t out, uintptr_t coarse, uintptr_t excluded, int64_t num_excluded) {
+            head_argmax(head(qs, sc, N, K), Acts{tmk::ptr<const uint8_t>(acts), K}, M, tmk::ptr<const float>(norms),
+                        tmk::ptr<int64_t>(out), coarse ? tmk::ptr<const uint8_t>(coarse) : nullptr,
+                        num_excluded ? tmk::ptr<const int64_t>(excluded) : nullptr, num_excluded);
         },
         py::arg("acts"), py::arg("M"), py::arg("K"), py::arg("qs"), py::arg("sc"), py::arg("N"), py::arg("norms"),
-        py::arg("out"), py::arg("coarse") = 0,
+        py::arg("out"), py::arg("coarse") = 0, py::arg("excluded") = 0, py::arg("num_excluded") = 0,
         py::call_guard<py::gil_scoped_release>(),
         "tokens [M] int64 = argmax of activations [M, K] @ a repacked Q8_0 head [N, K]^T (torch.max's index); "
-        "coarse: its 6-bit copy (head_coarse_pack), or 0");
+        "coarse: its 6-bit copy (head_coarse_pack), or 0; excluded: int64 [num_excluded] columns no row may take "
+        "(suppressed ids: the argmax of the rest)");
 #endif
 }

@@ -31,6 +31,7 @@ def _compare_paths(engine, diffs: list[tuple[str, int, float]]):
     runner = engine.runner
     graphs = [g for g in (runner.decode_graph, runner.step_graph) if g is not None]
     run = runner.run
+    runner.picks_greedy_tokens = False  # logits for every step, greedy rows' too
 
     def both(batch, **kwargs):  # greedy_tokens=True: tokens, no logits to compare
         before = runner.graph_steps, runner.step_graph_steps

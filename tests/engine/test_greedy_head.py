@@ -1,10 +1,12 @@
 """Greedy steps that take their tokens straight from the head (DecoderLM.greedy_tokens, the bounded
 kernel of kernels/head_argmax.py): on tiny Llama and Gemma 3 models with a Q8_0 head, requests alone,
 batched, with speculation and with parallel samples get exactly the tokens they get from the full
-logits; the engine takes that path only when every sampling row wants nothing but the argmax, and
-falls back to the sampler when a row asks for logprobs, penalties, a bias, suppression or a grammar."""
+logits; the engine takes that path only when every sampling row wants nothing but the argmax (with the
+same suppressed ids, which the head then excludes), and falls back to the sampler when a row asks for
+logprobs, penalties, a bias or a grammar, or rows suppress different ids."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import gguf
@@ -38,9 +40,9 @@ def count_calls(monkeypatch) -> list[int]:
     calls = [0]
     real = DecoderLM.greedy_tokens
 
-    def counted(model, hidden, indices=None):
+    def counted(model, hidden, indices=None, exclude=()):
         calls[0] += 1
-        return real(model, hidden, indices)
+        return real(model, hidden, indices, exclude)
 
     monkeypatch.setattr(DecoderLM, "greedy_tokens", counted)
     return calls
@@ -84,8 +86,7 @@ def test_same_tokens_as_the_full_logits(model_fn, speculative, monkeypatch, tmp_
 
 
 @pytest.mark.parametrize("extra", [dict(logprobs=True), dict(top_logprobs=2), dict(repeat_penalty=1.3),
-                                   dict(logit_bias={40: 5.0}), dict(ignore_eos=True), dict(min_tokens=40)],
-                         ids=lambda d: next(iter(d)))
+                                   dict(logit_bias={40: 5.0})], ids=lambda d: next(iter(d)))
 def test_rows_that_want_more_than_the_argmax_take_the_sampler(extra, monkeypatch, tmp_path):
     model = llama(tmp_path)
     monkeypatch.setattr(head_argmax, "_ENABLED", True)
@@ -138,3 +139,30 @@ def test_the_heads_6_bit_copy_gives_the_same_tokens(model_fn, monkeypatch, tmp_p
     assert fitted.max_total_tokens == 1024  # what is left after the copy
     monkeypatch.setattr(head_argmax, "COARSE_HEAD_SHARE", 1.01)
     assert loaded.model.greedy_head_bytes() == 0
+
+
+@pytest.mark.parametrize("model_fn", [llama, gemma], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("suppress", ["ignore_eos", "min_tokens"])
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_suppressing_rows_take_the_head_without_those_ids(model_fn, suppress, speculative, monkeypatch, tmp_path):
+    # A greedy row that suppresses its end tokens (ignore_eos; below min_tokens its stop tokens too)
+    # takes its token from the head with those columns excluded: the tokens the sampler's suppression
+    # gives, alone, batched (all rows suppressing the same ids), speculating, with the 6-bit copy; in a
+    # batch whose rows suppress different ids (the sampler's steps) each still gets its own tokens.
+    cfg = dict(speculative=speculative, num_speculative_tokens=6, spec_ngram_min=1)
+    params = replace(GREEDY, ignore_eos=True)
+    if suppress == "min_tokens":  # stop ids the model makes when free to: its two commonest tokens
+        free = outputs(model_fn(tmp_path), monkeypatch, False, [(p, GREEDY) for p in prompts(4)], **cfg)[0]
+        counts = Counter(t for out in free for t in out[:30])
+        params = replace(GREEDY, min_tokens=30, stop_token_ids=[t for t, _ in counts.most_common(2)])
+    requests = [(p, params) for p in prompts(4)]
+    off = outputs(model_fn(tmp_path), monkeypatch, False, requests, **cfg)
+    if suppress == "min_tokens":
+        assert not any(t in params.stop_token_ids for out in off[0] for t in out[:30])
+    calls = count_calls(monkeypatch)
+    monkeypatch.setattr(head_argmax, "COARSE_HEAD_SHARE", 0.0)
+    assert outputs(model_fn(tmp_path), monkeypatch, True, requests, **cfg) == off
+    assert calls[0] > 0
+    engine = make_engine(model_fn(tmp_path), max_total_tokens=4096)
+    mixed = run_to_completion(engine, [(prompts(1)[0], params), (prompts(2)[1], GREEDY)])
+    assert mixed == [off[0][0], run_one_at_a_time(engine, [(prompts(2)[1], GREEDY)])[0]]

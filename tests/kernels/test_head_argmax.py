@@ -3,7 +3,8 @@ qmatmul: random heads (real Q8_0 quantization), exact ties (duplicated columns),
 all lie within the bound of each other (every tile a candidate), a partial last tile, a head as wide
 as a vocabulary, zero activations, and a column whose scale is infinite (the row then takes every
 tile exactly); 1 and 2 threads; every variant (those without the kernel take the full logits); each with
-and without the head's 6-bit copy (one-row calls scan it instead of the Q8_0 bytes)."""
+and without the head's 6-bit copy (one-row calls scan it instead of the Q8_0 bytes), and with columns
+excluded (the ids a row suppresses)."""
 from __future__ import annotations
 
 import gguf
@@ -13,6 +14,7 @@ import torch
 
 from tokenmill.kernels import native
 from tokenmill.kernels.head_argmax import COARSE_HEAD_SHARE, GreedyHead, coarse_copy_bytes, head_argmax_reference
+from tokenmill.kernels.argmax import excluding
 from tokenmill.kernels.qmatmul import QuantizedWeight, qmatmul
 
 Q = gguf.GGMLQuantizationType
@@ -40,6 +42,12 @@ def check(w: QuantizedWeight, x: torch.Tensor, variant: str) -> None:
                     assert torch.equal(h(x), expected), f"{variant}, coarse {coarse}, {threads} threads"
                     for m in range(min(len(x), 3)):  # one row at a time: the 6-bit copy's calls
                         assert torch.equal(h(x[m:m + 1]), expected[m:m + 1]), f"{variant}, coarse {coarse}, row {m}"
+                    # Suppressed ids (excluded columns): the first and last rows' tokens, and the last column.
+                    exclude = tuple(sorted({int(expected[0]), int(expected[-1]), w.out_features - 1}))
+                    without = excluding(qmatmul(x, w), exclude).max(dim=-1).indices
+                    assert torch.equal(h(x, exclude), without), f"{variant}, coarse {coarse}, excluding {exclude}"
+                    assert torch.equal(h(x[:1], exclude), without[:1])
+                    assert torch.equal(head_argmax_reference(x, w, exclude), without)
                 finally:
                     native.set_num_threads(torch.get_num_threads())
         assert torch.equal(head_argmax_reference(x, w), expected)

@@ -20,7 +20,7 @@ from tokenmill.engine.health import StepFaults, StepShape
 from tokenmill.engine.prompt_scores import score_prompt_rows
 from tokenmill.engine.request import FinishReason, Priority, Sequence
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sampler import SampleResult, Sampler, argmax_only
+from tokenmill.engine.sampler import SampleResult, Sampler, greedy_exclusions
 from tokenmill.engine.sampler_input import sampler_input
 from tokenmill.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
@@ -333,7 +333,8 @@ class LLMEngine:
                                   if c.seq.constraint is not None]
                                  + [state for c in batch.sampling_chunks for state in c.mask_states()])
         self.kv.copy_blocks(batch.copies)  # copy-on-write: private copies before anyone writes
-        out = self.runner.run(batch, greedy_tokens=True) if self._argmax_only(batch) else self.runner.run(batch)
+        exclude = self._greedy_exclusions(batch)
+        out = self.runner.run(batch, greedy_tokens=True, exclude=exclude) if exclude is not None else self.runner.run(batch)
         logits = out.logits
         if out.prompt_rows:
             score_prompt_rows(self.runner.model, out.prompt_rows)
@@ -347,14 +348,25 @@ class LLMEngine:
         inp = sampler_input(batch, self.scheduler.stop_ids, masks)
         return self.sampler(self._logits(logits, batch), inp, owned=True)
 
-    def _argmax_only(self, batch: ScheduledBatch) -> bool:
-        """Whether every sampling row of the step takes its logits' argmax and nothing else (sampler.py's
-        argmax_only, no grammar), and the runner can give tokens for them (DecoderLM.greedy_tokens: the
-        head need not write its logits)."""
+    def _greedy_exclusions(self, batch: ScheduledBatch) -> tuple[int, ...] | None:
+        """The ids every sampling row of the step suppresses (() for none) when each takes its logits'
+        argmax once they are suppressed and nothing else (sampler.py's greedy_exclusions, no grammar),
+        all rows the same ids, and the runner can give tokens for them (DecoderLM.greedy_tokens: the
+        head need not write its logits); None otherwise."""
         chunks = batch.sampling_chunks
         if not chunks or not getattr(self.runner, "picks_greedy_tokens", False):
-            return False
-        return all(c.seq.constraint is None and argmax_only(c.seq.params, len(c.seq.output_ids)) for c in chunks)
+            return None
+        vocab = self.runner.model.config.vocab_size
+        found: set[tuple[int, ...] | None] = set()
+        for c in chunks:
+            if c.seq.constraint is not None:
+                return None
+            # A verifying sequence's rows count the proposals before each (sampler_input.py).
+            for n in range(len(c.seq.output_ids), len(c.seq.output_ids) + c.num_sample_rows):
+                found.add(greedy_exclusions(c.seq.params, n, self.scheduler.stop_ids, vocab))
+                if None in found or len(found) > 1:
+                    return None
+        return found.pop()
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:
         """How many decode steps this batch runs in a row (1: an ordinary step), its blocks reserved."""

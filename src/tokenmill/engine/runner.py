@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.engine.request import Sequence
 from tokenmill.engine.scheduler import ScheduledBatch, ScheduledChunk
-from tokenmill.kernels.argmax import argmax_rows
+from tokenmill.kernels.argmax import argmax_rows, excluding
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import AttentionMetadata, ChunkSpec
@@ -115,12 +115,14 @@ class ModelRunner:
         self.step_graph_steps = 0  # ... and through the compiled prefill/mixed graph
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, greedy_tokens: bool = False) -> StepOutput:
+    def run(self, batch: ScheduledBatch, greedy_tokens: bool = False, exclude: tuple[int, ...] = ()) -> StepOutput:
         """Logits of the sampling rows (the model's dtype), and the hidden states of prompt rows to score.
         greedy_tokens: every sampling row takes its logits' argmax and nothing else (the engine checked),
-        so the rows' tokens come back instead, from DecoderLM.greedy_tokens (most of the head skipped)."""
+        so the rows' tokens come back instead, from DecoderLM.greedy_tokens (most of the head skipped);
+        exclude: the ids every such row suppresses (its end tokens under ignore_eos), never its token."""
         if greedy_tokens:
-            tokens, prompt_rows = self._run(batch, self.model.greedy_tokens, lambda logits: argmax_rows(logits.float()))
+            tokens, prompt_rows = self._run(batch, lambda hidden, rows: self.model.greedy_tokens(hidden, rows, exclude),
+                                            lambda logits: argmax_rows(excluding(logits.float(), exclude)))
             return StepOutput(None, prompt_rows, tokens)
         return StepOutput(*self._run(batch, self.model.logits, lambda logits: logits))
 

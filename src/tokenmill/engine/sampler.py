@@ -74,12 +74,18 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-def argmax_only(p: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether a row's token is its raw logits' argmax and nothing else is asked of them: greedy, no
-    logprobs, penalties, logit_bias or suppression (ignore_eos, below min_tokens). Its grammar, if
-    any, is the caller's to rule out. Such rows need no logits (DecoderLM.greedy_tokens)."""
-    return (p.is_greedy and not p.logprobs and p.top_logprobs == 0 and not p.uses_penalties and not p.logit_bias
-            and not p.ignore_eos and num_output_tokens >= p.min_tokens)
+def greedy_exclusions(p: SamplingParams, num_output_tokens: int, stop_ids: frozenset[int],
+                      vocab: int) -> tuple[int, ...] | None:
+    """For a row whose token is its logits' argmax once its suppression is applied (greedy, no
+    logprobs, penalties or logit_bias): the ids it suppresses (its end tokens under ignore_eos, and its
+    stop tokens too below min_tokens; () for none), which its token can never be. None for any other
+    row. Such rows need no logits either (DecoderLM.greedy_tokens excludes those columns)."""
+    if not (p.is_greedy and not p.logprobs and p.top_logprobs == 0 and not p.uses_penalties and not p.logit_bias):
+        return None
+    below_min = num_output_tokens < p.min_tokens
+    if not (p.ignore_eos or below_min):
+        return ()
+    return _suppressed_ids(stop_ids, tuple(p.stop_token_ids) if below_min else (), vocab)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from tokenmill.kernels import native
 
-__all__ = ["argmax_rows", "argmax_rows_reference"]
+__all__ = ["argmax_rows", "argmax_rows_reference", "excluding"]
 
 
 def argmax_rows_reference(logits: Tensor) -> Tensor:
@@ -25,3 +25,11 @@ def argmax_rows(logits: Tensor) -> Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     m.argmax_rows_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
     return out
+
+
+def excluding(logits: Tensor, exclude: tuple[int, ...]) -> Tensor:
+    """logits with the columns `exclude` set to -inf in place, as the sampler's suppression makes them
+    (callers pass logits of their own: a step's fresh head output)."""
+    if exclude:
+        logits[:, list(exclude)] = float("-inf")
+    return logits

@@ -4,7 +4,8 @@ integer work per row. The activations' first plane bounds every column's logit; 
 bound cannot rule out are computed exactly, by the qmatmul kernel itself.
 
 A greedy row that needs nothing else from its logits (no logprobs, penalties, bias or grammar) is the
-case: speculative decoding's verification rows, and batched greedy decoding. Where the compiled kernel
+case: speculative decoding's verification rows, and batched greedy decoding; a row that suppresses its
+end tokens (ignore_eos, below min_tokens) too, those columns excluded. Where the compiled kernel
 is missing (not the avx512 variant, or not a Q8_0 head) GreedyHead computes the logits and takes their
 argmax, so callers need not ask.
 
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from tokenmill.kernels import huge_pages, native
+from tokenmill.kernels.argmax import excluding
 from tokenmill.kernels.qmatmul import Q, QuantizedActivations, QuantizedWeight, qmatmul, quantize_activations
 
 __all__ = ["GreedyHead", "coarse_copy_bytes", "head_argmax_reference"]
@@ -47,9 +49,11 @@ def coarse_copy_bytes(head_type: int, out_features: int, in_features: int, head_
     return -(-out_features // 16) * (in_features // 32) * COARSE_BLOCK_BYTES
 
 
-def head_argmax_reference(x: Tensor | QuantizedActivations, w: QuantizedWeight) -> Tensor:
-    """int64 [rows]: the first index of each row's largest logit, from the full qmatmul."""
-    return qmatmul(x, w).max(dim=-1).indices
+def head_argmax_reference(x: Tensor | QuantizedActivations, w: QuantizedWeight,
+                          exclude: tuple[int, ...] = ()) -> Tensor:
+    """int64 [rows]: the first index of each row's largest logit, from the full qmatmul; with `exclude`
+    (suppressed ids) those columns -inf first, as the sampler's suppression makes them."""
+    return excluding(qmatmul(x, w), exclude).max(dim=-1).indices
 
 
 class GreedyHead:
@@ -85,10 +89,11 @@ class GreedyHead:
         """Whether the bounded kernel runs (else the full logits' argmax)."""
         return self._native is not None
 
-    def __call__(self, x: Tensor | QuantizedActivations) -> Tensor:
-        """int64 [rows]: each row's token, head_argmax_reference's bitwise."""
+    def __call__(self, x: Tensor | QuantizedActivations, exclude: tuple[int, ...] = ()) -> Tensor:
+        """int64 [rows]: each row's token, head_argmax_reference's bitwise; exclude: ids no row may take
+        (those a row suppresses: its end tokens under ignore_eos), in range."""
         if self._native is None:
-            return head_argmax_reference(x, self.weight)
+            return head_argmax_reference(x, self.weight, exclude)
         a = x if isinstance(x, QuantizedActivations) else quantize_activations(x)
         m, k = a.shape
         w = self.weight
@@ -97,6 +102,8 @@ class GreedyHead:
         out = torch.empty(m, dtype=torch.int64)
         if m > 0:
             six = self.coarse is not None and m <= COARSE_ROWS
+            ids = torch.tensor(exclude, dtype=torch.int64) if exclude else None
             self._native.head_argmax(a.data.data_ptr(), m, k, w.qs.data_ptr(), w.sc.data_ptr(), w.out_features,
-                                     self.norms.data_ptr(), out.data_ptr(), self.coarse.data_ptr() if six else 0)
+                                     self.norms.data_ptr(), out.data_ptr(), self.coarse.data_ptr() if six else 0,
+                                     ids.data_ptr() if ids is not None else 0, len(exclude))
         return out

@@ -13,7 +13,7 @@ from torch import nn
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kernels import gpu as gpu_ops
 from tokenmill.kernels import native as native_kernels
-from tokenmill.kernels.argmax import argmax_rows
+from tokenmill.kernels.argmax import argmax_rows, excluding
 from tokenmill.kernels.head_argmax import GreedyHead, coarse_copy_bytes
 from tokenmill.kernels.qmatmul import QuantizedWeight
 from tokenmill.kvcache.storage import KVStorage, LayerKV
@@ -111,16 +111,18 @@ class DecoderLM(nn.Module):
             return self.head_quantized.matmul(h)
         return dense_linear(h, self.lm_head, self.lm_head_packed)
 
-    def greedy_tokens(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+    def greedy_tokens(self, hidden: torch.Tensor, indices: torch.Tensor | None = None,
+                      exclude: tuple[int, ...] = ()) -> torch.Tensor:
         """int64 [rows]: each row's greedy token, the first index of its largest logit (torch.max's),
-        bitwise logits(hidden, indices)'s. With a Q8_0 head the bounded kernel (kernels/head_argmax.py)
-        skips most of the head's work where that pays (AMX_HEAD_ROWS); otherwise the logits' argmax."""
+        bitwise logits(hidden, indices)'s with the columns `exclude` (suppressed ids) at -inf. With a
+        Q8_0 head the bounded kernel (kernels/head_argmax.py) skips most of the head's work where that
+        pays (AMX_HEAD_ROWS); otherwise the logits' argmax."""
         head = self._greedy_head()
         rows = hidden.shape[0] if indices is None else indices.numel()
         if head is None or not (rows < AMX_HEAD_ROWS or not native_kernels.amx()
                                 or rows * self.head_quantized.out_features >= LOGITS_OUT_OF_CACHE):
-            return argmax_rows(self.logits(hidden, indices).float())
-        return head(self.final_hidden(hidden, indices).float())
+            return argmax_rows(excluding(self.logits(hidden, indices).float(), exclude))
+        return head(self.final_hidden(hidden, indices).float(), exclude)
 
     def _greedy_head(self) -> GreedyHead | None:
         """The head's GreedyHead when its bounded kernel runs here (one Q8_0 part on the CPU), made once

@@ -23,9 +23,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def per_request(runner) -> dict[str, list[torch.Tensor]]:
-    """Each request's logits rows, step by step (requests with one sample each)."""
+    """Each request's logits rows, step by step (requests with one sample each); a CPU runner is made to
+    give logits, not greedy tokens."""
     rows: dict[str, list[torch.Tensor]] = {}
     run = runner.run
+    runner.picks_greedy_tokens = False
 
     def wrapped(batch):
         out = run(batch)

@@ -54,9 +54,10 @@ class EagerReplay:
 
 
 def recording(runner) -> list[torch.Tensor]:
-    """Keep a float copy of every step's logits."""
+    """Keep a float copy of every step's logits (the CPU runner made to give logits, not greedy tokens)."""
     seen: list[torch.Tensor] = []
     run = runner.run
+    runner.picks_greedy_tokens = False
 
     def wrapped(batch):
         out = run(batch)
