@@ -145,7 +145,7 @@ class DecoderLM(nn.Module):
         """What the greedy head keeps besides the weights: a 6-bit copy of a head that is most of the
         weights' bytes (kernels/head_argmax.py), counted from the load on, made at the first greedy step."""
         w = self._head_weight()
-        if w is None:
+        if w is None or w.qs.device.type != "cpu":
             return 0
         layers = sum(m.quantized.nbytes for m in self.modules() if isinstance(m, Linear) and m.quantized is not None)
         return coarse_copy_bytes(w.ggml_type, w.out_features, w.in_features, w.nbytes, w.nbytes + layers)
