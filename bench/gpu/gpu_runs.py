@@ -61,6 +61,7 @@ def greedy_with_logits(loaded: LoadedModel, tokenizer: Tokenizer, cfg: EngineCon
     engine = LLMEngine(loaded, tokenizer, cfg)
     rows: list[torch.Tensor] = []
     run = engine.runner.run
+    engine.runner.picks_greedy_tokens = False  # the CPU runner's logits too, not greedy tokens alone
 
     def recording(batch):
         out = run(batch)
