@@ -67,7 +67,8 @@ void block_norms(const Weight& w, float* out) {
     }
 }
 
-// The 6-bit copy's bytes per block of a tile (Q6_K's qs layout: step_values<Q6_K> reads it).
+// The 6-bit copy's bytes per block of a tile (Q6_K's qs layout: step_values<Q6_K> reads it); kernels/
+// head_argmax.py's COARSE_BLOCK_BYTES, which sizes the copy.
 constexpr int kCoarseBlock = 384;
 
 // Writes w's 6-bit copy: tile t's block b at out + (t * blocks + b) * kCoarseBlock.
@@ -357,15 +358,13 @@ void register_head_argmax(py::module_& m) {
         },
         py::call_guard<py::gil_scoped_release>(),
         "a repacked Q8_0 weight [N, K] -> per block of 32 inputs, the largest |scale| * sum |q| of a column");
-    m.def("head_coarse_bytes", [](int64_t N, int64_t K) { return ((N + kTile - 1) / kTile) * (K / kBlock) * kCoarseBlock; },
-          "bytes of a Q8_0 head's 6-bit copy (head_coarse_pack)");
     m.def(
         "head_coarse_pack",
         [head](uintptr_t qs, uintptr_t sc, int64_t N, int64_t K, uintptr_t out) {
             coarse_pack(head(qs, sc, N, K), tmk::ptr<uint8_t>(out));
         },
         py::call_guard<py::gil_scoped_release>(),
-        "a repacked Q8_0 head [N, K] -> its 6-bit copy (head_coarse_bytes bytes)");
+        "a repacked Q8_0 head [N, K] -> its 6-bit copy (tiles x K / 32 x 384 bytes)");
 #if defined(TM_AVX512)
     m.def(
         "head_argmax",

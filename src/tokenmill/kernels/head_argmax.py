@@ -46,6 +46,10 @@ def coarse_copy_bytes(head_type: int, out_features: int, in_features: int, head_
     a model's memory whether or not this machine's kernels build it."""
     if not (_ENABLED and _COARSE) or head_type != Q.Q8_0 or head_bytes < COARSE_HEAD_SHARE * weight_bytes:
         return 0
+    return _copy_bytes(out_features, in_features)
+
+
+def _copy_bytes(out_features: int, in_features: int) -> int:
     return -(-out_features // 16) * (in_features // 32) * COARSE_BLOCK_BYTES
 
 
@@ -72,7 +76,7 @@ class GreedyHead:
                                           self.norms.data_ptr())
         self.coarse: Tensor | None = None
         if self._native is not None and coarse and hasattr(mod, "head_coarse_pack"):
-            nbytes = mod.head_coarse_bytes(w.out_features, w.in_features)
+            nbytes = _copy_bytes(w.out_features, w.in_features)
             # In huge pages where the system gives them, as the weights are: it is read as a stream.
             self.coarse = (huge_pages.HugePageArena(nbytes).take(nbytes) if huge_pages.wanted()
                            else torch.empty(nbytes, dtype=torch.uint8))
