@@ -151,8 +151,8 @@ OPTIONS: tuple[Option, ...] = (
            "decodes the proposals; its own KV cache) or off", ("--speculative",)),
     Option("num_speculative_tokens", int, 16, "most tokens a sequence proposes per step (fewer when its proposals "
            "are seldom accepted or the batch is large)", ("--num-speculative-tokens",), lo=1, hi=16),
-    Option("spec_ngram_min", int, 1, "prompt lookup: the shortest suffix looked up (a 1-token match proposes "
-           "less: its tokens are accepted less often)", ("--spec-ngram-min",), lo=1, hi=16),
+    Option("spec_ngram_min", int, 2, "prompt lookup: the shortest suffix looked up (1 also proposes after a "
+           "1-token match, whose tokens are seldom accepted)", ("--spec-ngram-min",), lo=1, hi=16),
     Option("spec_ngram_max", int, 8, "prompt lookup: the longest suffix looked up (tried first)",
            ("--spec-ngram-max",), lo=1, hi=16),
 )
@@ -203,7 +203,7 @@ class Config:
     decode_steps: int = 0
     speculative: str = "ngram"
     num_speculative_tokens: int = 16
-    spec_ngram_min: int = 1
+    spec_ngram_min: int = 2
     spec_ngram_max: int = 8
     # Where each value came from: "default", "config file PATH", "env NAME", "flag --name", "argument MODEL".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)

@@ -77,7 +77,7 @@ class EngineConfig:
     # proposed per step and sequence; the n-gram sizes looked up.
     speculative: str = "ngram"
     num_speculative_tokens: int = 16
-    spec_ngram_min: int = 1
+    spec_ngram_min: int = 2
     spec_ngram_max: int = 8
     # Where the model runs (engine/device.py): "cpu", "cuda" (bf16 weights, KV cache and sampling on the
     # GPU) or "auto" (cuda when torch sees one). The CLI's default is auto; here cpu, so library users
