@@ -347,6 +347,18 @@ def test_step_costs_learn_interpolate_and_never_fall_with_more_rows():
     assert 300 not in costs.seconds
 
 
+def test_step_costs_never_price_more_rows_below_one():
+    # A 2-row step seen faster than the least recent one-row step (a quieter moment, a shorter
+    # context): no step of more rows is priced below a one-row step, and none falls as rows are added.
+    costs = StepCosts(prior_row_cost=0.27, window=2, stale_steps=10)
+    costs.record(1, 0.010, 0.0)
+    costs.record(2, 0.006, 0.0)
+    prices = [costs.model_seconds(r) for r in range(1, 40)]
+    assert prices[0] == pytest.approx(0.010) and min(prices) == pytest.approx(0.010)
+    assert all(a <= b for a, b in zip(prices, prices[1:]))
+    assert costs.model_seconds(10) == pytest.approx(0.010 * (0.6 + 8 * 0.27))  # past 2: the prior's slope
+
+
 def test_step_costs_follow_the_machine_and_forget_a_slow_moment():
     costs = StepCosts(prior_row_cost=0.5, window=2, stale_steps=10)
     costs.record(1, 0.010, 0.0)
