@@ -18,6 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 
+# Occurrences few enough to follow one by one (NgramIndex.find).
+_FEW = 16
+
+
 @dataclass(frozen=True)
 class Match:
     start: int  # where the tokens after the earlier occurrence begin
@@ -54,19 +58,32 @@ class NgramIndex:
         n_ids = len(ids)
         if n_ids < 2:
             return None
-        # Occurrences ending at p <= n_ids - 2 (the suffix itself ends at n_ids - 1).
+        # Occurrences ending at p <= n_ids - 2 (the suffix itself ends at n_ids - 1), narrowed a token
+        # at a time while there are many; the few left are followed one by one in Python, where each
+        # numpy call (~1 us) would cost more than it saves: a lookup took 40-60 us, most of it in calls
+        # over a handful of occurrences.
         ends = np.flatnonzero(ids[:n_ids - 1] == ids[n_ids - 1])
-        best: Match | None = None
         n = 1
-        while ends.size:
-            if n >= self.min_n:
-                best = Match(int(ends[-1]) + 1, n)
-            if n == self.max_n:
+        while ends.size > _FEW and n < self.max_n:
+            narrowed = ends[ends >= n]  # room for one more token before the occurrence
+            narrowed = narrowed[ids[narrowed - n] == ids[n_ids - 1 - n]]
+            if not narrowed.size:
                 break
-            ends = ends[ends >= n]  # room for one more token before the occurrence
-            ends = ends[ids[ends - n] == ids[n_ids - 1 - n]]
+            ends = narrowed
             n += 1
-        return best
+        if not ends.size:
+            return None
+        # Each occurrence left agrees on n tokens: how far does it go, up to max_n? The longest wins,
+        # the latest among equals (ends ascend).
+        last = n_ids - 1
+        best_n, best_end = 0, -1
+        for end in ends.tolist():
+            length = n
+            while length < self.max_n and end >= length and token_ids[end - length] == token_ids[last - length]:
+                length += 1
+            if length >= best_n:
+                best_n, best_end = length, end
+        return Match(best_end + 1, best_n) if best_n >= self.min_n else None
 
     def agreement(self, match: Match, limit: int) -> int:
         """How many of the context's last tokens agree with those before the match's `start`, up to
