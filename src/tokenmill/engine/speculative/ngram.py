@@ -6,8 +6,8 @@ boilerplate). Finding the last n tokens again costs nothing next to a model step
 model does not agree with costs only the rows it took in that step (the engine verifies it).
 
 The search is one vectorised pass over the context per step: the positions holding the last token,
-narrowed to those preceded by the token before it, and so on up to max_n. A few microseconds for 8k
-tokens, no index to build (a dict of every n-gram took 28 ms and 10 MB for an 8k-token prompt). The
+narrowed to those preceded by the token before it, and so on up to max_n (the last few followed one
+by one). A few microseconds for 8k tokens, no index to build (a dict of every n-gram took 28 ms and 10 MB for an 8k-token prompt). The
 longest match wins (a longer match is likelier to continue the same way), and among equally long ones
 the latest (recent text is likelier to be what is being copied now)."""
 from __future__ import annotations
@@ -60,8 +60,8 @@ class NgramIndex:
             return None
         # Occurrences ending at p <= n_ids - 2 (the suffix itself ends at n_ids - 1), narrowed a token
         # at a time while there are many; the few left are followed one by one in Python, where each
-        # numpy call (~1 us) would cost more than it saves: a lookup took 40-60 us, most of it in calls
-        # over a handful of occurrences.
+        # numpy call (~1 us) would cost more than it saves: on bench speculative's contexts a lookup took
+        # 6-22 us narrowing to the end, 3.5-6.6 us so.
         ends = np.flatnonzero(ids[:n_ids - 1] == ids[n_ids - 1])
         n = 1
         while ends.size > _FEW and n < self.max_n:
