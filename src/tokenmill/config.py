@@ -437,7 +437,12 @@ def load_config(args: argparse.Namespace | None = None, *, env: Mapping[str, str
     if cfg.speculative not in ("off", "ngram") and not draft_model:
         raise ConfigError(f"speculative ({cfg.source('speculative')}) must be off, ngram or draft:MODEL, "
                           f"got {cfg.speculative!r}")
-    # The one relation between settings (each value alone was checked above).
+    # The one relation between settings (each value alone was checked above). A maximum set below the
+    # default minimum asks for shorter lookups: the minimum follows it (as vLLM's prompt_lookup_min,
+    # unset, follows prompt_lookup_max); a minimum set explicitly above the maximum is an error.
+    if cfg.spec_ngram_min > cfg.spec_ngram_max and cfg.source("spec_ngram_min") == "default":
+        cfg.spec_ngram_min = cfg.spec_ngram_max
+        cfg.sources["spec_ngram_min"] = f"default, lowered to spec_ngram_max ({cfg.source('spec_ngram_max')})"
     if cfg.spec_ngram_min > cfg.spec_ngram_max:
         raise ConfigError(f"spec_ngram_min ({cfg.spec_ngram_min}, {cfg.source('spec_ngram_min')}) is above "
                           f"spec_ngram_max ({cfg.spec_ngram_max}, {cfg.source('spec_ngram_max')})")

@@ -315,6 +315,11 @@ def test_serve_settings_reach_the_engine():
     assert load_config(env={}).engine_config().spec_config() == EngineConfig().spec_config()
     with pytest.raises(ServeConfigError, match="spec_ngram_min"):
         load_config(env={"TOKENMILL_SPEC_NGRAM_MIN": "4", "TOKENMILL_SPEC_NGRAM_MAX": "2"})
+    # A maximum below the default minimum (2): unigram lookups, the minimum following the maximum.
+    unigrams = load_config(env={"TOKENMILL_SPEC_NGRAM_MAX": "1"})
+    assert (unigrams.spec_ngram_min, unigrams.spec_ngram_max) == (1, 1)
+    assert "lowered" in unigrams.source("spec_ngram_min")
+    assert unigrams.engine_config().spec_config().ngram_min == 1
     with pytest.raises(ServeConfigError, match="speculative"):
         load_config(env={"TOKENMILL_SPECULATIVE": "draft"})
 
