@@ -101,6 +101,8 @@ class Side:
         spec = {k: v for k, v in (("num_speculative_tokens", args.num_speculative_tokens),
                                   ("spec_ngram_min", args.spec_ngram_min),
                                   ("spec_ngram_max", args.spec_ngram_max)) if v is not None}
+        if "spec_ngram_max" in spec and "spec_ngram_min" not in spec:  # as serve: the minimum follows it down
+            spec["spec_ngram_min"] = min(EngineConfig.spec_ngram_min, spec["spec_ngram_max"])
         self.engine = LLMEngine.from_path(path, EngineConfig(max_total_tokens=32768, **spec))
         if self.engine.scheduler.speculator is None:
             raise SystemExit("this model does not run on the native kernels here (GGUF weights with the compiled "
