@@ -361,8 +361,11 @@ class LLMEngine:
         for c in chunks:
             if c.seq.constraint is not None:
                 return None
-            # A verifying sequence's rows count the proposals before each (sampler_input.py).
-            for n in range(len(c.seq.output_ids), len(c.seq.output_ids) + c.num_sample_rows):
+            # A verifying sequence's rows count the proposals before each (sampler_input.py). A row's
+            # exclusions change with that count only where it crosses min_tokens, so the first and the
+            # last row say what all of them do.
+            first = len(c.seq.output_ids)
+            for n in (first, first + c.num_sample_rows - 1):
                 found.add(greedy_exclusions(c.seq.params, n, self.scheduler.stop_ids, vocab))
                 if None in found or len(found) > 1:
                     return None
