@@ -17,44 +17,22 @@ tokens to propose) or in the proposals themselves?
    occurrence of the context's last 1..max_n tokens, the one whose continuation the answer accepts
    furthest, cut to that length (is the shortfall in which match is followed, or in how far it goes?).
 
+The step costs and the two replays of 3 live in tokenmill.bench.speculative_bound, which `tokenmill
+bench speculative --bound` runs beside its measurements; this script adds --fixed and --any-occurrence.
+
     PYTHONPATH=src .venv/bin/python bench/speculative_bound.py --threads 2
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from tokenmill.bench.common import cpu_flags, cpu_model, loadavg, set_threads
 from tokenmill.bench.speculative import encode_chat
+from tokenmill.bench.speculative_bound import COST_PROMPT, accepted_tokens, replay, replay_policy, step_costs
 from tokenmill.bench.speculative_prompts import all_prompts
-from tokenmill.engine.speculative.ngram import Match, NgramIndex, continuation
-from tokenmill.engine.speculative.policy import StepCosts
-from tokenmill.engine.speculative.proposer import NgramProposer
-from tokenmill.engine.speculative.verify import num_accepted
+from tokenmill.engine.speculative.ngram import Match, continuation
 from tokenmill.store import resolve_model
-
-COST_PROMPT = "extract-actions"  # a grounded prompt of typical length (~320 tokens): the context step costs are measured at
-
-
-class ForcedProposals:
-    """Stands in for the engine's proposer: every decoding sequence proposes `k` copies of its last token."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.costs = inner.costs
-        self.nbytes = 0
-        self.k = 0
-
-    def propose_many(self, asks, num_rows=1):
-        return [(self.inner.propose(state, ids, shifted, 0, num_rows)[0], [ids[-1]] * self.k)
-                for state, ids, shifted, _ in asks]
-
-    def observe(self, *args):
-        pass
-
-    def forget(self, state):
-        self.inner.forget(state)
 
 
 def greedy_answers(engine, tokenizer, max_tokens: int) -> dict[str, tuple[str, list[int], list[int]]]:
@@ -70,67 +48,6 @@ def greedy_answers(engine, tokenizer, max_tokens: int) -> dict[str, tuple[str, l
                 answer += ev.token_ids
         out[name] = (kind, ids, answer)
     return out
-
-
-def step_costs(engine, prompt: list[int], max_rows: int, steps: int) -> dict[int, float]:
-    """Median seconds of a step of R rows (one sequence, R - 1 forced proposals), R = 1..max_rows."""
-    from tokenmill.engine import SamplingParams
-
-    spec = engine.scheduler.speculator
-    forced = ForcedProposals(spec.proposer)
-    spec.proposer = forced
-    try:
-        costs: dict[int, list[float]] = {}
-        for _ in range(3):  # rounds over the row counts, so a busy minute touches them all
-            for rows in range(1, max_rows + 1):
-                forced.k = 0
-                # Each step emits one token (the proposals are rejected): the answer's first tokens,
-                # far from its end (a stop-token-suppressing sampler, ignore_eos, would cost more).
-                rid = engine.add_request(prompt, SamplingParams(max_tokens=steps + 16, temperature=0))
-                for _ in range(8):  # a request's first decode steps run slower (~10% here)
-                    engine.step()
-                forced.k = rows - 1
-                for _ in range(2):  # the first step of this size pays for its buffers
-                    engine.step()
-                times = []
-                for _ in range(steps):
-                    start = time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - start)
-                costs.setdefault(rows, []).append(statistics.median(times))
-                if not engine.has_unfinished():
-                    raise RuntimeError("the sequence ended while its steps were timed")
-                engine.abort(rid)
-                forced.k = 0
-                while engine.has_unfinished():
-                    engine.step()
-        return {rows: min(ts) for rows, ts in costs.items()}  # the least disturbed round's median
-    finally:
-        spec.proposer = forced.inner
-
-
-def accepted_tokens(proposal: list[int], rest: list[int]) -> int:
-    """How many leading proposals the rest of the answer agrees with (the engine's rule, verify.py)."""
-    return num_accepted(proposal[:len(rest)], rest)
-
-
-def replay(prompt: list[int], answer: list[int], cost: dict[int, float], cfg, fixed: int | None) -> float:
-    """Decode time without speculation over the time with it, the answer's steps replayed."""
-    index = NgramIndex(cfg.ngram_min, cfg.ngram_max)
-    most = max(cost)
-    cap = min(cfg.num_tokens, most - 1)
-    context = prompt + answer[:1]  # the first token comes with the prompt's step
-    i, seconds = 1, 0.0
-    while i < len(answer):
-        match = index.find(context)
-        proposal = continuation(context, match, cap if fixed is None else min(fixed, cap)) if match is not None else []
-        accepted = accepted_tokens(proposal, answer[i:])
-        rows = 1 + (len(proposal) if fixed is not None else accepted)
-        seconds += cost[rows]
-        emitted = min(accepted + 1, len(answer) - i)
-        context += answer[i:i + emitted]
-        i += emitted
-    return (len(answer) - 1) * cost[1] / seconds if seconds else 1.0
 
 
 def best_occurrence_run(context: list[int], rest: list[int], max_n: int, cap: int) -> int:
@@ -155,32 +72,6 @@ def replay_any_occurrence(prompt: list[int], answer: list[int], cost: dict[int, 
         context += answer[i:i + accepted + 1]
         i += accepted + 1
     return (len(answer) - 1) * cost[1] / seconds if seconds else 1.0
-
-
-def replay_policy(answers: dict[str, tuple[str, list[int], list[int]]], cost: dict[int, float], cfg,
-                  proposer_cls=NgramProposer) -> dict[str, float]:
-    """The engine's own proposer (its policy, back-off and learned acceptance, one proposer over all the
-    prompts in turn, as in the bench), its step costs taught from `cost`: decode time without
-    speculation over the time with it, per prompt."""
-    costs = StepCosts(cfg.row_cost)
-    for rows, seconds in cost.items():
-        costs.record(rows, seconds, 0.0)
-    proposer = proposer_cls(cfg, costs)
-    cap = min(cfg.num_tokens, max(cost) - 1)
-    out = {}
-    for name, (_, prompt, answer) in answers.items():
-        context = prompt + answer[:1]
-        state, i, seconds = None, 1, 0.0
-        while i < len(answer):
-            state, proposal = proposer.propose(state, context, 0, min(cap, len(answer) - i - 1))
-            accepted = accepted_tokens(proposal, answer[i:])
-            if proposal:
-                proposer.observe(state, len(proposal), accepted)
-            seconds += cost[1 + len(proposal)]
-            context += answer[i:i + accepted + 1]
-            i += accepted + 1
-        out[name] = (len(answer) - 1) * cost[1] / seconds if seconds else 1.0
-    return out
 
 
 def main() -> int:

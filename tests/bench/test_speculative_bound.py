@@ -1,5 +1,6 @@
-"""bench/speculative_bound.py's replays on hand-made contexts: the perfect-length bound, and the bound that
-follows the best earlier occurrence (the engine's lookup follows the latest, longest one)."""
+"""The speculative replays on hand-made contexts (tokenmill.bench.speculative_bound, and bench/speculative_bound.py
+on top): the perfect-length replay, the engine's policy replayed, and the bound that follows the best earlier
+occurrence (the engine's lookup follows the latest, longest one)."""
 from __future__ import annotations
 
 import sys
@@ -32,3 +33,21 @@ def test_replays_count_steps_at_their_costs():
     # makes the last 6: 6 tokens after the first in cost 2 + 1 = 3 one-row steps.
     assert best == (len(answer) - 1) * COST[1] / (COST[5] + COST[1])
     assert best > latest >= 1.0
+
+
+def test_bounds_replay_the_policy_and_the_perfect_length():
+    from tokenmill.bench.speculative_bound import bounds
+    from tokenmill.engine.speculative.config import SpecConfig
+
+    cfg = SpecConfig()  # the engine's defaults: 2- to 8-token lookups, up to 16 proposals
+    prompt = list(range(100, 160))
+    answers = {"copy": ("grounded", prompt, [100, *prompt[1:40]]),           # repeats its prompt
+               "fresh": ("open", prompt, list(range(200, 240)))}             # repeats nothing
+    replayed = bounds(answers, COST, cfg)
+    perfect, policy = replayed["copy"]
+    # Linear costs: a step's fixed part paid once for all it accepts, so cutting each lookup to exactly
+    # what is accepted is the best any sizing of the same lookups does; the policy proposes after the
+    # first 2-token match and gains.
+    assert perfect >= policy > 1.0
+    assert perfect == replay(prompt, answers["copy"][2], COST, cfg, None)
+    assert replayed["fresh"] == (1.0, 1.0)  # no lookup ever matches: every step is a plain one

@@ -13,7 +13,11 @@ llama_cpp is importable; otherwise its column says n/a.
 
 On a shared machine, other processes' load moves every figure: the repeats alternate the sides and the
 medians are compared; each run's process CPU time is reported too (tokens per CPU second), which
-contention moves less."""
+contention moves less.
+
+--bound then says what this machine allows (tokenmill.bench.speculative_bound): what a step of 1 to k+1
+rows costs here, and each prompt's greedy answer replayed at those costs with the engine's policy and
+with proposals cut to exactly what the answer accepts, beside the measured ratio."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.bench.common import cpu_flags, cpu_model, huge_pages_state, loadavg, set_threads
+from tokenmill.bench.speculative_bound import COST_PROMPT, STEP_COST_STEPS, bounds, step_costs
 from tokenmill.bench.speculative_prompts import all_prompts
 
 BURST = 16
@@ -44,6 +49,10 @@ def build_parser(prog: str = "tokenmill bench speculative") -> argparse.Argument
     p.add_argument("--only", default="", help="comma-separated prompt names (default: all)")
     p.add_argument("--skip-burst", action="store_true")
     p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument("--bound", action="store_true",
+                   help="also time steps of 1..k+1 rows here and replay each prompt's greedy answer at those costs, "
+                        "with the engine's policy and with each lookup's proposal cut to exactly what the answer "
+                        "accepts (perfect length), beside the measured ratio")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p
 
@@ -236,11 +245,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if isinstance(llama, dict):
         for r in results:
             r.llama_off, r.llama_on = llama[r.name]
-    return {"results": results, "burst": burst, "llama_cpp": llama if isinstance(llama, str) else "ran",
+    bound = _bound(side, results, prompts) if args.bound else None
+    return {"results": results, "burst": burst, "llama_cpp": llama if isinstance(llama, str) else "ran", "bound": bound,
             "env": {"cpu": cpu_model(), "flags": cpu_flags(), "loadavg": loadavg(),
                     "threads": side.engine.threads.count, "model": args.model, "max_tokens": args.max_tokens,
                     "repeats": args.repeats, "spec": vars(side.engine.cfg.spec_config()),
                     "llama_cpp_pred_tokens": llama_k, "huge_pages": huge_pages_state()}}
+
+
+def _bound(side: Side, results: list[PromptResult], prompts: dict[str, tuple[str, list[int]]]) -> dict[str, Any]:
+    """What this machine allows (tokenmill.bench.speculative_bound): a step's cost by its rows, measured
+    last (its forced proposals must not touch the runs), and each prompt's greedy answer (its first run
+    without speculation) replayed at those costs."""
+    cfg = side.engine.scheduler.speculator.cfg
+    cost = step_costs(side.engine, side.encode_chat(all_prompts()[COST_PROMPT][1]), cfg.num_tokens + 1,
+                      STEP_COST_STEPS)
+    replayed = bounds({r.name: (r.kind, prompts[r.name][1], r.off[0].tokens) for r in results}, cost, cfg)
+    return {"step_ms": {rows: 1e3 * sec for rows, sec in sorted(cost.items())},
+            "prompts": {name: {"perfect_length": b, "policy": p} for name, (b, p) in replayed.items()}}
 
 
 def _geomean(values: list[float]) -> float:
@@ -280,6 +302,8 @@ def report(r: dict[str, Any]) -> str:
                      f", tokens {'identical' if b['same'] else 'DIFFER'}")
         if not b["same"]:
             mismatches.append(f"burst requests {b['mismatched_requests']}")
+    if r.get("bound"):
+        lines += _bound_report(r)
     if r["llama_cpp"] != "ran":
         lines.append(f"llama.cpp: {r['llama_cpp']}")
     else:
@@ -287,6 +311,26 @@ def report(r: dict[str, Any]) -> str:
     if mismatches:
         lines.append(f"\n!!! GREEDY TOKENS DIFFER WITH SPECULATION ON: {', '.join(mismatches)} !!!")
     return "\n".join(lines)
+
+
+def _bound_report(r: dict[str, Any]) -> list[str]:
+    b = r["bound"]
+    lines = ["", f"what this machine allows (--bound): a step of R rows (one sequence at {COST_PROMPT}'s context), ms: "
+             + "  ".join(f"{rows}: {ms:.2f}" for rows, ms in b["step_ms"].items()),
+             "each prompt's greedy answer replayed at those costs: with the engine's policy, and with each lookup's "
+             "proposal cut to exactly what the answer accepts",
+             f"{'prompt':18}{'kind':9}{'measured':>10}{'policy replay':>15}{'perfect length':>16}"]
+    for res in r["results"]:
+        x = b["prompts"][res.name]
+        lines.append(f"{res.name:18}{res.kind:9}{res.median('on') / res.median('off'):9.2f}x{x['policy']:14.2f}x"
+                     f"{x['perfect_length']:15.2f}x")
+    for kind in ("grounded", "open"):
+        rs = [x for x in r["results"] if x.kind == kind]
+        if rs:
+            lines.append(f"{kind + ' (geomean)':27}{_geomean([x.median('on') / x.median('off') for x in rs]):9.2f}x"
+                         f"{_geomean([b['prompts'][x.name]['policy'] for x in rs]):14.2f}x"
+                         f"{_geomean([b['prompts'][x.name]['perfect_length'] for x in rs]):15.2f}x")
+    return lines
 
 
 def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
