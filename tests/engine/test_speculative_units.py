@@ -3,6 +3,7 @@ generators' bookkeeping, back-off, the block manager's trim, and the settings' v
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -432,3 +433,24 @@ def test_no_lookup_where_no_match_could_pay():
     assert draft[:3] == [2, 3, 4] and state.index.num_indexed == len(ids) + 1
     # the skipped lookup changed nothing: an index that followed every step proposes the same
     assert NgramProposer(SpecConfig(learn_step_costs=False)).propose(None, ids + [1], 0, 8)[1] == draft
+
+
+def test_step_costs_priced_between_records_match_a_fresh_pricing():
+    # The multiples are kept across one-row steps and worked out again only when they can change (a step
+    # of more rows, a row count forgotten): a model asked between every record prices each step as one
+    # fed the same steps and asked only at the end. Random histories over the staleness window.
+    rng = random.Random(7)
+    for _ in range(200):
+        history, asked = [], StepCosts(prior_row_cost=0.27, window=3, stale_steps=rng.choice([4, 8, 64]))
+        for _ in range(rng.randrange(1, 120)):
+            rows = 1 if rng.random() < 0.7 else rng.randrange(2, 12)
+            seen = (rows, 0.003 * (1 + 0.3 * (rows - 1)) * rng.uniform(0.8, 2.0), rng.uniform(0, 1e-4))
+            history.append(seen)
+            asked.record(*seen)
+            if asked.ready and rng.random() < 0.5:
+                asked.span(1, rng.randrange(1, 20))
+        fresh = StepCosts(prior_row_cost=0.27, window=3, stale_steps=asked.stale_steps)
+        for seen in history:
+            fresh.record(*seen)
+        if fresh.ready:
+            assert asked.span(1, 30) == fresh.span(1, 30) == [fresh(n) for n in range(1, 31)]

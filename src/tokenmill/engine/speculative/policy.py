@@ -37,13 +37,17 @@ def best_num_tokens(alpha: float, num_rows: int, cost: float | Callable[[int], f
     share of a one-row step (a draft model's step; prompt lookup's is nothing)."""
     step = linear_cost(cost) if isinstance(cost, (int, float)) else cost
     r = max(num_rows, 1)
-    draft_step = draft_cost * step(1)
-    best_k, best = 0, r / step(r)
-    tokens, p = 1.0, 1.0  # expected_tokens(alpha, k), kept up as k grows (this runs per sequence per step)
+    # Each step size priced once, in one call where the model can (StepCosts.span): this runs for every
+    # sequence whose lookup matched, every step, and a call per row count was most of its time.
+    span = getattr(step, "span", None)
+    seconds = span(r, r + cap) if span is not None else [step(n) for n in range(r, r + cap + 1)]
+    draft_step = draft_cost * step(1) if draft_cost else 0.0
+    best_k, best = 0, r / seconds[0]
+    tokens, p = 1.0, 1.0  # expected_tokens(alpha, k), kept up as k grows
     for k in range(1, cap + 1):
         p *= alpha
         tokens += p
-        rate = (r - 1 + tokens) / (step(r + k) + draft_step * k)
+        rate = (r - 1 + tokens) / (seconds[k] + draft_step * k)
         if rate > best * (1.0 + 1e-9):
             best_k, best = k, rate
     return best_k
@@ -117,10 +121,13 @@ class StepCosts:
     last_seen: dict[int, int] = field(default_factory=dict)   # rows -> the record count when last seen
     fixed: float | None = None  # seconds of a step outside the model and the sampler
     num_records: int = 0
-    # Multiples of the one-row step by rows (index), worked out for every row count at once after a
-    # record: a proposal is sized by pricing each k up to the cap (best_num_tokens), and pricing them one
-    # by one took ~80 us for each lookup that matched, more than the lookup itself.
-    _multiples: list[float] = field(default_factory=list, repr=False)  # until the next record
+    # Multiples of the one-row step by rows (index), worked out for every row count at once: a proposal
+    # is sized by pricing each k up to the cap (best_num_tokens), and pricing them one by one took ~80 us
+    # for each lookup that matched, more than the lookup itself. They are ratios, so a one-row step (most
+    # steps) leaves them as they are: they are worked out again after a step of more rows, or once a row
+    # count they rest on is forgotten (record count _valid_until).
+    _multiples: list[float] = field(default_factory=list, repr=False)
+    _valid_until: float = field(default=0.0, repr=False)
 
     @property
     def ready(self) -> bool:
@@ -134,7 +141,8 @@ class StepCosts:
         if rows < 1 or rows > self.max_rows or model_seconds <= 0:
             return
         self.num_records += 1
-        self._multiples = []  # staleness counts records
+        if self.num_records >= self._valid_until:  # a row count is forgotten now (staleness counts records)
+            self._multiples = []
         if rows == 1:
             self.ones.append(model_seconds)
             if len(self.ones) > self.window:
@@ -144,6 +152,7 @@ class StepCosts:
             kept.append(model_seconds / self.one_row_seconds)
             if len(kept) > self.window:
                 kept.popleft()
+            self._multiples = []
         else:
             return
         self.last_seen[rows] = self.num_records
@@ -165,9 +174,20 @@ class StepCosts:
         """Never below what fewer rows took: observations at other moments (another context length)
         must not make an extra row look free or cheaper than none."""
         rows = max(rows, 1)
+        self._cover(rows)
+        return self.one_row_seconds * self._multiples[rows]
+
+    def span(self, first: int, last: int) -> list[float]:
+        """[self(n) for n in first..last] (first >= 1, ready must hold), in one pass."""
+        self._cover(last)
+        one, fixed = self.one_row_seconds, self.fixed or 0.0
+        return [one * m + fixed for m in self._multiples[first:last + 1]]
+
+    def _cover(self, rows: int) -> None:
         if rows >= len(self._multiples):
             self._multiples = self._sweep(max(rows, 2 * len(self._multiples), 32))
-        return self.one_row_seconds * self._multiples[rows]
+            self._valid_until = min((self.last_seen[r] + self.stale_steps for r in self._fresh()),
+                                    default=float("inf"))
 
     def _fresh(self) -> dict[int, float]:
         """rows -> the least of its kept multiples, for the row counts seen in the last stale_steps."""
