@@ -93,7 +93,7 @@ def accepted_tokens(proposal: list[int], rest: list[int]) -> int:
 
 def replay(prompt: list[int], answer: list[int], cost: dict[int, float], cfg, fixed: int | None) -> float:
     """Decode time without speculation over the time with it, the answer's steps replayed: each lookup's
-    proposal cut to what the answer accepts (fixed None: the bound), or fixed tokens whenever it matches."""
+    proposal cut to what the answer accepts (fixed None: perfect length), or fixed tokens whenever it matches."""
     index = NgramIndex(cfg.ngram_min, cfg.ngram_max)
     most = max(cost)
     cap = min(cfg.num_tokens, most - 1)
