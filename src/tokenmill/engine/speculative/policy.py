@@ -185,20 +185,19 @@ class StepCosts:
 
     def _cover(self, rows: int) -> None:
         if rows >= len(self._multiples):
-            self._multiples = self._sweep(max(rows, 2 * len(self._multiples), 32))
-            self._valid_until = min((self.last_seen[r] + self.stale_steps for r in self._fresh()),
-                                    default=float("inf"))
+            fresh = self._fresh()
+            self._multiples = self._sweep(max(rows, 2 * len(self._multiples), 32), fresh)
+            self._valid_until = min((self.last_seen[r] + self.stale_steps for r in fresh), default=float("inf"))
 
     def _fresh(self) -> dict[int, float]:
         """rows -> the least of its kept multiples, for the row counts seen in the last stale_steps."""
         return {r: min(kept) for r, kept in self.ratios.items()
                 if self.num_records - self.last_seen[r] < self.stale_steps}
 
-    def _sweep(self, most_rows: int) -> list[float]:
+    def _sweep(self, most_rows: int, fresh: dict[int, float]) -> list[float]:
         """The multiple for each row count 0..most_rows: a count seen lately costs the least of its
         kept multiples, one between two seen counts is interpolated, one past the largest extrapolated
-        with prior_row_cost from it; then none below what a smaller count seen lately costs."""
-        fresh = self._fresh()
+        with prior_row_cost from it; then none below what a smaller count seen lately costs. fresh: _fresh()."""
         seen = sorted(fresh)
         out = [1.0, 1.0]
         i, below, at_below, most = 0, 1, 1.0, 1.0
