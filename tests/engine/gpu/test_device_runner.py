@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import make_engine, random_ids, run_to_completion
+from engine_helpers import assert_all_free, make_engine, random_ids, run_to_completion
 from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
 from tiny_spm import tiny_spm_metadata
 from tokenmill.engine import SamplingParams
@@ -297,6 +297,35 @@ def test_decode_steps_only_where_nothing_needs_the_host_between_tokens(llama):
         if steps > 1:
             assert any(pen for _, _, pen, _ in seen) and any(samp for _, _, _, samp in seen)
     assert outputs[0] == outputs[1] and [len(o) for o in outputs[0]] == [14, 4, 14, 13, 12]
+
+
+def test_decode_steps_end_on_the_end_token_inside_a_run(llama):
+    """The end token itself (not ignored), all but forced by logit_bias once min_tokens allows it,
+    lands inside a run: the sequence stops on it, as single steps stop; beside it, rows that take
+    their whole runs and one whose max_tokens ends on a run's last token."""
+    eos = next(iter(make_engine(llama).scheduler.stop_ids))
+    ends = SamplingParams(max_tokens=20, temperature=0, min_tokens=6, logit_bias={eos: 100.0})
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    reqs = [(random_ids(7, seed=50), ends), (random_ids(11, seed=51), plain), (random_ids(4, seed=52), plain)]
+    outputs, reasons = [], []
+    for steps in (1, 4):
+        _, engine = engines(llama, replay=True, n_batch=64, parallel=4, max_total_tokens=2048)
+        runs = stepping(engine, steps)
+        rids = [engine.add_request(ids, p) for ids, p in reqs]
+        got: dict = {r: [] for r in rids}
+        finish: dict = {}
+        while engine.has_unfinished():
+            for ev in engine.step():
+                got[ev.request_id] += ev.token_ids
+                if ev.finish_reason is not None:
+                    finish[ev.request_id] = ev.finish_reason
+        assert_all_free(engine)
+        outputs.append([got[r] for r in rids])
+        reasons.append([finish[r] for r in rids])
+        assert (len(runs) > 0) == (steps > 1)
+    assert outputs[0] == outputs[1] and reasons[0] == reasons[1]
+    assert len(outputs[0][0]) == 7 and outputs[0][0][-1] == eos and eos not in outputs[0][0][:-1]
+    assert [len(o) for o in outputs[0][1:]] == [12, 12]
 
 
 def test_decode_steps_fall_back_when_the_cache_has_no_room(llama):
