@@ -162,7 +162,7 @@ inline void scan_tile_bounded(const Weight& w, int64_t t, int64_t m, __m512 v, _
 // column's bound beside.
 template <int NT, int MR, bool kSix>
 void coarse_group(const Weight& w, const SixBit* six, int64_t t, const Acts& a, const int32_t* s1, int64_t m0,
-                  RowScan* rows, std::vector<Candidate>& out) {
+                  RowScan* rows, std::vector<Candidate>& out, int64_t ahead = -1) {
     const int64_t nb = w.blocks();
     __m512 acc[NT][MR], bnd[NT][MR];
     for (int n = 0; n < NT; ++n)
@@ -173,6 +173,11 @@ void coarse_group(const Weight& w, const SixBit* six, int64_t t, const Acts& a, 
             qs[n] = kSix ? six->values + ((t + n) * nb + b) * kCoarseBlock : w.qs_at(t + n, b);
         if (m0 == 0)
             for (int n = 0; n < NT; ++n) prefetch_ahead(kSix ? Q6_K : Q8_0, qs[n], w.sc_at(t + n, b));
+        if (ahead >= 0)
+            for (int n = 0; n < NT; ++n)
+                prefetch_block(kSix ? Q6_K : Q8_0,
+                               kSix ? six->values + ((ahead + n) * nb + b) * kCoarseBlock : w.qs_at(ahead + n, b),
+                               w.sc_at(ahead + n, b));
         __m512i isum[NT][MR], fine[kSix ? NT : 1][MR];
         for (int r = 0; r < MR; ++r) {
             const __m512i start = kSix ? _mm512_setzero_si512()
@@ -221,14 +226,25 @@ void coarse_group(const Weight& w, const SixBit* six, int64_t t, const Acts& a, 
         }
 }
 
-// Tiles [t, t + NT) of every row: rows three at a time (and the last one or two).
+// Tiles [t, t + NT) of every row: rows three at a time (and the last one or two). next: the first of
+// the tiles this thread scans after these (-1: none), whose blocks the second pass (or a call's only
+// one) asks for along the way, into L2, as the qmatmul kernel's grouped passes do: otherwise each
+// group's first pass met its first blocks in memory. With the head from memory (ten copies of it in
+// turn, 2 threads, real rows of a verification), SmolLM2's head at 3 / 4 / 8 / 17 rows took 1.15-1.20 /
+// 1.40-1.45 / 1.79-1.88 / 2.72-2.82 ms against 1.37-1.39 / 1.53-1.55 / 2.01-2.56 / 2.95-3.07, Gemma 3's
+// at 3 / 4 / 8 rows 5.9 / 6.9-7.0 / 8.2 ms against 6.5-6.6 / 7.2-7.3 / 9.3-9.4. Engine steps of one
+// sequence with 3 / 6 / 8 rows (three alternated rounds of speculative_bound.step_costs): Gemma 3's
+// 9.1-9.6 / 12.6-13.3 / 15.5-15.7 ms against 10.1-10.2 / 14.0-14.2 / 16.4-17.0; SmolLM2's the same
+// within the box's noise (its head, 30 MB of 260 MB of L3, is partly in cache there). One
+// or two rows stream the head as they did (next -1): bound by memory, they have no time to spare.
 template <int NT, bool kSix>
 void coarse_tiles(const Weight& w, const SixBit* six, int64_t t, const Acts& a, const int32_t* s1, int64_t M,
-                  RowScan* rows, std::vector<Candidate>& out) {
+                  RowScan* rows, std::vector<Candidate>& out, int64_t next) {
+    const int64_t ahead_m = M > 3 ? 3 : 0;
     int64_t m = 0;
-    for (; m + 3 <= M; m += 3) coarse_group<NT, 3, kSix>(w, six, t, a, s1, m, rows, out);
-    if (M - m == 2) coarse_group<NT, 2, kSix>(w, six, t, a, s1, m, rows, out);
-    if (M - m == 1) coarse_group<NT, 1, kSix>(w, six, t, a, s1, m, rows, out);
+    for (; m + 3 <= M; m += 3) coarse_group<NT, 3, kSix>(w, six, t, a, s1, m, rows, out, m == ahead_m ? next : -1);
+    if (M - m == 2) coarse_group<NT, 2, kSix>(w, six, t, a, s1, m, rows, out, m == ahead_m ? next : -1);
+    if (M - m == 1) coarse_group<NT, 1, kSix>(w, six, t, a, s1, m, rows, out, m == ahead_m ? next : -1);
 }
 
 // Tiles [t0, t1): four at a time for one or two rows (independent chains enough to hide vpdpbusd's
@@ -238,9 +254,9 @@ void coarse_range(const Weight& w, const SixBit* six, int64_t t0, int64_t t1, co
                   int64_t M, RowScan* rows, std::vector<Candidate>& out) {
     int64_t t = t0;
     if (M <= 2)
-        for (; t + 4 <= t1; t += 4) coarse_tiles<4, kSix>(w, six, t, a, s1, M, rows, out);
-    for (; t + 2 <= t1; t += 2) coarse_tiles<2, kSix>(w, six, t, a, s1, M, rows, out);
-    for (; t < t1; ++t) coarse_tiles<1, kSix>(w, six, t, a, s1, M, rows, out);
+        for (; t + 4 <= t1; t += 4) coarse_tiles<4, kSix>(w, six, t, a, s1, M, rows, out, -1);
+    for (; t + 2 <= t1; t += 2) coarse_tiles<2, kSix>(w, six, t, a, s1, M, rows, out, M >= 3 && t + 4 <= t1 ? t + 2 : -1);
+    for (; t < t1; ++t) coarse_tiles<1, kSix>(w, six, t, a, s1, M, rows, out, -1);
 }
 
 // tokens[m] = argmax over columns of row m's logits (torch.max's index). norms: block_norms of w (not
