@@ -205,28 +205,27 @@ public:
     // kernels (rms_norm, quantize_activations, qmatmul) row for row, so the logits are bitwise its;
     // one call instead of several from Python between a step's layers and its sampler.
     void logits(uintptr_t x_addr, int64_t T, uintptr_t rows_addr, int64_t n_rows, uintptr_t out_addr) {
-        if (head_norm_ == nullptr) throw std::logic_error("set_head before logits");
-        const int64_t* rows = ptr<const int64_t>(rows_addr);
-        if (rows != nullptr) {
-            for (int64_t r = 0; r < n_rows; ++r)
-                if (rows[r] < 0 || rows[r] >= T) throw std::out_of_range("a sampled row is outside the step");
-        } else if (n_rows != T) {
-            throw std::invalid_argument("without rows, every row of the step samples");
-        }
-        if (n_rows <= 0) return;
-        reserve(n_rows);
-        const float* x = ptr<const float>(x_addr);
-        float* h = h_.data();
-        uint8_t* acts = acts_.data();
-        const int64_t norm_grain = std::min(entry::row_grain(dim_), entry::quantize_grain());
-        parallel_for(n_rows, norm_grain, [&](int64_t b, int64_t e) {
-            for (int64_t r = b; r < e; ++r) {
-                const float* row = x + (rows != nullptr ? rows[r] : r) * dim_;
-                entry::rms_norm_rows(row, dim_, head_norm_, h + r * dim_, dim_, dim_, eps_, 0, 1);
-            }
-            entry::quantize_row_range(h, dim_, dim_, acts, b, e);
-        });
-        matmul(head_, acts, n_rows, ptr<float>(out_addr));
+        const uint8_t* acts = head_input(x_addr, T, rows_addr, n_rows);
+        if (acts != nullptr) matmul(head_, acts, n_rows, ptr<float>(out_addr));
+    }
+
+    // tokens [n_rows] int64 = each row's greedy token, the argmax of logits(): the bounded head kernel
+    // (head_argmax.cpp) on the same normed, quantized rows, so bitwise what the per-op path's
+    // final_hidden and GreedyHead give. norms, coarse: the GreedyHead's block norms and 6-bit copy (0
+    // for none) of this step's head, which must be one Q8_0 part (qs: its blocks, checked); excluded:
+    // int64 [num_excluded] ids no row may take. Saves a single-stream step the Python between the two
+    // calls (~0.1 ms of 3 on a 2-core box: its final norm, quantization and checks, run cold).
+    void greedy(uintptr_t x_addr, int64_t T, uintptr_t rows_addr, int64_t n_rows, uintptr_t qs, uintptr_t norms,
+                uintptr_t coarse, uintptr_t excluded, int64_t num_excluded, uintptr_t out_addr) {
+        if (head_norm_ == nullptr) throw std::logic_error("set_head before greedy");
+        if (head_.parts.size() != 1 || head_.parts[0].type != kQ8_0 || head_.parts[0].qs != ptr<const uint8_t>(qs))
+            throw std::invalid_argument("greedy: the head is not that one Q8_0 weight");
+        const uint8_t* acts = head_input(x_addr, T, rows_addr, n_rows);
+        if (acts == nullptr) return;
+        const QuantizedPart& w = head_.parts[0];
+        if (!entry::head_argmax(acts, n_rows, dim_, w.qs, w.sc, w.N, ptr<const float>(norms), ptr<int64_t>(out_addr),
+                                ptr<const uint8_t>(coarse), ptr<const int64_t>(excluded), num_excluded))
+            throw std::logic_error("greedy: this build has no head_argmax kernel");
     }
 
     void set_profiling(bool on) { profiling_ = on; }
@@ -240,6 +239,35 @@ public:
     }
 
 private:
+    static constexpr int kQ8_0 = 8;  // ggml's type number
+
+    // The head's input: rows `rows` of x (0: all T) through the final norm, quantized as
+    // quantize_activations does; nullptr when there are no rows. Checks the rows first.
+    const uint8_t* head_input(uintptr_t x_addr, int64_t T, uintptr_t rows_addr, int64_t n_rows) {
+        if (head_norm_ == nullptr) throw std::logic_error("set_head before logits");
+        const int64_t* rows = ptr<const int64_t>(rows_addr);
+        if (rows != nullptr) {
+            for (int64_t r = 0; r < n_rows; ++r)
+                if (rows[r] < 0 || rows[r] >= T) throw std::out_of_range("a sampled row is outside the step");
+        } else if (n_rows != T) {
+            throw std::invalid_argument("without rows, every row of the step samples");
+        }
+        if (n_rows <= 0) return nullptr;
+        reserve(n_rows);
+        const float* x = ptr<const float>(x_addr);
+        float* h = h_.data();
+        uint8_t* acts = acts_.data();
+        const int64_t norm_grain = std::min(entry::row_grain(dim_), entry::quantize_grain());
+        parallel_for(n_rows, norm_grain, [&](int64_t b, int64_t e) {
+            for (int64_t r = b; r < e; ++r) {
+                const float* row = x + (rows != nullptr ? rows[r] : r) * dim_;
+                entry::rms_norm_rows(row, dim_, head_norm_, h + r * dim_, dim_, dim_, eps_, 0, 1);
+            }
+            entry::quantize_row_range(h, dim_, dim_, acts, b, e);
+        });
+        return acts;
+    }
+
     struct Clock {
         std::array<double, NUM_PHASES>* totals;
         std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
@@ -334,6 +362,8 @@ void register_decoder_step(py::module_& m) {
         .def_property_readonly("has_head", &DecoderStep::has_head)
         .def_property_readonly("vocab", &DecoderStep::vocab)
         .def("logits", &DecoderStep::logits, nogil, "x"_a, "T"_a, "rows"_a, "n_rows"_a, "out"_a)
+        .def("greedy", &DecoderStep::greedy, nogil, "x"_a, "T"_a, "rows"_a, "n_rows"_a, "qs"_a, "norms"_a, "coarse"_a,
+             "excluded"_a, "num_excluded"_a, "out"_a)
         .def("set_profiling", &DecoderStep::set_profiling, "on"_a, "time each phase of the following steps")
         .def("take_profile", &DecoderStep::take_profile, "seconds per phase since the last call")
         .def("forward", &DecoderStep::forward, nogil, "x"_a, "T"_a, "positions"_a, "slot_mapping"_a, "cu_rows"_a,

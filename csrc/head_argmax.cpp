@@ -33,6 +33,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
 #include "qmatmul_avx512.h"
 
 namespace py = pybind11;
@@ -360,6 +361,22 @@ void head_argmax(const Weight& w, const Acts& a, int64_t M, const float* norms, 
 
 }  // namespace
 }  // namespace tmk::qmm
+
+namespace tmk::entry {
+bool head_argmax(const uint8_t* acts, int64_t M, int64_t K, const uint8_t* qs, const uint8_t* sc, int64_t N,
+                 const float* norms, int64_t* tokens, const uint8_t* coarse, const int64_t* excluded,
+                 int64_t num_excluded) {
+#if defined(TM_AVX512)
+    qmm::head_argmax(qmm::Weight{qmm::Q8_0, qs, sc, nullptr, N, K}, qmm::Acts{acts, K}, M, norms, tokens, coarse,
+                     num_excluded ? excluded : nullptr, num_excluded);
+    return true;
+#else
+    (void)acts, (void)M, (void)K, (void)qs, (void)sc, (void)N, (void)norms, (void)tokens, (void)coarse,
+        (void)excluded, (void)num_excluded;
+    return false;
+#endif
+}
+}  // namespace tmk::entry
 
 void register_head_argmax(py::module_& m) {
     using namespace tmk::qmm;

@@ -28,6 +28,13 @@ struct MatmulPart {  // one GGUF type's rows of a projection, written to out (ro
 // Every part's y = acts @ W^T in one region (each part's tiles exactly as qmatmul would run them).
 void qmatmul_parts(const MatmulPart* parts, int n, const uint8_t* acts, int64_t M, int64_t K, int64_t ldo);
 
+// head_argmax.cpp: tokens [M] = the argmax of acts [M, K] @ a repacked Q8_0 head [N, K]^T (torch.max's
+// index; norms, coarse, excluded as the binding takes them). The AVX-512 build only: elsewhere it
+// returns false and writes nothing.
+bool head_argmax(const uint8_t* acts, int64_t M, int64_t K, const uint8_t* qs, const uint8_t* sc, int64_t N,
+                 const float* norms, int64_t* tokens, const uint8_t* coarse, const int64_t* excluded,
+                 int64_t num_excluded);
+
 // fused_ops.cpp
 struct Heads {  // [tokens, heads, head_dim] fp32, unit stride along head_dim
     float* base;

@@ -10,7 +10,7 @@ import torch
 from model_helpers import BLOCK
 from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
 from tiny_spm import tiny_spm_metadata
-from tokenmill.kernels import native, use_variant
+from tokenmill.kernels import head_argmax, native, use_variant
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import ChunkSpec, load_model, native_step
 from tokenmill.model.paged_batch import PagedBatch
@@ -100,6 +100,49 @@ def test_logits_take_the_native_head_only_for_what_the_native_step_returned(tmp_
         with pytest.raises(IndexError, match="outside the step"):
             step.logits(hidden, torch.tensor([5]))
         assert torch.equal(model.logits(hidden, torch.tensor([4, 0])), model.logits(hidden.clone(), torch.tensor([4, 0])))
+
+
+@pytest.mark.skipif(native.variant() != "avx512", reason="the bounded head kernel is AVX-512 only")
+@pytest.mark.parametrize("which", ["llama", "gemma3"])
+def test_greedy_tokens_take_the_norm_and_the_bounded_head_in_one_native_call(tmp_path, monkeypatch, which):
+    # NativeStep.greedy: the final norm, the quantization and the bounded head kernel on what the
+    # native step returned, bitwise GreedyHead(final_hidden(...)) for any rows, suppressed ids and
+    # with the 6-bit copy; the model takes it for exactly what the native step returned.
+    monkeypatch.setattr(head_argmax, "_ENABLED", True)
+    if which == "llama":
+        path = write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(weight_type=Q.Q8_0))
+    else:
+        path = write_tiny_gemma3(tmp_path / "g.gguf", tiny_spm_metadata(), TinyGemma3Spec(weight_type=Q.Q8_0))
+    model = load_model(path, "gguf").model
+    cfg = model.config
+    kv = KVStorage(cfg.n_layers, 4, BLOCK, cfg.n_kv_heads, cfg.head_dim, torch.bfloat16)
+    meta = PagedBatch.build([ChunkSpec([0, 1], 0, 5)], BLOCK)
+    weight = model.head_quantized.parts[0][0]
+    calls = []
+    real = native_step.NativeStep.greedy
+    monkeypatch.setattr(native_step.NativeStep, "greedy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        hidden = model(torch.tensor([5, 6, 7, 8, 9]), torch.arange(5), meta, kv)
+        step = model.native_steps.head_for(hidden)
+        assert step is not None and step.has_greedy
+        for coarse in (False, True):
+            head = head_argmax.GreedyHead(weight, coarse=coarse)
+            assert head.native and (head.coarse is not None) == coarse
+            for rows in (None, [4, 0], [2]):
+                indices = None if rows is None else torch.tensor(rows)
+                for exclude in ((), (int(head(model.final_hidden(hidden, indices))[0]), 3)):
+                    got = step.greedy(hidden, indices, head, exclude)
+                    want = head(model.final_hidden(hidden, indices).float(), exclude)
+                    assert torch.equal(got, want), (coarse, rows, exclude)
+            with pytest.raises(IndexError, match="outside the step"):
+                step.greedy(hidden, torch.tensor([5]), head)
+        other = load_model(path, "gguf").model.head_quantized.parts[0][0]
+        with pytest.raises(ValueError, match="not that one Q8_0 weight"):
+            step.greedy(hidden, None, head_argmax.GreedyHead(other))
+        calls.clear()
+        assert torch.equal(model.greedy_tokens(hidden, torch.tensor([4, 1])),
+                           model.greedy_tokens(hidden.clone(), torch.tensor([4, 1])))
+        assert calls == [1]  # the copy is any tensor: it took the per-op path
 
 
 def test_a_model_with_dense_parts_runs_per_op(tmp_path):

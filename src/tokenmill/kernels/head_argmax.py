@@ -93,6 +93,13 @@ class GreedyHead:
         """Whether the bounded kernel runs (else the full logits' argmax)."""
         return self._native is not None
 
+    def kernel_inputs(self, rows: int) -> tuple[int, int]:
+        """(block norms, 6-bit copy or 0): the addresses the native kernel reads besides the head and the
+        activations, for a call of `rows` rows (native must hold). For callers that run the kernel
+        themselves on activations they quantized (the native step's greedy, model/native_step.py)."""
+        six = self.coarse is not None and rows <= COARSE_ROWS
+        return self.norms.data_ptr(), self.coarse.data_ptr() if six else 0
+
     def __call__(self, x: Tensor | QuantizedActivations, exclude: tuple[int, ...] = ()) -> Tensor:
         """int64 [rows]: each row's token, head_argmax_reference's bitwise; exclude: ids no row may take
         (those a row suppresses: its end tokens under ignore_eos), in range."""
@@ -105,9 +112,9 @@ class GreedyHead:
             raise ValueError(f"activations have K={k}, the head {w.in_features}")
         out = torch.empty(m, dtype=torch.int64)
         if m > 0:
-            six = self.coarse is not None and m <= COARSE_ROWS
+            norms, coarse = self.kernel_inputs(m)
             ids = torch.tensor(exclude, dtype=torch.int64) if exclude else None
             self._native.head_argmax(a.data.data_ptr(), m, k, w.qs.data_ptr(), w.sc.data_ptr(), w.out_features,
-                                     self.norms.data_ptr(), out.data_ptr(), self.coarse.data_ptr() if six else 0,
-                                     ids.data_ptr() if ids is not None else 0, len(exclude))
+                                     norms, out.data_ptr(), coarse, ids.data_ptr() if ids is not None else 0,
+                                     len(exclude))
         return out

@@ -122,6 +122,9 @@ class DecoderLM(nn.Module):
         if head is None or not (rows < AMX_HEAD_ROWS or not native_kernels.amx()
                                 or rows * self.head_quantized.out_features >= LOGITS_OUT_OF_CACHE):
             return argmax_rows(excluding(self.logits(hidden, indices).float(), exclude))
+        native = self.native_steps.head_for(hidden)
+        if native is not None and native.has_greedy:  # the layers ran natively: the norm and this head in one call
+            return native.greedy(hidden, indices, head, exclude)
         return head(self.final_hidden(hidden, indices).float(), exclude)
 
     def _greedy_head(self) -> GreedyHead | None:

@@ -23,6 +23,7 @@ from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.paged_batch import PagedBatch
 
 if TYPE_CHECKING:
+    from tokenmill.kernels.head_argmax import GreedyHead
     from tokenmill.model.decoder import DecoderLM
 
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -56,10 +57,11 @@ def _addr(t: torch.Tensor | None) -> int:
 class NativeStep:
     """One model's layer stack as a native DecoderStep of the active variant, bound to one KV storage."""
 
-    def __init__(self, step, kv: KVStorage, rope_rows: int):
+    def __init__(self, step, kv: KVStorage, rope_rows: int, has_greedy: bool = False):
         self.step = step
         self.kv = weakref.ref(kv)  # the step holds raw addresses into it: valid while it lives
         self.rope_rows = rope_rows
+        self.has_greedy = has_greedy  # its variant has the bounded head kernel (greedy())
 
     @classmethod
     def build(cls, model: "DecoderLM", kv: KVStorage) -> "NativeStep | None":
@@ -100,7 +102,7 @@ class NativeStep:
         norm = model.norm.weight
         if head is not None and norm.dtype == torch.float32 and norm.is_contiguous() and model.norm.eps == first.attn_norm.eps:
             step.set_head(norm.data_ptr(), head)
-        return cls(step, kv, rope_rows)
+        return cls(step, kv, rope_rows, has_greedy=hasattr(mod, "head_argmax"))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """x: the step's embeddings, fp32 [T, dim]; returns the last layer's output (before the final
@@ -131,6 +133,23 @@ class NativeStep:
         self.step.logits(hidden.data_ptr(), hidden.shape[0], rows, n, out.data_ptr())
         return out
 
+
+    def greedy(self, hidden: torch.Tensor, indices: torch.Tensor | None, head: "GreedyHead",
+               exclude: tuple[int, ...] = ()) -> torch.Tensor:
+        """DecoderLM.greedy_tokens of the hidden states this step returned: the final norm, the
+        quantization and the bounded head kernel in one native call, bitwise head(final_hidden(...)).
+        head: the model's GreedyHead (native), whose weight is this step's head; has_greedy must hold."""
+        if indices is None:
+            n, rows = hidden.shape[0], 0
+        else:
+            indices = indices.to(torch.int64).contiguous()
+            n, rows = indices.numel(), indices.data_ptr()
+        out = torch.empty(n, dtype=torch.int64)
+        ids = torch.tensor(exclude, dtype=torch.int64) if exclude else None
+        norms, coarse = head.kernel_inputs(n)
+        self.step.greedy(hidden.data_ptr(), hidden.shape[0], rows, n, head.weight.qs.data_ptr(), norms, coarse,
+                         ids.data_ptr() if ids is not None else 0, len(exclude), out.data_ptr())
+        return out
 
     def set_profiling(self, on: bool) -> None:
         """Time each phase (matmuls, attention, norms, ...) of the following steps."""
