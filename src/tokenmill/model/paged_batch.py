@@ -12,6 +12,7 @@ import torch
 from tokenmill.kernels import attention as native_attention
 from tokenmill.kvcache.storage import LayerKV
 from tokenmill.model.attention import ChunkSpec
+from tokenmill.model.host_tensors import int32_tensor, int64_tensor
 
 
 @dataclass
@@ -38,9 +39,8 @@ class PagedBatch:
             tables.append(table)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
-        return cls(torch.tensor(slots, dtype=torch.long), torch.tensor(cu, dtype=torch.int32),
-                   torch.tensor([c.num_cached for c in chunks], dtype=torch.int32),
-                   torch.tensor(padded, dtype=torch.int32), block_size)
+        return cls(int64_tensor(slots), int32_tensor(cu), int32_tensor([c.num_cached for c in chunks]),
+                   int32_tensor(padded), block_size)
 
 
 def write_and_attend_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: PagedBatch,
