@@ -30,6 +30,7 @@ from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.kernels.categorical import sample_categorical, sample_nucleus
 from tokenmill.kernels.logprobs import row_logprobs
 from tokenmill.kernels.penalties import apply_penalties_rows
+from tokenmill.model.host_tensors import host_tensor
 from tokenmill.structured import TokenMasks, apply_token_masks
 
 _NEG_INF = float("-inf")
@@ -208,8 +209,7 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], recent_t
         return logits
     out = logits if in_place else logits.clone()
     dev = logits.device
-    _penalise(out, params, upload(dev, torch.tensor(windows, dtype=torch.int64)),
-              upload(dev, torch.tensor(offsets, dtype=torch.int64)))
+    _penalise(out, params, upload(dev, host_tensor(windows, torch.int64)), upload(dev, host_tensor(offsets, torch.int64)))
     return out
 
 
@@ -228,17 +228,17 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams], *, in_p
         return logits
     out = logits if in_place else logits.clone()
     dev = out.device
-    out.index_put_((upload(dev, torch.tensor(rows)), upload(dev, torch.tensor(ids))),
-                   upload(dev, torch.tensor(values, dtype=out.dtype)), accumulate=True)
+    out.index_put_((upload(dev, host_tensor(rows, torch.int64)), upload(dev, host_tensor(ids, torch.int64))),
+                   upload(dev, host_tensor(values, out.dtype)), accumulate=True)
     return out
 
 
 def _penalise(out: torch.Tensor, params: list[SamplingParams], ids: torch.Tensor, offsets: torch.Tensor) -> None:
     dev = out.device
     apply_penalties_rows(out, ids, offsets,
-                         upload(dev, torch.tensor([p.repeat_penalty for p in params], dtype=torch.float32)),
-                         upload(dev, torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)),
-                         upload(dev, torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)))
+                         upload(dev, host_tensor([p.repeat_penalty for p in params], torch.float32)),
+                         upload(dev, host_tensor([p.frequency_penalty for p in params], torch.float32)),
+                         upload(dev, host_tensor([p.presence_penalty for p in params], torch.float32)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -350,14 +350,14 @@ def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms:
         x = logits if len(picked) == logits.shape[0] else logits[rows]
         dev = logits.device
         # Uploaded without waiting for the device's queue (uploads.py), as every host-built tensor here.
-        temps = upload(dev, torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
-                                         dtype=torch.float32))
-        log_min_p = torch.log(upload(dev, torch.tensor([params[i].min_p for i in picked], dtype=torch.float32)))
+        temps = upload(dev, host_tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
+                                        torch.float32))
+        log_min_p = torch.log(upload(dev, host_tensor([params[i].min_p for i in picked], torch.float32)))
         u = upload(dev, torch.cat([uniforms[i].reshape(1) for i in picked]))
         if group == "plain":
             out[rows] = sample_categorical(x, temps, log_min_p, u)
         else:
-            top_p = upload(dev, torch.tensor([params[i].top_p for i in picked], dtype=torch.float32))
+            top_p = upload(dev, host_tensor([params[i].top_p for i in picked], torch.float32))
             out[rows] = sample_nucleus(x, temps, top_p, log_min_p, u)
     return out
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.model.host_tensors import host_tensor
+
 
 def upload(device: torch.device, t: torch.Tensor) -> torch.Tensor:
     """A host-built tensor on device (itself on a CPU)."""
@@ -13,9 +15,9 @@ def upload(device: torch.device, t: torch.Tensor) -> torch.Tensor:
 
 def device_index(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 ids on `device` (upload)."""
-    return upload(torch.device(device), torch.tensor(values, dtype=torch.long))
+    return upload(torch.device(device), host_tensor(values, torch.long))
 
 
 def column(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """values as a [n, 1] column on like's device, of like's dtype unless given."""
-    return upload(like.device, torch.tensor(values, dtype=dtype or like.dtype)).unsqueeze(1)
+    return upload(like.device, host_tensor(values, dtype or like.dtype)).unsqueeze(1)
