@@ -20,6 +20,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "qmatmul_layout.h"
 
 namespace py = pybind11;
 
@@ -218,7 +219,7 @@ public:
     void greedy(uintptr_t x_addr, int64_t T, uintptr_t rows_addr, int64_t n_rows, uintptr_t qs, uintptr_t norms,
                 uintptr_t coarse, uintptr_t excluded, int64_t num_excluded, uintptr_t out_addr) {
         if (head_norm_ == nullptr) throw std::logic_error("set_head before greedy");
-        if (head_.parts.size() != 1 || head_.parts[0].type != kQ8_0 || head_.parts[0].qs != ptr<const uint8_t>(qs))
+        if (head_.parts.size() != 1 || head_.parts[0].type != qmm::Q8_0 || head_.parts[0].qs != ptr<const uint8_t>(qs))
             throw std::invalid_argument("greedy: the head is not that one Q8_0 weight");
         const uint8_t* acts = head_input(x_addr, T, rows_addr, n_rows);
         if (acts == nullptr) return;
@@ -239,8 +240,6 @@ public:
     }
 
 private:
-    static constexpr int kQ8_0 = 8;  // ggml's type number
-
     // The head's input: rows `rows` of x (0: all T) through the final norm, quantized as
     // quantize_activations does; nullptr when there are no rows. Checks the rows first.
     const uint8_t* head_input(uintptr_t x_addr, int64_t T, uintptr_t rows_addr, int64_t n_rows) {

@@ -14,7 +14,7 @@ from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import AttentionMetadata, ChunkSpec
 from tokenmill.model.decode_graph import DecodeGraph
-from tokenmill.model.host_tensors import int64_tensor
+from tokenmill.model.host_tensors import host_tensor
 from tokenmill.model.paged_batch import PagedBatch
 from tokenmill.model.step_graph import StepGraph
 
@@ -142,11 +142,11 @@ class ModelRunner:
             meta = self.attention_meta(specs)
             if self.step_graph is not None and self.step_graph.accepts(len(ids)):
                 self.step_graph_steps += 1
-                hidden = self.step_graph(int64_tensor(ids), int64_tensor(positions), meta)
+                hidden = self.step_graph(host_tensor(ids, torch.int64), host_tensor(positions, torch.int64), meta)
             else:
-                hidden = self.model(int64_tensor(ids), int64_tensor(positions), meta, self.kv)
+                hidden = self.model(host_tensor(ids, torch.int64), host_tensor(positions, torch.int64), meta, self.kv)
             if sample_rows:
-                outputs.append(head(hidden, int64_tensor(sample_rows)))
+                outputs.append(head(hidden, host_tensor(sample_rows, torch.int64)))
             for seq, where, row in scored:
                 prompt_rows.append(PromptRows(seq, where.start, hidden[row:row + len(where)].clone()))
         if not outputs:

@@ -23,12 +23,3 @@ def host_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype)
     return torch.from_numpy(np.array(values, dtype=np_type))
 
-
-def int64_tensor(values: Sequence) -> torch.Tensor:
-    """torch.tensor(values, dtype=torch.int64)."""
-    return torch.from_numpy(np.array(values, dtype=np.int64))
-
-
-def int32_tensor(values: Sequence) -> torch.Tensor:
-    """torch.tensor(values, dtype=torch.int32)."""
-    return torch.from_numpy(np.array(values, dtype=np.int32))

@@ -12,7 +12,7 @@ import torch
 from tokenmill.kernels import attention as native_attention
 from tokenmill.kvcache.storage import LayerKV
 from tokenmill.model.attention import ChunkSpec
-from tokenmill.model.host_tensors import int32_tensor, int64_tensor
+from tokenmill.model.host_tensors import host_tensor
 
 
 @dataclass
@@ -39,8 +39,8 @@ class PagedBatch:
             tables.append(table)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
-        return cls(int64_tensor(slots), int32_tensor(cu), int32_tensor([c.num_cached for c in chunks]),
-                   int32_tensor(padded), block_size)
+        return cls(host_tensor(slots, torch.int64), host_tensor(cu, torch.int32),
+                   host_tensor([c.num_cached for c in chunks], torch.int32), host_tensor(padded, torch.int32), block_size)
 
 
 def write_and_attend_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: PagedBatch,
