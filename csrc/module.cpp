@@ -20,6 +20,7 @@ void register_categorical(py::module_& m);
 void register_nucleus(py::module_& m);
 void register_penalties(py::module_& m);
 void register_topk(py::module_& m);
+void register_topk_draw(py::module_& m);
 void register_logsumexp(py::module_& m);
 void register_embedding(py::module_& m);
 void register_head_argmax(py::module_& m);
@@ -38,6 +39,7 @@ PYBIND11_MODULE(TOKENMILL_MODULE, m) {
     register_nucleus(m);
     register_penalties(m);
     register_topk(m);
+    register_topk_draw(m);
     register_logsumexp(m);
     register_embedding(m);
     register_head_argmax(m);

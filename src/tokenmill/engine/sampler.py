@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.truncation import sample_group, truncated_candidates
+from tokenmill.engine.truncation import COMPILED_GROUPS, sample_group, truncated_candidates
 from tokenmill.engine.uploads import device_index, upload
 from tokenmill.kernels.argmax import argmax_rows
-from tokenmill.kernels.categorical import sample_categorical, sample_nucleus
+from tokenmill.kernels.categorical import sample_categorical, sample_nucleus, sample_top_k
 from tokenmill.kernels.logprobs import row_logprobs
 from tokenmill.kernels.penalties import apply_penalties_rows
+from tokenmill.kernels.topk import topk_rows
 from tokenmill.model.host_tensors import host_tensor
 from tokenmill.structured import TokenMasks, apply_token_masks
 
@@ -155,25 +156,32 @@ class Sampler:
             greedy_rows = [i for i in range(n) if greedy[i]]
             shared_rows = [i for i in range(n) if not greedy[i] and gens[i] is None]
             seeded_rows = [i for i in range(n) if not greedy[i] and gens[i] is not None]
+
+            def draw_rows(rows: list[int], draw) -> None:
+                """tokens[rows] = draw(those rows' logits); a group of every row needs no gather or scatter
+                (a single stream's sampled step: ~20 us of copies right after the model's)."""
+                nonlocal tokens
+                if len(rows) == n:
+                    tokens = draw(logits)
+                    return
+                idx = device_index(rows, logits.device)
+                tokens[idx] = draw(logits[idx])
+
             if greedy_rows:
-                idx = device_index(greedy_rows, logits.device)
-                tokens[idx] = greedy_tokens(logits[idx])
+                draw_rows(greedy_rows, greedy_tokens)
             if shared_rows:
-                idx = device_index(shared_rows, logits.device)
-                sub = logits if len(shared_rows) == n else logits[idx]
-                tokens[idx] = _sample(sub, [params[i] for i in shared_rows], None)
+                draw_rows(shared_rows, lambda x: _sample(x, [params[i] for i in shared_rows], None))
             # A seeded row's draw must depend only on its own logits, params and generator, so the
             # same seed gives the same tokens whatever else is in the batch. The compiled draws are
             # per row by construction: those rows share one call, each with a uniform from its own
             # generator. The torch path samples a seeded row as a batch of one.
             vocab = logits.shape[1]
-            batched = [i for i in seeded_rows if sample_group(params[i], vocab) in _COMPILED_GROUPS]
+            batched = [i for i in seeded_rows if sample_group(params[i], vocab) in COMPILED_GROUPS]
             if batched:
-                idx = device_index(batched, logits.device)
-                tokens[idx] = _draw_compiled(logits[idx], [params[i] for i in batched],
-                                             [torch.rand((1,), generator=gens[i]) for i in batched])
+                draw_rows(batched, lambda x: _draw_compiled(x, [params[i] for i in batched],
+                                                            [torch.rand((1,), generator=gens[i]) for i in batched]))
             for i in seeded_rows:
-                if sample_group(params[i], vocab) not in _COMPILED_GROUPS:
+                if sample_group(params[i], vocab) not in COMPILED_GROUPS:
                     tokens[i] = _sample(logits[i : i + 1], [params[i]], gens[i])[0]
 
         return logits, tokens
@@ -326,7 +334,7 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
         # lands past the last candidate: clamp it into the row, as the compiled draws do.
         choice = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
         out[rows] = (choice if ids is None else ids.gather(1, choice)).squeeze(1)
-    rows = [i for i, p in enumerate(params) if sample_group(p, logits.shape[1]) in _COMPILED_GROUPS]
+    rows = [i for i, p in enumerate(params) if sample_group(p, logits.shape[1]) in COMPILED_GROUPS]
     if rows:
         idx = device_index(rows, logits.device)
         sub = logits if len(rows) == logits.shape[0] else logits[idx]
@@ -335,14 +343,11 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
     return out
 
 
-# The groups of rows drawn by compiled kernels (kernels/categorical.py); the others take the torch path.
-_COMPILED_GROUPS = ("nucleus", "plain")
-
 
 def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[torch.Tensor]) -> torch.Tensor:
     """Rows of the compiled groups, each with its uniform (a float32 tensor of one value)."""
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for group in _COMPILED_GROUPS:
+    for group in COMPILED_GROUPS:
         picked = [i for i, p in enumerate(params) if sample_group(p, logits.shape[1]) == group]
         if not picked:
             continue
@@ -356,9 +361,15 @@ def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms:
         u = upload(dev, torch.cat([uniforms[i].reshape(1) for i in picked]))
         if group == "plain":
             out[rows] = sample_categorical(x, temps, log_min_p, u)
-        else:
-            top_p = upload(dev, host_tensor([params[i].top_p for i in picked], torch.float32))
+            continue
+        top_p = upload(dev, host_tensor([params[i].top_p for i in picked], torch.float32))
+        if group == "nucleus":
             out[rows] = sample_nucleus(x, temps, top_p, log_min_p, u)
+            continue
+        ks = [params[i].top_k for i in picked]
+        # Top-k commutes with a positive temperature: select on the raw logits, scale only k values.
+        values, ids = topk_rows(x, max(ks))
+        out[rows] = sample_top_k(values, ids, upload(dev, host_tensor(ks, torch.int64)), temps, top_p, log_min_p, u)
     return out
 
 

@@ -1,6 +1,7 @@
 """Temperature and truncation (top_k, typical_p, top_p, min_p) for the sampled rows the compiled
-draws do not take (kernels/categorical.py draws the plain and nucleus rows): the candidates' scaled
-logits, sorted, with removed tokens at -inf. The order and the rules are sampler.py's."""
+draws do not take (kernels/categorical.py draws the plain, nucleus and top_k rows: what is left here is
+typical_p): the candidates' scaled logits, sorted, with removed tokens at -inf. The order and the rules
+are sampler.py's."""
 from __future__ import annotations
 
 import torch
@@ -22,18 +23,25 @@ def truncate_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return out
 
 
+# The groups sample_group sorts rows into that kernels/categorical.py draws (sampler.py); the others
+# take the torch path here.
+COMPILED_GROUPS = ("top_k", "nucleus", "plain")
+
+
 def sample_group(p: SamplingParams, vocab: int) -> str:
-    """How much of the vocabulary a sampled row looks at (truncated_candidates' groups)."""
+    """How much of the vocabulary a sampled row looks at, and who draws it: "top_k" (top_p and min_p
+    then see only the k survivors), "top_k_typical" (typical_p too), "sort" (typical_p without top_k:
+    it needs the entropy of the whole distribution), "nucleus" (top_p), "plain"."""
     if 0 < p.top_k < vocab:
-        return "top_k"  # typical_p and top_p then only see the k survivors
+        return "top_k_typical" if p.typical_p < 1.0 else "top_k"
     if p.typical_p < 1.0:
-        return "sort"  # needs the entropy of the whole distribution
+        return "sort"
     return "nucleus" if p.top_p < 1.0 else "plain"
 
 
 def truncated_candidates(logits: torch.Tensor, params: list[SamplingParams], *, every_row: bool = False):
-    """Scale by temperature and apply top_k, typical_p, top_p, min_p, for the rows with top_k or
-    typical_p (the others take compiled draws: sampler.py), or with every_row for all of them.
+    """Scale by temperature and apply top_k, typical_p, top_p, min_p, for the rows with typical_p (the
+    others take compiled draws: sampler.py), or with every_row for all of them.
 
     Each group of rows yields (rows, values, ids): the candidates' scaled logits, sorted descending
     (removed ones at -inf), and their vocabulary ids."""
@@ -42,10 +50,11 @@ def truncated_candidates(logits: torch.Tensor, params: list[SamplingParams], *, 
     n = logits.shape[0]
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
 
-    groups: dict[str, list[int]] = {"top_k": [], "sort": [], "nucleus": [], "plain": []}
+    groups: dict[str, list[int]] = {"top_k": [], "sort": []}
     for i, p in enumerate(params):
         group = sample_group(p, vocab)
-        groups["sort" if every_row and group in ("nucleus", "plain") else group].append(i)
+        if every_row or group not in COMPILED_GROUPS:
+            groups["top_k" if group.startswith("top_k") else "sort"].append(i)
 
     def scaled(rows: list[int], x: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of logits / temperature (or of x, already gathered for those rows)."""
