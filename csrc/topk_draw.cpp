@@ -77,9 +77,9 @@ int64_t top_k_row(const float* values, const int64_t* ids, int64_t k, float t, f
     return ids[last];  // the target within rounding of the end
 }
 
-void top_k_draw_rows(uintptr_t values, uintptr_t ids, int64_t rows, int64_t cols, uintptr_t k, uintptr_t temperature,
+int64_t top_k_draw_rows(uintptr_t values, uintptr_t ids, int64_t rows, int64_t cols, uintptr_t k, uintptr_t temperature,
                      uintptr_t top_p, uintptr_t log_min_p, uintptr_t uniforms, uintptr_t out) {
-    if (rows <= 0 || cols <= 0) return;
+    if (rows <= 0 || cols <= 0) return 0;
     const float* v = ptr<const float>(values);
     const int64_t *id = ptr<const int64_t>(ids), *ks = ptr<const int64_t>(k);
     const float *t = ptr<const float>(temperature), *p = ptr<const float>(top_p), *lm = ptr<const float>(log_min_p);
@@ -91,6 +91,9 @@ void top_k_draw_rows(uintptr_t values, uintptr_t ids, int64_t rows, int64_t cols
         for (int64_t r = begin; r < end; ++r)
             index[r] = top_k_row(v + r * cols, id + r * cols, std::min(ks[r], cols), t[r], p[r], lm[r], double(u[r]), w);
     });
+    int64_t left = 0;
+    for (int64_t r = 0; r < rows; ++r) left += index[r] < 0;
+    return left;
 }
 
 }  // namespace
@@ -99,8 +102,9 @@ void top_k_draw_rows(uintptr_t values, uintptr_t ids, int64_t rows, int64_t cols
 void register_topk_draw(py::module_& m) {
     m.def("top_k_draw_rows_f32", &tmk::top_k_draw_rows, py::call_guard<py::gil_scoped_release>(),
           "out[r] = ids[r, j] for a draw j among values[r, :k[r]] (sorted descending) / temperature[r], cut to "
-          "the top_p nucleus and by min_p, by inverse CDF at uniforms[r] (-1: left to the reference; raw "
-          "addresses of contiguous float32 values, int64 ids and k, float32 per-row arguments)",
+          "the top_p nucleus and by min_p, by inverse CDF at uniforms[r] (-1: left to the reference); "
+          "returns how many rows it left. Raw addresses of contiguous float32 values, int64 ids and k, float32 "
+          "per-row arguments",
           py::arg("values"), py::arg("ids"), py::arg("rows"), py::arg("cols"), py::arg("k"), py::arg("temperature"),
           py::arg("top_p"), py::arg("log_min_p"), py::arg("uniforms"), py::arg("out"));
 }

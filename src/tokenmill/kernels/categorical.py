@@ -101,10 +101,9 @@ def sample_top_k(values: Tensor, ids: Tensor, k: Tensor, temperature: Tensor, to
     values, ids, k = values.contiguous(), ids.to(torch.int64).contiguous(), k.to(torch.int64).contiguous()
     per_row = tuple(t.float().contiguous() for t in (temperature, top_p, log_min_p, uniforms))
     out = torch.empty(values.shape[0], dtype=torch.int64)
-    m.top_k_draw_rows_f32(values.data_ptr(), ids.data_ptr(), values.shape[0], values.shape[1], k.data_ptr(),
-                          *(t.data_ptr() for t in per_row), out.data_ptr())
-    bad = (out < 0).nonzero().flatten()
-    if bad.numel():
+    if m.top_k_draw_rows_f32(values.data_ptr(), ids.data_ptr(), values.shape[0], values.shape[1], k.data_ptr(),
+                             *(t.data_ptr() for t in per_row), out.data_ptr()):
+        bad = (out < 0).nonzero().flatten()
         out[bad] = sample_top_k_reference(values[bad], ids[bad], k[bad], *(t[bad] for t in per_row))
     return out
 
