@@ -19,6 +19,7 @@ is the raw distribution, before penalties and masks).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -359,10 +360,9 @@ def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms:
         # The per-row settings as one float32 array, uploaded at once without waiting for the device's
         # queue (uploads.py): four tensors and a torch.log were ~25 us of a single stream's step.
         settings = np.array([[params[i].temperature if params[i].temperature > 0 else 1.0 for i in picked],
-                             [params[i].top_p for i in picked], [params[i].min_p for i in picked],
+                             [params[i].top_p for i in picked],
+                             [math.log(params[i].min_p) if params[i].min_p > 0 else -math.inf for i in picked],
                              [uniforms[i] for i in picked]], dtype=np.float32)
-        with np.errstate(divide="ignore"):  # min_p 0: log -inf, no threshold
-            settings[2] = np.log(settings[2])
         temps, top_p, log_min_p, u = upload(dev, torch.from_numpy(settings))
         if group == "plain":
             drawn = sample_categorical(x, temps, log_min_p, u)
