@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draw_checks import sorted_draws_allowed
 from tokenmill.kernels import native
 from tokenmill.kernels.categorical import (sample_categorical, sample_categorical_reference, sample_nucleus,
                                            sample_nucleus_reference)
@@ -127,27 +128,11 @@ def test_strided_rows_read_their_own_values():
 # --- top_p (sample_nucleus) ---------------------------------------------------------------------
 
 def nucleus_draws_allowed(logits, temperature, top_p, log_min_p, uniforms, tol=1e-5) -> list[set[int]]:
-    """Per row, the tokens a correct draw may give: computed in float64, with every decision that lies
-    within `tol` of its boundary (the nucleus's end against top_p, u * total against a token's
-    interval) allowed both ways."""
+    """Per row, the tokens a correct draw may give (draw_checks.sorted_draws_allowed over the sorted row)."""
     allowed = []
     for r in range(logits.shape[0]):
         vals, ids = (logits[r].float() / temperature[r]).sort(descending=True, stable=True)
-        w = (vals.double() - vals[0].double()).exp()
-        cum = (w / w.sum()).cumsum(0)
-        p = float(top_p[r])
-        ends = {int((cum < p).sum())}  # index of the first token whose running mass reaches top_p
-        ends |= {j for j in range(max(0, min(ends) - 2), min(len(cum), max(ends) + 3)) if abs(cum[j] - p) < tol}
-        ok = set()
-        for end in ends:
-            keep = w[: end + 1].clone()
-            keep[vals[: end + 1] < vals[0] + log_min_p[r]] = 0.0
-            cdf = keep.cumsum(0)
-            target, slack = float(uniforms[r]) * cdf[-1].item(), tol * cdf[-1].item()
-            before = torch.cat([torch.zeros(1, dtype=torch.float64), cdf[:-1]])
-            hit = (keep > 0) & (cdf > target - slack) & (before <= target + slack)
-            ok |= {int(ids[j]) for j in hit.nonzero().flatten().tolist()}
-        allowed.append(ok)
+        allowed.append(sorted_draws_allowed(vals, ids, float(top_p[r]), float(log_min_p[r]), float(uniforms[r]), tol))
     return allowed
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draw_checks import sorted_draws_allowed
 from tokenmill.kernels import native
 from tokenmill.kernels.categorical import sample_top_k, sample_top_k_reference
 from tokenmill.kernels.topk import topk_rows_reference
@@ -38,31 +39,11 @@ def case(rows: int, vocab: int, K: int, seed: int, scale: float = 4.0):
     return values, ids, k, temperature, top_p, torch.log(min_p), torch.rand(rows, generator=gen)
 
 
-def allowed_draws(values, ids, k, temperature, top_p, log_min_p, uniforms, tol=1e-5) -> list[set[int]]:
-    """Per row, the ids a correct draw may give, in float64, every decision within `tol` of its boundary
-    (the nucleus's end against top_p, u * total against a candidate's interval) allowed both ways."""
-    allowed = []
-    for r in range(values.shape[0]):
-        v = values[r, : int(k[r])].float() / temperature[r]
-        w = (v - v[0]).double().exp()
-        p = float(top_p[r])
-        if p < 1.0:
-            cum = (w / w.sum()).cumsum(0)
-            ends = {int((cum < p).sum())}
-            ends |= {j for j in range(len(cum)) if abs(cum[j] - p) < tol}
-        else:
-            ends = {len(v) - 1}
-        ok = set()
-        for end in ends:
-            keep = w[: end + 1].clone()
-            keep[v[: end + 1] < v[0] + log_min_p[r]] = 0.0
-            cdf = keep.cumsum(0)
-            target, slack = float(uniforms[r]) * cdf[-1].item(), tol * cdf[-1].item()
-            before = torch.cat([torch.zeros(1, dtype=torch.float64), cdf[:-1]])
-            hit = (keep > 0) & (cdf > target - slack) & (before <= target + slack)
-            ok |= {int(ids[r, j]) for j in hit.nonzero().flatten().tolist()}
-        allowed.append(ok)
-    return allowed
+def allowed_draws(values, ids, k, temperature, top_p, log_min_p, uniforms) -> list[set[int]]:
+    """Per row, the ids a correct draw may give (draw_checks.sorted_draws_allowed over its k candidates)."""
+    return [sorted_draws_allowed(values[r, : int(k[r])].float() / temperature[r], ids[r, : int(k[r])],
+                                 float(top_p[r]), float(log_min_p[r]), float(uniforms[r]))
+            for r in range(values.shape[0])]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
