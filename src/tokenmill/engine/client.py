@@ -173,13 +173,17 @@ class AsyncEngine:
                            for i in range(n)])
 
     def _deliver(self, events: list[TokenEvent]) -> None:
-        for ev in events:
-            with self._lock:
+        """A step's events onto their streams' queues: one callback per event loop, not per event (each
+        call_soon_threadsafe wakes the loop through its self-pipe, and a step of 256 sequences made 256)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenEvent]]] = {}
+        with self._lock:
+            for ev in events:
                 stream = self._streams.get(ev.request_id)
-            if stream is None:
-                continue
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, ev))
+        for loop, items in by_loop.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ev)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 pass
 
@@ -253,3 +257,9 @@ class AsyncEngine:
         with self._lock:
             self._closed = True
         self._fail_everyone(_SHUT_DOWN)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
+    """On a stream's event loop: each event into its queue, in the engine's order."""
+    for q, ev in items:
+        q.put_nowait(ev)
