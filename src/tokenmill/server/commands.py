@@ -187,6 +187,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
         return 1
     server, _ = build_server(settings)
+    from tokenmill.server.log_writer import LogWriter
+    # After uvicorn.Config has set up its loggers: their lines are written off the event loop.
+    LogWriter().take_over("", "uvicorn", "uvicorn.error", "uvicorn.access")
     port = sock.getsockname()[1]  # the one the system chose for --port 0
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     print(f"tokenmill listening on http://{host}:{port}, loading {model}", file=sys.stderr)
