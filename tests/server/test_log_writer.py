@@ -49,6 +49,26 @@ def test_lines_reach_the_loggers_own_handlers_in_order_and_off_the_logging_threa
     assert writers.threads == {"tokenmill-log-writer"}
 
 
+def test_a_line_logged_after_stop_is_written_where_it_is_logged():
+    logger = logging.getLogger("tokenmill.test.log_writer.late")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.addFilter(writers := WrittenBy())
+    logger.handlers[:] = [handler]
+    writer = LogWriter()
+    try:
+        writer.take_over("tokenmill.test.log_writer.late")
+        logger.info("before")
+        writer.stop()
+        logger.info("after")
+    finally:
+        logger.handlers.clear()
+    assert out.getvalue() == "before\nafter\n"
+    assert writers.threads == {"tokenmill-log-writer", threading.current_thread().name}
+
+
 def test_a_logger_without_handlers_is_left_alone():
     logger = logging.getLogger("tokenmill.test.log_writer.bare")
     writer = LogWriter()

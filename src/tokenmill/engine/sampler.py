@@ -347,7 +347,6 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Gener
     return out
 
 
-
 def _draw_compiled(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> torch.Tensor:
     """Rows of the compiled groups, each with its uniform in [0, 1) (a float32 value)."""
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)

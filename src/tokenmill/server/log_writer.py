@@ -24,7 +24,10 @@ class _Enqueue(logging.Handler):
         self.writer, self.targets = writer, targets
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.writer.records.put((self.targets, record))
+        if self.writer.running:
+            self.writer.records.put((self.targets, record))
+        else:  # after stop (a line logged later at exit): written here, as without the writer
+            self.writer.write(self.targets, record)
 
 
 class LogWriter:
@@ -32,6 +35,7 @@ class LogWriter:
 
     def __init__(self):
         self.records: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="tokenmill-log-writer", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
@@ -47,15 +51,30 @@ class LogWriter:
                 logger.removeHandler(h)
             logger.addHandler(_Enqueue(self, targets))
 
+    @property
+    def running(self) -> bool:
+        return not self._stopped
+
     def stop(self, timeout: float = 2.0) -> None:
         """Write what is queued, then end the thread (at exit: the last lines are not lost)."""
-        if self._thread.is_alive():
+        if not self._stopped:
+            self._stopped = True
             self.records.put(_STOP)
             self._thread.join(timeout)
+            while True:  # a line enqueued as the writer stopped
+                try:
+                    item = self.records.get_nowait()
+                except queue.Empty:
+                    return
+                if item is not _STOP:
+                    self.write(*item)
+
+    @staticmethod
+    def write(targets: list[logging.Handler], record: logging.LogRecord) -> None:
+        for handler in targets:
+            if record.levelno >= handler.level:
+                handler.handle(record)  # its own lock, formatter and error handling
 
     def _run(self) -> None:
         while (item := self.records.get()) is not _STOP:
-            targets, record = item
-            for handler in targets:
-                if record.levelno >= handler.level:
-                    handler.handle(record)  # its own lock, formatter and error handling
+            self.write(*item)
