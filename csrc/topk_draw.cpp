@@ -3,8 +3,8 @@
 // descending; here they are scaled by the temperature, cut to the shortest prefix whose probability
 // (renormalised over the k) reaches top_p, cut again below max + log(min_p), and drawn from by inverse
 // CDF with float64 sums. kernels/categorical.py holds the PyTorch reference, which is the torch path
-// the sampler took before (engine/truncation.py): ~30 small torch operations on 40 values, ~13% of a
-// sampled single-stream SmolLM2 step on 2 threads.
+// the sampler took before (engine/truncation.py): ~30 small torch operations on 40 values, most of a
+// sampler that took ~13% of a single-stream SmolLM2 step (2 threads) with Ollama's defaults.
 //
 // The reference adds its probabilities in float32 (exp(v - logsumexp) and a cumsum), the kernel the
 // weights exp(v - max) in float64: where a prefix's mass lies within rounding of top_p the two may end

@@ -7,15 +7,16 @@ The compiled kernels (csrc/categorical.cpp, csrc/nucleus.cpp, csrc/topk_draw.cpp
 three times and sort only the nucleus's candidates; the references below are the same inverse-CDF draws
 in torch. In the sampler's torch path they added 18-19 ms (temperature 1) and 19-22 ms (top_p 0.95) to
 a 51 ms SmolLM2 64-sequence decode step; with the kernels, 1-4 ms (bench/sampling.py, 2 threads). The
-top_k draw's torch path was ~30 small operations on 40 values, ~13% of a sampled single-stream step.
+top_k draw's torch path was ~30 small operations on 40 values, most of a sampler that took ~13% of a
+single-stream step with Ollama's defaults.
 
 Approximation: the kernels' exp is within ~1 ulp of torch's, weights under float's smallest normal
 (exp(d) for d < -87) count as 0, and their float64 sums run in another order. So a draw matches the
 reference except when u * total lies within rounding (~1e-6 of the total) of the boundary between two
 tokens, or, for top_p, when the nucleus's running probability lies within rounding of top_p (the
-reference sums it in float32): the nucleus may then end one token apart (the top_k draw's too). A token the reference gives
-weight 0 (below min_p, outside the nucleus by more than rounding, or -inf) is never drawn.
-tests/kernels/test_categorical.py holds the kernels to that."""
+reference sums it in float32): the nucleus may then end one token apart (the top_k draw's too). A token
+the reference gives weight 0 (below min_p, outside the nucleus by more than rounding, or -inf) is never
+drawn. tests/kernels/test_categorical.py and test_topk_draw.py hold the kernels to that."""
 from __future__ import annotations
 
 import torch
