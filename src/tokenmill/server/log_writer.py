@@ -5,7 +5,10 @@ A handler's write releases the GIL for its system call, and taking it back behin
 256 streams on a tiny model, the event loop spent a quarter of its time in uvicorn's access-log line
 (one per request), so every stream's next chunk waited there. Here a logger's handlers sit behind one
 queue: the logging thread only enqueues the record, and the writer thread formats and writes it with
-the handlers the logger had (their levels, formatters and streams unchanged), in the order logged."""
+the handlers the logger had (their levels, formatters and streams unchanged), in the order logged.
+Not logging.handlers.QueueHandler: its prepare() merges a record's args into its message, and uvicorn's
+access formatter reads the args; and one listener there serves one set of handlers, where each logger
+here keeps its own."""
 from __future__ import annotations
 
 import atexit
