@@ -39,6 +39,9 @@ def main() -> int:
     p.add_argument("--trace", metavar="PATH", help="also write a Chrome trace")
     p.add_argument("--native-phases", action="store_true",
                    help="time the native decoder step's phases (matmuls, attention, ...) instead of torch.profiler")
+    p.add_argument("--speculative", default="off",
+                   help="the engine's speculative decoding (off by default here, so that every profiled step has "
+                        "--batch rows: with prompt lookup a step may verify proposals, and a request may end early)")
     args = p.parse_args()
     set_threads(args.threads)
     if args.kernel_profile:
@@ -47,7 +50,8 @@ def main() -> int:
     engine = LLMEngine.from_path(resolve_model(args.model), EngineConfig(dtype=args.dtype, kv_dtype=args.kv_dtype,
                                                                                 parallel=max(64, args.batch),
                                                                                 compile=args.compile,
-                                                                                block_size=args.block_size))
+                                                                                block_size=args.block_size,
+                                                                                speculative=args.speculative))
     params = SamplingParams(max_tokens=args.warm_steps + args.steps + 50, temperature=0, ignore_eos=True)
     for ids in corpus_prompts(engine.tokenizer.encode, args.batch, args.prompt_len):
         engine.add_request(ids, params)

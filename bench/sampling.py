@@ -37,9 +37,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--only", help="comma-separated settings to run besides greedy (substrings of their names)")
+    p.add_argument("--speculative", default="off",
+                   help="the engine's speculative decoding (off by default here: a step that verifies proposals "
+                        "has more rows than --batch, and greedy and sampled rows accept differently)")
     args = p.parse_args()
     set_threads(args.threads)
-    engine = LLMEngine.from_path(resolve_model(args.model), EngineConfig(parallel=max(64, args.batch)))
+    engine = LLMEngine.from_path(resolve_model(args.model), EngineConfig(parallel=max(64, args.batch),
+                                                                         speculative=args.speculative))
     print(f"cpu flags: {cpu_flags()}; loadavg {loadavg()}")
     base = None
     for name, kw in SETTINGS.items():
