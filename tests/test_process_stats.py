@@ -1,7 +1,6 @@
 """process_stats: this process's resource use, as /metrics and the benchmarks report it."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time

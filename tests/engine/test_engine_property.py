@@ -2,7 +2,6 @@
 every block is free once all requests are done."""
 from __future__ import annotations
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -24,6 +24,8 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.structured import Constraint
 
 if TYPE_CHECKING:
+    import torch
+
     from tokenmill.engine.speculative.proposer import SpecState
 
 

@@ -7,7 +7,6 @@ from torch import nn
 
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kvcache.storage import KVStorage
-from tokenmill.model.attention import GraphDecodeMeta, GraphStepMeta
 from tokenmill.model.decoder import DecoderLM, Parts, StepMeta
 from tokenmill.model.layers import (Attention, GatedMLP, RMSNorm, RotaryEmbedding, interleaved_to_half_split,
                                    residual_step)
