@@ -3,7 +3,13 @@ kernels): SmolLM2's greedy answers to prompts it copies from are the same tokens
 off, alone and batched with requests that do not speculate, cut by max_tokens or a stop token in the
 middle of an accepted run, with parallel samples, preemption and the prefix cache; the same for Gemma 3
 across its sliding window; seeded sampling too. Proposals are accepted along the way (the runs take
-fewer steps than tokens)."""
+fewer steps than tokens).
+
+The speculating engines size their proposals with the prior cost model (no step costs learned from the
+clock): a row's price learned from wall time made how much was proposed, and so the counts asserted
+here, depend on the machine and its load (on the scalar kernels, where a row costs nearly a whole step,
+the learned costs rightly proposed little and the counts fell short). Greedy tokens are the same
+whatever is proposed; these tests check that, with proposals certainly made."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -46,9 +52,18 @@ def run(engine, requests, **add) -> dict:
     return out
 
 
+def speculating(loaded, **cfg):
+    """An engine with the default speculation, its proposals sized by the prior cost model."""
+    e = make_engine(loaded, **cfg)
+    spec = e.scheduler.speculator
+    spec.cfg = replace(spec.cfg, learn_step_costs=False)
+    spec.proposer.cfg = spec.cfg
+    return e
+
+
 def both(loaded, requests, **cfg):
     off = run(make_engine(loaded, speculative="off", **cfg), requests)
-    on_engine = make_engine(loaded, **cfg)
+    on_engine = speculating(loaded, **cfg)
     on = run(on_engine, requests)
     assert on == off
     return on, on_engine
@@ -88,7 +103,7 @@ def test_parallel_samples_preemption_and_prefix_cache(smollm2):
     assert on.stats.num_preemptions > 0 and on.stats.spec.num_accepted_tokens > 0
     seeded = SamplingParams(max_tokens=48, temperature=0.3, seed=7)
     off = run(make_engine(smollm2, speculative="off", max_total_tokens=8192), [(prompts[1], seeded)], n=3)
-    e_on = make_engine(smollm2, max_total_tokens=8192)
+    e_on = speculating(smollm2, max_total_tokens=8192)
     assert run(e_on, [(prompts[1], seeded)], n=3) == off
     assert e_on.stats.spec.num_accepted_tokens > 0
 
