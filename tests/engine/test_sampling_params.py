@@ -56,6 +56,7 @@ def test_valid(kwargs):
         (dict(min_tokens=-1), "min_tokens", "at least 0"),
         (dict(min_tokens=10, max_tokens=5), "min_tokens", "at most max_tokens"),
         (dict(repeat_penalty=0.0), "repeat_penalty", "greater than 0"),
+        (dict(repeat_penalty=1e39), "repeat_penalty", "at most 3.40282e+38"),  # inf in the sampler's fp32
         (dict(repeat_last_n=-2), "repeat_last_n", "at least -1"),
         (dict(presence_penalty=2.5), "presence_penalty", "between -2 and 2"),
         (dict(frequency_penalty=-3.0), "frequency_penalty", "between -2 and 2"),

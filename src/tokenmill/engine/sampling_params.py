@@ -17,6 +17,7 @@ MAX_SPECULATIVE_TOKENS = 16  # proposed tokens per step and sequence (engine/spe
 # OpenAI caps temperature at 2 and Ollama not at all; we only reject values that are clearly
 # nonsense (and inf/nan), so clients that send e.g. 3.0 keep working.
 MAX_TEMPERATURE = 100.0
+MAX_REPEAT_PENALTY = 3.4028234663852886e38  # the largest fp32
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, 100 all but forces it
 
 
@@ -94,6 +95,9 @@ class SamplingParams:
         _num("min_p", self.min_p, 0.0, 1.0)
         _num("typical_p", self.typical_p, 0.0, 1.0)
         _num("repeat_penalty", self.repeat_penalty, 0.0, math.inf, lo_open=True)
+        if self.repeat_penalty > MAX_REPEAT_PENALTY:  # the sampler's penalties are fp32: more would be inf there
+            raise InvalidSamplingParams("repeat_penalty", f"repeat_penalty must be at most {MAX_REPEAT_PENALTY:g}, "
+                                                          f"got {self.repeat_penalty:g}")
         _int("repeat_last_n", self.repeat_last_n, lo=-1)
         _num("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
