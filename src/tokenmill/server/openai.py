@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -31,6 +31,7 @@ from tokenmill.server.structured_params import add_constraint, openai_spec
 from tokenmill.server.tool_stream import Piece
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.server.validation import check_name_field, get_bool, get_int, get_model_name, get_str, read_json
+from tokenmill.tokenizer import Tokenizer
 
 SYSTEM_FINGERPRINT = "tokenmill"
 
@@ -62,8 +63,8 @@ def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
             "total_tokens": num_prompt + num_completion, "prompt_tokens_details": {"cached_tokens": num_cached}}
 
 
-def _generations(served: ServedModel, prompts: list[list[int]], opts: OpenAIOptions, prompt_field: str
-                 ) -> list[Generation]:
+def generations(served: ServedModel, prompts: list[list[int]], opts: OpenAIOptions, prompt_field: str
+                ) -> list[Generation]:
     """One generation of n samples per prompt; choice index = prompt index * n + sample index."""
     limit = served.engine.max_model_len
     return [Generation(served, truncate_prompt(ids, opts.truncate_prompt_tokens, limit), opts.params, n=opts.n,
@@ -71,14 +72,16 @@ def _generations(served: ServedModel, prompts: list[list[int]], opts: OpenAIOpti
             for ids in prompts]
 
 
-async def _run(request: Request, gens_factory, opts: OpenAIOptions, num_requests: int, stream_body, finish_body):
-    """Admission, then either an SSE stream or the collected results."""
+async def respond(request: Request, gens_factory, opts: OpenAIOptions, num_requests: int, stream_body, finish_body,
+                  stream_response=sse_response):
+    """Admission, then either a stream (stream_response of stream_body's objects: OpenAI's SSE) or
+    the collected results."""
     slot = _host(request).admission.enter(num_requests)
     try:
         gens = gens_factory()
         if opts.stream:
             # The response owns the slot from here: it is released when the stream ends, however it ends.
-            response, slot = sse_response(stream_body(gens), on_close=slot.release), None
+            response, slot = stream_response(stream_body(gens), on_close=slot.release), None
             return response
         results = await unless_disconnected(request, collect_all(gens))
     finally:
@@ -104,8 +107,19 @@ def _running_usage(opts: OpenAIOptions, g: Generation, count: int) -> dict | Non
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------------
-async def chat_completions(request: Request) -> Response:
-    body = await read_json(request)
+@dataclass
+class ChatJob:
+    """A chat request made ready to generate: its model, options, tokenizer, tools and prompt."""
+    served: ServedModel
+    opts: OpenAIOptions
+    tok: Tokenizer
+    tool_use: ToolUse
+    prompt_ids: list[int]
+
+
+async def prepare_chat(request: Request, body: dict) -> ChatJob:
+    """A chat completions body checked, its messages rendered by the model's template and its
+    constraint compiled (shared with /v1/responses, which is translated into such a body)."""
     served = await model_for(request, get_model_name(body))
     body = profiles.openai_body(body, served.profile)
     opts = parse_options(body, chat=True)
@@ -121,6 +135,12 @@ async def chat_completions(request: Request) -> Response:
     ids = await off_loop(lambda: render_chat(tok, messages, tools=tools, **template),
                          chars_in(messages) + chars_in(template))
     await add_constraint(opts.params, tok, constraint)
+    return ChatJob(served, opts, tok, tool_use, ids)
+
+
+async def chat_completions(request: Request) -> Response:
+    job = await prepare_chat(request, await read_json(request))
+    served, opts, tok, tool_use, ids = job.served, job.opts, job.tok, job.tool_use, job.prompt_ids
     env = Envelope("chat.completion", served.name, opts.include_usage)
 
     def logprobs_of(ids_, lps, top):
@@ -161,13 +181,13 @@ async def chat_completions(request: Request) -> Response:
     def finish_body(gens: list[Generation], results: list[Result]) -> dict:
         choices = []
         for i, r in enumerate(results):
-            message, reason = _message(tool_use, r)
+            message, reason = chat_message(tool_use, r)
             choices.append({"index": i, "message": message,
                             "logprobs": logprobs_of(r.token_ids, r.logprobs, r.top_logprobs), "finish_reason": reason})
         return env.wrap(choices, usage=_total_usage(gens, [len(r.token_ids) for r in results]))
 
-    return await _run(request, lambda: _generations(served, [ids], opts, "messages"), opts, opts.n,
-                      stream_body, finish_body)
+    return await respond(request, lambda: generations(served, [ids], opts, "messages"), opts, opts.n,
+                         stream_body, finish_body)
 
 
 def _one_constraint(found, tool_use: ToolUse):
@@ -177,7 +197,7 @@ def _one_constraint(found, tool_use: ToolUse):
     return forced or found
 
 
-def _message(tool_use: ToolUse, r: Result) -> tuple[dict, str | None]:
+def chat_message(tool_use: ToolUse, r: Result) -> tuple[dict, str | None]:
     """The assistant message of a finished choice, with its tool calls parsed out, and the finish reason."""
     content, calls = tool_use.extract(r.text) if tool_use.active else (r.text, [])
     if not calls and tool_use.active and r.finish_reason == "length":
@@ -311,8 +331,8 @@ async def completions(request: Request) -> Response:
         u = _total_usage(gens, [0 if score_only else len(r.token_ids) for r in results])
         return env.wrap(choices, usage=u)
 
-    return await _run(request, lambda: _generations(served, prompts, opts, "prompt"), opts,
-                      opts.n * len(prompts), stream_body, finish_body)
+    return await respond(request, lambda: generations(served, prompts, opts, "prompt"), opts,
+                         opts.n * len(prompts), stream_body, finish_body)
 
 
 # --- /v1/models -----------------------------------------------------------------------------------

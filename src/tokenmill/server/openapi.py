@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tokenmill.server import ollama, ollama_models, openai_embeddings, openai_params, runner_api, runner_info
+from tokenmill.server import (ollama, ollama_models, openai_embeddings, openai_params, openai_responses_input,
+                              runner_api, runner_info)
 from tokenmill.server.openapi_fields import FIELDS, INTEGER, OBJECT, OPTIONS, PROMPTS, STRING
 from tokenmill.server.ollama_models import tokenmill_version
 
@@ -22,6 +23,20 @@ OLLAMA_OPTIONS = {"type": "object", "properties": OPTIONS, "description": "Ollam
 # llama-server's prompt: text, token ids, both mixed in one list, or a list of such prompts.
 _MIXED = {"type": "array", "items": {"oneOf": [{"type": "integer", "minimum": 0}, STRING]}}
 RUNNER_PROMPTS = {"oneOf": [STRING, _MIXED, {"type": "array", "items": {"oneOf": [STRING, _MIXED]}}]}
+_REFUSED = {"description": "refused (400) unless null: nothing is stored here"}
+# /v1/responses' fields that mean something else there than in the other APIs, or only there.
+RESPONSES_OVERRIDES = {
+    "input": {"oneOf": [STRING, {"type": "array", "items": OBJECT}],
+              "description": "text, or a list of messages, function calls and function call outputs"},
+    "instructions": {**STRING, "description": "a system message before the input"},
+    "max_output_tokens": {"type": "integer", "minimum": 1},
+    "text": {**OBJECT, "description": "format: text, json_object or json_schema"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "include": {"type": "array", "items": STRING},
+    "truncation": STRING, "reasoning": OBJECT, "max_tool_calls": INTEGER, "prompt": {**OBJECT, **_REFUSED},
+    "previous_response_id": {**STRING, **_REFUSED}, "conversation": _REFUSED, "background": {"type": "boolean",
+                                                                                            **_REFUSED},
+}
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                      overrides={"prompt": PROMPTS, "logprobs": INTEGER}, stream=SSE),
     ("POST", "/v1/embeddings"): _op("Embeddings (OpenAI)", openai_embeddings.FIELDS, overrides={"input": PROMPTS},
                                     required=("input",)),
+    ("POST", "/v1/responses"): _op("A response (OpenAI's Responses API, stateless: the conversation comes as input)",
+                                   openai_responses_input.RESPONSES_FIELDS, overrides=RESPONSES_OVERRIDES,
+                                   required=("input",), stream=SSE),
     ("GET", "/v1/models"): _op("Models (OpenAI)"),
     ("GET", "/v1/models/{model}"): _op("One model (OpenAI)"),
     # operations

@@ -39,7 +39,7 @@ class StreamResponse(StreamingResponse):
                 self._on_close()
 
 
-def _as_api_error(exc: Exception) -> APIError:
+def as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
     log.exception("error while streaming a response")
@@ -52,7 +52,7 @@ def ndjson_response(items: AsyncIterator[dict], *, on_close: Callable[[], None] 
             async for obj in items:
                 yield json.dumps(obj) + "\n"
         except Exception as exc:  # noqa: BLE001 - the status is sent; the error is the last line
-            yield json.dumps(_as_api_error(exc).ollama_body()) + "\n"
+            yield json.dumps(as_api_error(exc).ollama_body()) + "\n"
         finally:
             await items.aclose()  # type: ignore[attr-defined]
 
@@ -66,7 +66,7 @@ def sse_response(items: AsyncIterator[dict], *, on_close: Callable[[], None] | N
             async for obj in items:
                 yield f"data: {json.dumps(obj)}\n\n"
         except Exception as exc:  # noqa: BLE001 - the status is sent; the error is the last event
-            err = _as_api_error(exc)
+            err = as_api_error(exc)
             yield f"data: {json.dumps(err.openai_body() if openai_errors else err.ollama_body())}\n\n"
         finally:
             await items.aclose()  # type: ignore[attr-defined]
