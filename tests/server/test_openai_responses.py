@@ -145,6 +145,8 @@ def test_json_schema_format_constrains_the_text(oai, tiny):
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"top_logprobs": 21}, "top_logprobs"),
+    ({"metadata": "x"}, "metadata"),
+    ({"include": 5}, "include"),
 ])
 def test_what_it_cannot_take_is_a_400_naming_the_field(tiny, extra, param):
     body = {"model": model_name(tiny[1]), "input": "hi", **extra}

@@ -152,19 +152,31 @@ def _response_format(body: dict) -> dict | None:
                       "text.format.type")
 
 
+def _check_harmless(body: dict) -> None:
+    """Fields that change nothing here still have the types OpenAI requires (a 400 otherwise)."""
+    metadata, include = body.get("metadata"), body.get("include")
+    if metadata is not None and (not isinstance(metadata, dict)
+                                 or not all(isinstance(v, str) for v in metadata.values())):
+        raise bad_request("metadata must be an object of string values", "metadata")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(v, str) for v in include)):
+        raise bad_request("include must be a list of strings", "include")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise bad_request("store must be true or false", "store")
+
+
 def chat_body(body: dict) -> dict:
     """The chat completions body a Responses request amounts to (a 400 for what it cannot)."""
     warn_unknown(body, RESPONSES_FIELDS, "/v1/responses")
     for name, why in _REFUSED.items():
         if body.get(name) not in (None, False):
             raise bad_request(f"{name}: {why}", name)
+    _check_harmless(body)
     chat = {k: body[k] for k in _SAME if k in body}
     chat["messages"] = _messages(body)
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = get_int(body, "max_output_tokens", lo=1)
     top = get_int(body, "top_logprobs", lo=0, hi=20)
-    include = body.get("include") or []
-    if top or (isinstance(include, list) and "message.output_text.logprobs" in include):
+    if top or "message.output_text.logprobs" in (body.get("include") or []):
         chat["logprobs"], chat["top_logprobs"] = True, top or 0
     for key, value in (("tools", _tools(body)), ("tool_choice", _tool_choice(body.get("tool_choice"))),
                        ("response_format", _response_format(body))):
