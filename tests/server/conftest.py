@@ -1,5 +1,6 @@
 """Live servers for the HTTP tests: one tiny-model server shared by the session (cheap to load,
-enough for protocol behaviour), and a SmolLM2 one for the few real-model checks."""
+enough for protocol behaviour), one with a longer context for tool listings, and a SmolLM2 one for
+the few real-model checks."""
 from __future__ import annotations
 
 import httpx
@@ -9,12 +10,19 @@ from server_helpers import start_server, wait_idle
 from tiny_model import TinyLlamaSpec, write_tiny_llama
 
 
+def serving(path, ready_within: float = 60, **settings):
+    """A server on the model at path, once it is ready; stopped when the fixture ends."""
+    server, host = start_server(str(path), **settings)
+    try:
+        assert host.wait_ready(ready_within), host.error
+        yield server, host
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_gguf):
-    server, host = start_server(str(tiny_gguf))
-    assert host.wait_ready(60), host.error
-    yield server, host
-    server.stop()
+    yield from serving(tiny_gguf)
 
 
 @pytest.fixture
@@ -43,11 +51,25 @@ def store(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def long_tiny_server(tmp_path_factory):
+    """A tiny model with room for a tool listing: 1,024 tokens of context (its tokens are about one byte
+    each). Modules that need it override `tiny` with it."""
+    path = write_tiny_llama(tmp_path_factory.mktemp("long-tiny") / "tiny-1k.gguf", TinyLlamaSpec(context_length=1024))
+    yield from serving(path)
+
+
+@pytest.fixture
+def oai(tiny):
+    """The official `openai` client, unchanged, on the module's `tiny` server."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{tiny[0]}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
 def smol_server(smollm2_path):
-    server, host = start_server(str(smollm2_path), dtype="bf16", kv_size=4096)
-    assert host.wait_ready(180), host.error
-    yield server, host
-    server.stop()
+    yield from serving(smollm2_path, 180, dtype="bf16", kv_size=4096)
 
 
 @pytest.fixture

@@ -13,13 +13,6 @@ from tiny_model import CHATML_TEMPLATE, write_tiny_llama
 HI = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture
-def oai(tiny):
-    url, _ = tiny
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
 def refused(call, param: str) -> str:
     with pytest.raises(openai.BadRequestError) as info:
         call()

@@ -9,13 +9,6 @@ import pytest
 from server_helpers import model_name
 
 
-@pytest.fixture
-def oai(tiny):
-    url, _ = tiny
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
 def test_chat_non_streaming(oai, tiny):
     name = model_name(tiny[1])
     r = oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "hello"}], max_tokens=5,

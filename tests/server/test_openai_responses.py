@@ -8,11 +8,9 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from server_helpers import model_name, start_server, wait_idle
-from tiny_model import TinyLlamaSpec, write_tiny_llama
+from server_helpers import model_name, wait_idle
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
@@ -22,28 +20,12 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def long_tiny_server(tmp_path_factory):
-    """A tiny model with room for a tool listing (its tokens are about one byte each)."""
-    path = write_tiny_llama(tmp_path_factory.mktemp("responses") / "tiny-1k.gguf", TinyLlamaSpec(context_length=1024))
-    server, host = start_server(str(path))
-    assert host.wait_ready(60), host.error
-    yield server, host
-    server.stop()
-
-
 @pytest.fixture
 def tiny(long_tiny_server):
-    """Overrides conftest's `tiny`; checks nothing leaked after each test."""
+    """Overrides conftest's `tiny` with the 1k-context model (room for a tool listing); checks nothing leaked."""
     server, host = long_tiny_server
     yield server.url, host
     wait_idle(host)
-
-
-@pytest.fixture
-def oai(tiny):
-    with openai.OpenAI(base_url=f"{tiny[0]}/v1", api_key="unused", max_retries=0) as c:
-        yield c
 
 
 def test_text_matches_chat_on_the_same_conversation(oai, tiny):

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server_helpers import model_name, start_server, stream_calls, wait_idle
-from tiny_model import TinyLlamaSpec, write_tiny_llama
+from server_helpers import model_name, stream_calls, wait_idle
 from tokenmill.server.chat import normalize_messages
 from tokenmill.server.errors import APIError
 from tokenmill.server.tool_stream import ToolCallStream
@@ -148,28 +146,12 @@ def test_a_template_with_tools_gets_them_and_the_arguments_as_objects(tiny_token
         "[get_weather][get_time]<Oslo>"
 
 
-@pytest.fixture(scope="module")
-def long_tiny_server(tmp_path_factory):
-    """A tiny model with room for the tool listing (its tokens are about one byte each)."""
-    path = write_tiny_llama(tmp_path_factory.mktemp("tools") / "tiny-1k.gguf", TinyLlamaSpec(context_length=1024))
-    server, host = start_server(str(path))
-    assert host.wait_ready(60), host.error
-    yield server, host
-    server.stop()
-
-
 @pytest.fixture
 def tiny(long_tiny_server):
-    """Overrides conftest's `tiny`, so its `client` talks to this server."""
+    """Overrides conftest's `tiny` with the 1k-context model, so `client` and `oai` talk to it."""
     server, host = long_tiny_server
     yield server.url, host
     wait_idle(host)
-
-
-@pytest.fixture
-def oai(tiny):
-    with openai.OpenAI(base_url=f"{tiny[0]}/v1", api_key="unused", max_retries=0) as c:
-        yield c
 
 
 def check_call(call, name: str | None = None) -> None:
