@@ -71,9 +71,18 @@ def normalize_messages(messages: Any, field: str = "messages", *, text_arguments
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict], *, tools: list | None = None,
-                add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+                add_generation_prompt: bool = True, continue_final_message: bool = False, **extra: Any) -> list[int]:
     """Template-rendered prompt ids. The template writes the special tokens (BOS included) itself,
-    so the text is encoded without adding them again, as transformers does."""
+    so the text is encoded without adding them again, as transformers does. continue_final_message:
+    the final (assistant) message is left open, the prompt ending with its text, so the model goes on
+    writing it (an assistant prefill: transformers' and vLLM's flag, what Ollama's /api/chat does
+    with a final assistant message)."""
+    if continue_final_message:
+        final = messages[-1] if messages else {}
+        if final.get("role") != "assistant" or not (final.get("content") or "").strip():
+            raise bad_request("continue_final_message needs the last message to be the assistant's, with text",
+                              "messages")
+        add_generation_prompt = False
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              **({"tools": tools} if tools else {}), **extra)
@@ -81,7 +90,21 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], *, tools: list | Non
         raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
     except TokenizerError as exc:
         raise bad_request(str(exc), "messages") from None
+    if continue_final_message:
+        text = _cut_after_final(text, messages[-1]["content"])
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """The rendered chat up to the end of the final message's text: what the template writes after it
+    (the end of the turn) is dropped. Templates may strip a message's text, so its stripped form is what
+    is looked for, and the last occurrence (as transformers does)."""
+    final = final.strip()
+    at = text.rfind(final)
+    if at < 0:
+        raise bad_request("the chat template does not write the last message's text as it is, so it cannot be "
+                          "continued", "messages")
+    return text[:at + len(final)]
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:

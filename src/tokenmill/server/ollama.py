@@ -225,9 +225,18 @@ async def chat(request: Request) -> Response:
     constraint = ollama_spec(body)
     tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
     messages, tools = prepare_messages(tok, profiles.chat_messages(messages, served.profile), tool_use)
-    ids = await off_loop(lambda: render_chat(tok, messages, tools=tools), chars_in(messages))
+    prefill = ends_in_prefill(messages)
+    ids = await off_loop(lambda: render_chat(tok, messages, tools=tools, continue_final_message=prefill),
+                         chars_in(messages))
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "messages")
+
+
+def ends_in_prefill(messages: list[dict]) -> bool:
+    """Whether the conversation ends with the assistant's own text, which Ollama's /api/chat continues
+    (the answer is what the model writes after it) rather than answering with a new turn."""
+    final = messages[-1]
+    return final["role"] == "assistant" and bool(final.get("content", "").strip()) and not final.get("tool_calls")
 
 
 def keep_alive_field(body: dict) -> object:

@@ -45,9 +45,9 @@ HARMLESS = {"user", "store", "metadata", "service_tier", "safety_identifier",
 REFUSED_CHAT = {"audio", "functions", "function_call", "web_search_options"}
 CHAT_FIELDS = SAMPLING_FIELDS | HARMLESS | REFUSED_CHAT | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "add_generation_prompt", "chat_template_kwargs"}
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 # Names chat_template_kwargs may not use: the renderer's own arguments, set by the request's own fields.
-RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | HARMLESS | {"prompt", "echo", "suffix", "best_of"}
 
 
@@ -153,14 +153,21 @@ def refuse_unsupported(body: dict) -> None:
 
 def template_options(body: dict) -> dict:
     """The chat template's arguments a request may set: vLLM's add_generation_prompt (false: the
-    prompt ends with the last message, e.g. to continue it) and chat_template_kwargs, variables the
-    template reads (Qwen3's enable_thinking, documents, ...)."""
+    prompt ends with the last message's turn closed) and continue_final_message (the last, assistant,
+    message left open for the model to go on writing: an assistant prefill), and chat_template_kwargs,
+    variables the template reads (Qwen3's enable_thinking, documents, ...)."""
     extra = get_dict(body, "chat_template_kwargs")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
     if reserved:
         raise bad_request(f"chat_template_kwargs.{reserved[0]} cannot be set there; it comes from the request's "
                           "own fields", "chat_template_kwargs")
-    return {**extra, "add_generation_prompt": bool(get_bool(body, "add_generation_prompt", True))}
+    continue_final = bool(get_bool(body, "continue_final_message", False))
+    if continue_final and get_bool(body, "add_generation_prompt", False):
+        # As vLLM: a new turn opened after the message that is to be continued is a contradiction.
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
+    return {**extra, "add_generation_prompt": bool(get_bool(body, "add_generation_prompt", not continue_final)),
+            "continue_final_message": continue_final}
 
 
 def get_truncate(body: dict) -> int | None:

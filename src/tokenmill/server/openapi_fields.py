@@ -83,6 +83,8 @@ FIELDS: dict[str, dict] = {
     "with_pieces": described(BOOLEAN, "each token as {id, piece}: its text, or its bytes where not whole UTF-8"),
     "add_generation_prompt": described(BOOLEAN, "end the prompt with the assistant's turn opening (default "
                                                 "true); false: it ends with the last message"),
+    "continue_final_message": described(BOOLEAN, "leave the last (assistant) message open, so the answer goes "
+                                                 "on writing it (vLLM's assistant prefill)"),
     "chat_template_kwargs": described(OBJECT, "variables for the chat template (e.g. enable_thinking); not "
                                               "messages, tools or add_generation_prompt"),
     "truncate": described(BOOLEAN, "cut an input longer than the context instead of rejecting it"),
