@@ -78,7 +78,8 @@ class Unloader:
                 return budget - used - need
             if victim is not None:
                 log.info("unloading %s to make room for %s", victim.name, load.spec.model)
-                self._shutdown(victim)
+                handed, victim, others = [victim], None, []  # _shutdown holds the only reference
+                self._shutdown(handed)
                 continue
             if not others and not releasing:
                 raise NoRoomError(f"model {load.label} needs {need / 1e9:.2f} GB, more than the "
@@ -95,16 +96,23 @@ class Unloader:
             served.latest_keep_alive, served.expires_at = 0, time.time()
         self._wake_reaper.set()
 
-    def _forget(self, served: ServedModel) -> None:
-        """Under the lock: take `served` out of the tables (its engine is shut down after, by _shutdown)."""
+    def _forget(self, *models: ServedModel) -> None:
+        """Under the lock: take `models` out of the tables (their engines are shut down after, by _shutdown)."""
         for key, m in list(self._models.items()):
-            if m is served:
+            if any(m is served for served in models):
                 del self._models[key]
-        self._releasing += 1
+        self._releasing += len(models)
 
-    def _shutdown(self, served: ServedModel) -> None:
+    def _shutdown(self, handed: list[ServedModel]) -> None:
+        """Shut down the last model of `handed`, taking it out: the list holds the caller's only reference,
+        so once the engine has stopped the model's memory goes with this frame's, before the collection
+        and the heap trim below and before `releasing` says it has gone (held by a caller's local, it went
+        when that returned: after the trim, and after a test reading RSS had seen it counted)."""
+        served = handed.pop()
+        name = served.name
         try:
             served.aengine.shutdown()
+            del served
             gc.collect()  # the engine's tensors go now, not at some later collection
             # glibc keeps what a model's threads freed in its malloc arenas: without this, every
             # load/unload cycle of a 100 MB model left ~70 MB more resident
@@ -113,7 +121,7 @@ class Unloader:
         finally:
             with self._lock:
                 self._releasing -= 1
-        log.info("unloaded model %s", served.name)
+        log.info("unloaded model %s", name)
 
     def retire(self, old: ServedModel) -> None:
         """Shut `old` (a default model /load replaced, already out of the table) down on its own thread
@@ -138,9 +146,8 @@ class Unloader:
         now = time.time()
         with self._lock:
             expired = [m for m in self._models.values() if m.expires_at is not None and m.expires_at <= now and m.idle]
-            for m in expired:
-                self._forget(m)
-        for m in expired:
-            log.info("model %s expired (keep_alive)", m.name)
-            self._shutdown(m)
+            self._forget(*expired)
+        while expired:
+            log.info("model %s expired (keep_alive)", expired[-1].name)
+            self._shutdown(expired)
 
