@@ -50,10 +50,10 @@ def store(tmp_path, monkeypatch):
     return models
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def long_tiny_server(tmp_path_factory):
     """A tiny model with room for a tool listing: 1,024 tokens of context (its tokens are about one byte
-    each). Modules that need it override `tiny` with it."""
+    each). Modules that need it override `tiny` with it; it stops with the module."""
     path = write_tiny_llama(tmp_path_factory.mktemp("long-tiny") / "tiny-1k.gguf", TinyLlamaSpec(context_length=1024))
     yield from serving(path)
 

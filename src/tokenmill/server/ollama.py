@@ -236,7 +236,7 @@ def ends_in_prefill(messages: list[dict]) -> bool:
     """Whether the conversation ends with the assistant's own text, which Ollama's /api/chat continues
     (the answer is what the model writes after it) rather than answering with a new turn."""
     final = messages[-1]
-    return final["role"] == "assistant" and bool(final.get("content", "").strip()) and not final.get("tool_calls")
+    return final["role"] == "assistant" and bool((final.get("content") or "").strip()) and not final.get("tool_calls")
 
 
 def keep_alive_field(body: dict) -> object:

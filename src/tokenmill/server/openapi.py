@@ -33,9 +33,9 @@ RESPONSES_OVERRIDES = {
     "text": {**OBJECT, "description": "format: text, json_object or json_schema"},
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
     "include": {"type": "array", "items": STRING},
-    "truncation": STRING, "reasoning": OBJECT, "max_tool_calls": INTEGER, "prompt": {**OBJECT, **_REFUSED},
-    "previous_response_id": {**STRING, **_REFUSED}, "conversation": _REFUSED, "background": {"type": "boolean",
-                                                                                            **_REFUSED},
+    "truncation": STRING, "reasoning": OBJECT, "max_tool_calls": INTEGER,
+    "prompt": {**OBJECT, **_REFUSED}, "previous_response_id": {**STRING, **_REFUSED}, "conversation": _REFUSED,
+    "background": {"type": "boolean", **_REFUSED},
 }
 
 
