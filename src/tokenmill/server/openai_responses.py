@@ -26,7 +26,7 @@ from tokenmill.server.generation import Generation, Result, all_deltas
 from tokenmill.server.logprobs import chat_entries
 from tokenmill.server.openai import ChatJob, chat_message, generations, prepare_chat, respond
 from tokenmill.server.openai_responses_input import chat_body, in_responses_terms
-from tokenmill.server.streaming import StreamResponse, as_api_error
+from tokenmill.server.streaming import SSE_HEADERS, StreamResponse, as_api_error
 from tokenmill.server.validation import read_json
 
 
@@ -231,8 +231,7 @@ def event_stream_response(events: AsyncIterator[dict], *, on_close=None) -> Stre
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 
-    return StreamResponse(body(), media_type="text/event-stream", on_close=on_close,
-                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamResponse(body(), media_type="text/event-stream", on_close=on_close, headers=SSE_HEADERS)
 
 
 async def responses(request: Request) -> Response:

@@ -17,6 +17,8 @@ from starlette.types import Receive, Scope, Send
 from tokenmill.server.errors import APIError
 
 log = logging.getLogger("tokenmill.server")
+# An event stream is not cached, nor buffered by a proxy in front (nginx's X-Accel-Buffering).
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class ClientGone(Exception):
@@ -73,8 +75,7 @@ def sse_response(items: AsyncIterator[dict], *, on_close: Callable[[], None] | N
         if done_marker:
             yield "data: [DONE]\n\n"
 
-    return StreamResponse(body(), media_type="text/event-stream", on_close=on_close,
-                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamResponse(body(), media_type="text/event-stream", on_close=on_close, headers=SSE_HEADERS)
 
 
 async def _disconnected(request: Request) -> None:
