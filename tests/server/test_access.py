@@ -44,14 +44,20 @@ def test_every_route_but_health_needs_the_key(keyed):
         assert r.headers["www-authenticate"] == "Bearer"
         body = r.json()
         message = body["error"]["message"] if path.startswith("/v1/") else body["error"]
+        if path.startswith("/v1/messages"):  # Anthropic's error shape
+            assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
         assert "API key" in message, (path, body)
         wrong = keyed.request(method, path, json={}, headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401, (method, path)
+        assert keyed.request(method, path, json={}, headers={"x-api-key": "nope"}).status_code == 401
+        # A wrong Bearer token is not rescued by a right x-api-key: the Bearer token is the one read.
+        both = {"Authorization": "Bearer nope", "x-api-key": KEY}
+        assert keyed.request(method, path, json={}, headers=both).status_code == 401, (method, path)
 
 
 def test_the_right_key_passes_and_health_needs_none(keyed):
     assert keyed.get("/health").status_code == 503  # no model loaded: answered, not refused
-    for headers in ({"Authorization": f"Bearer {KEY}"}, {"Authorization": f"bearer {KEY}"}):
+    for headers in ({"Authorization": f"Bearer {KEY}"}, {"Authorization": f"bearer {KEY}"}, {"x-api-key": KEY}):
         r = keyed.get("/api/version", headers=headers)
         assert r.status_code == 200, r.text
     r = keyed.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},

@@ -22,7 +22,8 @@ from tokenmill.ray.asgi_bridge import ForwardedRequest, ResponseStart
 from tokenmill.ray.metrics import render
 from tokenmill.ray.router_stats import ROUTER_STATS
 from tokenmill.ray.routing_key import RoutingKeyMaker
-from tokenmill.server.errors import APIError, error_response, is_openai_path, stream_error_line
+from tokenmill.server.access import presented_key
+from tokenmill.server.errors import APIError, error_response, is_anthropic_path, stream_error_line
 from tokenmill.server.metrics import CONTENT_TYPE
 from tokenmill.tokenizer import Tokenizer
 
@@ -58,8 +59,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 def _error_tail(start: ResponseStart, path: str, err: APIError) -> bytes:
     """The last chunk of a stream that broke after it began: an SSE event or an NDJSON line."""
     content_type = dict(start.headers).get(b"content-type", b"")
-    line = stream_error_line(err, is_openai_path(path))
-    return f"data: {line}\n\n".encode() if b"event-stream" in content_type else f"{line}\n".encode()
+    line = stream_error_line(err, path)
+    if b"event-stream" not in content_type:
+        return f"{line}\n".encode()
+    # Anthropic's SDK reads an error from an `event: error` event; OpenAI's from any data line.
+    event = "event: error\n" if is_anthropic_path(path) else ""
+    return f"{event}data: {line}\n\n".encode()
 
 
 class TokenmillIngress:
@@ -75,8 +80,8 @@ class TokenmillIngress:
     def _authorized(self, request: Request) -> bool:
         if not self.settings.api_key:
             return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.settings.api_key}".encode())
+        given = presented_key({k: v for k, v in request.headers.raw})
+        return hmac.compare_digest(given, self.settings.api_key.encode())
 
     async def __call__(self, request: Request) -> Response:
         method, path = request.method, request.url.path

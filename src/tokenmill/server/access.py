@@ -1,8 +1,9 @@
 """Who may call the server and how much they may send: on a server that listens on loopback, only
 requests addressed to a loopback name (the DNS rebinding guard), an API key (Bearer, as vLLM and
-llama-server take it) on every route but /health, CORS origins as Ollama's OLLAMA_ORIGINS (localhost
-origins by default, so a web page elsewhere cannot drive a local server), a request body size limit,
-and a time limit on receiving the body (a client that sends headers then dribbles the body gets 408).
+llama-server take it, or x-api-key, as Anthropic's clients send it) on every route but /health, CORS
+origins as Ollama's OLLAMA_ORIGINS (localhost origins by default, so a web page elsewhere cannot drive
+a local server), a request body size limit, and a time limit on receiving the body (a client that
+sends headers then dribbles the body gets 408).
 
 Plain ASGI middleware, outside the routes: a rejected request never reaches a handler, and a
 handler never has to remember to check."""
@@ -132,6 +133,15 @@ def parse_allowed_hosts(value: str) -> list[str]:
     return [h.strip() for h in value.split(",") if h.strip()]
 
 
+def presented_key(headers: dict[bytes, bytes]) -> bytes:
+    """The API key a request carries: `Authorization: Bearer <key>` (OpenAI's and Ollama's clients), or
+    `x-api-key: <key>` (Anthropic's SDK, as llama-server takes it); b"" without one."""
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    if scheme.lower() == b"bearer":
+        return token.strip()
+    return headers.get(b"x-api-key", b"").strip()
+
+
 class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -141,10 +151,9 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         # Constant-time comparison: the time taken says nothing about how much of a guess was right.
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-            err = APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+        if not hmac.compare_digest(presented_key(dict(scope["headers"])), self.key):
+            err = APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
                            code="invalid_api_key")
             await _reject(scope, receive, send, err, {"WWW-Authenticate": "Bearer"})
             return

@@ -1,5 +1,6 @@
 """One exception type for every client-facing failure, rendered in the shape each API's clients
-parse: OpenAI's envelope under /v1, Ollama's `{"error": "..."}` everywhere else.
+parse: Anthropic's under /v1/messages, OpenAI's envelope elsewhere under /v1, Ollama's
+`{"error": "..."}` everywhere else.
 
 Whatever a message says, a client never reads where the server keeps its files in it: a path under
 the models directory, TOKENMILL_HOME, the home, working or temporary directory is cut to its last
@@ -31,6 +32,16 @@ _OPENAI_TYPES = {
     413: "invalid_request_error",
     503: "service_unavailable_error",
 }
+# Anthropic's error `type` for each status (its SDK, too, picks the exception class by status).
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class APIError(Exception):
@@ -60,6 +71,10 @@ class APIError(Exception):
 
     def ollama_body(self) -> dict:
         return {"error": self.public_message}
+
+    def anthropic_body(self) -> dict:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.public_message}}
 
 
 def _server_roots() -> list[str]:
@@ -108,12 +123,19 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/")
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def body_for_path(path: str, err: APIError) -> dict:
+    """The error body in the shape of the API a path belongs to."""
+    if is_anthropic_path(path):
+        return err.anthropic_body()
+    return err.openai_body() if path.startswith("/v1/") else err.ollama_body()
 
 
 def error_body(request: Request, err: APIError) -> dict:
-    return err.openai_body() if is_openai_path(request.url.path) else err.ollama_body()
+    return body_for_path(request.url.path, err)
 
 
 def error_response(request: Request, err: APIError) -> JSONResponse:
@@ -136,8 +158,7 @@ async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     return error_response(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
-def stream_error_line(err: APIError, openai: bool) -> str:
+def stream_error_line(err: APIError, path: str) -> str:
     """An error that happens after a stream began: the status is already sent, so it travels as the
-    final chunk (an SSE event for OpenAI clients, an NDJSON line for Ollama clients)."""
-    body = err.openai_body() if openai else err.ollama_body()
-    return json.dumps(body)
+    final chunk (an SSE event's data for OpenAI and Anthropic clients, an NDJSON line for Ollama's)."""
+    return json.dumps(body_for_path(path, err))
