@@ -67,6 +67,7 @@ class Result:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    stop_string: str | None = None  # which of the request's stop strings ended it, if one did
 
     def add(self, d: TextDelta) -> None:
         self.text += d.text
@@ -74,6 +75,7 @@ class Result:
         self.logprobs += d.logprobs or []
         self.top_logprobs += d.top_logprobs or []
         self.finish_reason = d.finish_reason or self.finish_reason
+        self.stop_string = d.stop_string or self.stop_string
         self.num_prompt_tokens = d.num_prompt_tokens
         self.num_cached_tokens = d.num_cached_tokens
         if d.prompt_logprobs is not None:

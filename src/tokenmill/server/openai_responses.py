@@ -11,7 +11,6 @@ status `incomplete` when max_output_tokens cut the output)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +25,7 @@ from tokenmill.server.generation import Generation, Result, all_deltas
 from tokenmill.server.logprobs import chat_entries
 from tokenmill.server.openai import ChatJob, chat_message, generations, prepare_chat, respond
 from tokenmill.server.openai_responses_input import chat_body, in_responses_terms
-from tokenmill.server.streaming import SSE_HEADERS, StreamResponse, as_api_error
+from tokenmill.server.streaming import as_api_error, event_stream_response
 from tokenmill.server.validation import read_json
 
 
@@ -223,17 +222,6 @@ async def _events(body: dict, job: ChatJob, gens: list[Generation]) -> AsyncIter
     yield events.event("response.completed", response=view.snapshot())
 
 
-def event_stream_response(events: AsyncIterator[dict], *, on_close=None) -> StreamResponse:
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for ev in events:
-                yield f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
-
-    return StreamResponse(body(), media_type="text/event-stream", on_close=on_close, headers=SSE_HEADERS)
-
-
 async def responses(request: Request) -> Response:
     body = await read_json(request)
     chat = chat_body(body)
@@ -248,7 +236,6 @@ async def responses(request: Request) -> Response:
 
     return await respond(request, lambda: generations(job.served, [job.prompt_ids], job.opts, "input"), job.opts, 1,
                          lambda gens: _events(body, job, gens), finish_body, stream_response=event_stream_response)
-
 
 
 def routes() -> list[Route]:

@@ -1,4 +1,4 @@
-"""Streaming responses (Ollama's NDJSON, OpenAI's SSE) and client-disconnect handling.
+"""Streaming responses (Ollama's NDJSON, OpenAI's SSE, typed SSE events) and client-disconnect handling.
 
 Whatever way a response ends (finished, client gone, error), the body iterator is closed, which
 aborts its engine requests, and the request's admission slot is released."""
@@ -74,6 +74,20 @@ def sse_response(items: AsyncIterator[dict], *, on_close: Callable[[], None] | N
             await items.aclose()  # type: ignore[attr-defined]
         if done_marker:
             yield "data: [DONE]\n\n"
+
+    return StreamResponse(body(), media_type="text/event-stream", on_close=on_close, headers=SSE_HEADERS)
+
+
+def event_stream_response(events: AsyncIterator[dict], *, on_close: Callable[[], None] | None = None
+                          ) -> StreamResponse:
+    """Typed server-sent events, each as an `event: <its type>` line and its JSON (OpenAI's Responses
+    API and Anthropic's Messages API stream so); the generator sends its own error event."""
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for ev in events:
+                yield f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
 
     return StreamResponse(body(), media_type="text/event-stream", on_close=on_close, headers=SSE_HEADERS)
 
