@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenmill.config import Config
-from tokenmill.server import (access, blobs, metrics, ollama, ollama_models, openai, openai_responses, openapi,
-                              runner_api, runner_info)
+from tokenmill.server import (access, anthropic_messages, blobs, metrics, ollama, ollama_models, openai,
+                              openai_responses, openapi, runner_api, runner_info)
 from tokenmill.server.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from tokenmill.server.model_host import ModelHost
 from tokenmill.server.streaming import ClientGone
@@ -53,7 +53,8 @@ def create_app(host: ModelHost, settings: Config | None = None, *, fetcher: Fetc
     settings = settings or Config()
     app = Starlette(
         routes=[*runner_api.routes(), *runner_info.routes(), *ollama_models.routes(), *blobs.routes(),
-                *ollama.routes(), *openai.routes(), *openai_responses.routes(), *metrics.routes(), *openapi.routes()],
+                *ollama.routes(), *openai.routes(), *openai_responses.routes(), *anthropic_messages.routes(),
+                *metrics.routes(), *openapi.routes()],
         exception_handlers={
             APIError: handle_api_error,
             HTTPException: handle_http_exception,

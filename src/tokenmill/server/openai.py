@@ -119,7 +119,8 @@ class ChatJob:
 
 async def prepare_chat(request: Request, body: dict) -> ChatJob:
     """A chat completions body checked, its messages rendered by the model's template and its
-    constraint compiled (shared with /v1/responses, which is translated into such a body)."""
+    constraint compiled (shared with /v1/responses and Anthropic's /v1/messages, which are translated
+    into such a body)."""
     served = await model_for(request, get_model_name(body))
     body = profiles.openai_body(body, served.profile)
     opts = parse_options(body, chat=True)

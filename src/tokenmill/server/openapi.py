@@ -13,9 +13,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tokenmill.server import (ollama, ollama_models, openai_embeddings, openai_params, openai_responses_input,
-                              runner_api, runner_info)
+from tokenmill.server import (anthropic_input, ollama, ollama_models, openai_embeddings, openai_params,
+                              openai_responses_input, runner_api, runner_info)
 from tokenmill.server.openapi_fields import FIELDS, INTEGER, OBJECT, OPTIONS, PROMPTS, STRING
+from tokenmill.server.errors import is_anthropic_path
 from tokenmill.server.ollama_models import tokenmill_version
 
 NDJSON, SSE, JSON, TEXT = "application/x-ndjson", "text/event-stream", "application/json", "text/plain"
@@ -24,6 +25,7 @@ OLLAMA_OPTIONS = {"type": "object", "properties": OPTIONS, "description": "Ollam
 _MIXED = {"type": "array", "items": {"oneOf": [{"type": "integer", "minimum": 0}, STRING]}}
 RUNNER_PROMPTS = {"oneOf": [STRING, _MIXED, {"type": "array", "items": {"oneOf": [STRING, _MIXED]}}]}
 _REFUSED = {"description": "refused (400) unless null: nothing is stored here"}
+_REFUSED_NON_EMPTY = {"description": "refused (400) unless null or empty: not supported here"}
 # /v1/responses' fields that mean something else there than in the other APIs, or only there.
 RESPONSES_OVERRIDES = {
     "input": {"oneOf": [STRING, {"type": "array", "items": OBJECT}],
@@ -36,6 +38,32 @@ RESPONSES_OVERRIDES = {
     "truncation": STRING, "reasoning": OBJECT, "max_tool_calls": INTEGER,
     "prompt": {**OBJECT, **_REFUSED}, "previous_response_id": {**STRING, **_REFUSED}, "conversation": _REFUSED,
     "background": {"type": "boolean", **_REFUSED},
+}
+
+# /v1/messages' (Anthropic's) fields that mean something else there.
+_TEXT_BLOCKS = {"oneOf": [STRING, {"type": "array", "items": OBJECT}]}
+_ANTHROPIC_MESSAGE = {"type": "object", "required": ["role", "content"],
+                      "properties": {"role": {"type": "string", "enum": ["user", "assistant"]},
+                                     "content": _TEXT_BLOCKS}}
+MESSAGES_OVERRIDES = {
+    "messages": {"type": "array", "items": _ANTHROPIC_MESSAGE,
+                 "description": "user and assistant turns: text, tool_use and tool_result blocks; a final "
+                                "assistant message is continued"},
+    "system": {**_TEXT_BLOCKS, "description": "the system prompt: text or text blocks"},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "stop_sequences": {"type": "array", "items": STRING},
+    "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"],
+                                         "properties": {"name": STRING, "description": STRING,
+                                                        "input_schema": OBJECT}}},
+    "tool_choice": {**OBJECT, "description": 'auto, any, none, or {"type": "tool", "name": ...}'},
+    "thinking": {**OBJECT, "description": "accepted; no model here has a thinking mode"},
+    "output_config": {**OBJECT, "description": 'format: {"type": "json_schema", "schema": ...} (structured output)'},
+    "output_format": {**OBJECT, "description": "older spelling of output_config.format"},
+    **{k: {**v, "description": "accepted; no effect"} for k, v in {
+        "cache_control": OBJECT, "diagnostics": OBJECT, "inference_geo": STRING, "speed": STRING,
+        "user_profile_id": STRING, "workspace_id": STRING}.items()},
+    "mcp_servers": {"type": "array", "items": OBJECT, **_REFUSED_NON_EMPTY},
+    "container": {**STRING, **_REFUSED_NON_EMPTY},
 }
 
 
@@ -104,6 +132,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                    openai_responses_input.RESPONSES_FIELDS, overrides=RESPONSES_OVERRIDES,
                                    required=("input",), stream=SSE),
     ("GET", "/v1/models"): _op("Models (OpenAI)"),
+    # Anthropic
+    ("POST", "/v1/messages"): _op("A message (Anthropic's Messages API)", anthropic_input.MESSAGES_FIELDS,
+                                  overrides=MESSAGES_OVERRIDES, required=("messages", "max_tokens"), stream=SSE),
+    ("POST", "/v1/messages/count_tokens"): _op("The input tokens of a Messages request",
+                                               anthropic_input.COUNT_FIELDS, overrides=MESSAGES_OVERRIDES,
+                                               required=("messages",)),
     ("GET", "/v1/models/{model}"): _op("One model (OpenAI)"),
     # operations
     ("GET", "/metrics"): _op("Prometheus metrics", response=TEXT),
@@ -111,6 +145,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 }
 
 OLLAMA_ERROR = {"type": "object", "required": ["error"], "properties": {"error": STRING}}
+ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"},
+    "error": {"type": "object", "required": ["type", "message"], "properties": {"type": STRING, "message": STRING}}}}
 OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
     "properties": {"message": STRING, "type": STRING, "param": {"type": ["string", "null"]},
@@ -138,12 +175,14 @@ def _operation(method: str, path: str, op: Operation, secured: bool) -> dict:
     content = {op.response: {"schema": OBJECT if op.response == JSON else STRING}}
     if op.stream:
         content[op.stream] = {"schema": STRING}
-    error = "#/components/schemas/OpenAIError" if path.startswith("/v1/") else "#/components/schemas/OllamaError"
+    error = ("AnthropicError" if is_anthropic_path(path) else "OpenAIError" if path.startswith("/v1/")
+             else "OllamaError")
     out: dict = {
         "summary": op.summary,
         "operationId": f"{method.lower()}_{re.sub(r'[^a-z0-9]+', '_', path.lower()).strip('_') or 'root'}",
         "responses": {"200": {"description": "success", "content": content},
-                      "default": {"description": "an error, as JSON", "content": {JSON: {"schema": {"$ref": error}}}}},
+                      "default": {"description": "an error, as JSON",
+                                  "content": {JSON: {"schema": {"$ref": f"#/components/schemas/{error}"}}}}},
     }
     params = re.findall(r"\{(\w+)\}", path)
     if params:
@@ -165,7 +204,8 @@ def document(routes: list[Route], *, secured: bool) -> dict:
         path = openapi_path(route.path)
         for method in sorted((route.methods or set()) - {"HEAD"}):
             paths.setdefault(path, {})[method.lower()] = _operation(method, path, OPERATIONS[(method, path)], secured)
-    components: dict = {"schemas": {"OllamaError": OLLAMA_ERROR, "OpenAIError": OPENAI_ERROR}}
+    components: dict = {"schemas": {"OllamaError": OLLAMA_ERROR, "OpenAIError": OPENAI_ERROR,
+                                    "AnthropicError": ANTHROPIC_ERROR}}
     if secured:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return {"openapi": "3.1.0", "info": {"title": "tokenmill", "version": tokenmill_version()},
