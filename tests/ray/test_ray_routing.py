@@ -64,6 +64,11 @@ def test_routing_key_renders_chat_like_the_server(tiny_tokenizer):
     assert key.blocks == request_keys(ids, BS, 256)
     assert key.session == "s1"
     assert maker.key("/api/chat", json.dumps({"messages": messages}).encode(), {}).blocks == key.blocks
+    # The Responses and Messages APIs render the same conversation as the chat endpoint does.
+    responses = {"instructions": "be brief", "input": "hello there, how are you?"}
+    assert maker.key("/v1/responses", json.dumps(responses).encode(), {}).blocks == key.blocks
+    anthropic = {"system": "be brief", "max_tokens": 5, "messages": messages[1:]}
+    assert maker.key("/v1/messages", json.dumps(anthropic).encode(), {}).blocks == key.blocks
 
 
 @pytest.mark.parametrize("path, body", [
@@ -80,6 +85,7 @@ def test_routing_key_of_plain_prompts(tiny_tokenizer, path, body):
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", b"{not json"),
     ("/v1/chat/completions", b'{"messages": "not a list"}'),
+    ("/v1/messages", b'{"messages": [{"role": "system", "content": "not here"}], "max_tokens": 5}'),
     ("/api/tags", b""),
     ("/v1/embeddings", b'{"input": "text"}'),
 ])

@@ -10,7 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from tokenmill.ray.prefix_summary import RoutingKey, request_keys
+from tokenmill.server.anthropic_input import chat_body as messages_chat_body
 from tokenmill.server.chat import encode_prompt, normalize_messages, render_chat, render_prompt
+from tokenmill.server.openai_responses_input import chat_body as responses_chat_body
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.ray")
@@ -30,6 +32,11 @@ class RoutingKeyMaker:
     def prompt_ids(self, path: str, body: Mapping[str, Any]) -> list[int] | None:
         """The prompt a generation route will run, or None for routes that have none."""
         tok = self.tokenizer
+        # The Responses and Messages APIs run as the chat body they translate into (server/*_input.py).
+        if path == "/v1/responses":
+            path, body = "/v1/chat/completions", responses_chat_body(dict(body))
+        elif path == "/v1/messages":
+            path, body = "/v1/chat/completions", messages_chat_body(dict(body))[0]
         if path in ("/v1/chat/completions", "/api/chat"):
             messages = normalize_messages(body.get("messages") or [])
             return render_chat(tok, messages, tools=body.get("tools") or None) if messages else None
