@@ -10,7 +10,7 @@ import json
 import re
 
 from tokenmill.server.errors import APIError, bad_request, shown_value
-from tokenmill.server.validation import get_int, warn_unknown
+from tokenmill.server.validation import get_int, joined_text, warn_unknown
 
 # Fields taken over from the chat body as they are (the chat path checks them); past Anthropic's own
 # (temperature, top_p, top_k, stream), the sampling extensions the other APIs here take.
@@ -31,11 +31,7 @@ _THINKING_TYPES = ("enabled", "disabled", "adaptive")
 
 def _text_blocks(content, where: str) -> str:
     """Text given as a string or a list of text blocks (system, tool_result content)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or a list of text blocks", where)
-    return "".join(_block_text(block, f"{where}[{i}]") for i, block in enumerate(content))
+    return joined_text(content, where, _block_text, "a list of text blocks")
 
 
 def _block_text(block, where: str) -> str:

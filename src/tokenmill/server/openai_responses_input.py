@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from tokenmill.server.errors import APIError, bad_request, shown_value
-from tokenmill.server.validation import get_int, warn_unknown
+from tokenmill.server.validation import get_int, joined_text, warn_unknown
 
 # Fields taken over from the chat body as they are (the chat path checks them).
 _SAME = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed", "user", "stop",
@@ -28,24 +28,18 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 def _text_of(content, where: str) -> str:
     """A message's content: a string, or a list of text parts (input_text / output_text)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or a list of content parts", where)
-    out = []
-    for i, part in enumerate(content):
-        at = f"{where}[{i}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            if kind in ("input_image", "input_file", "input_audio"):
-                raise bad_request(f"{at}: {kind} is not supported, this model accepts text only", at)
-            raise bad_request(f"{at} must be a text part ({', '.join(_TEXT_PARTS[:2])}), got "
-                              f"{shown_value(kind)}", at)
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise bad_request(f"{at}.text must be a string", f"{at}.text")
-        out.append(text)
-    return "".join(out)
+    return joined_text(content, where, _part_text, "a list of content parts")
+
+
+def _part_text(part, at: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PARTS:
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise bad_request(f"{at}: {kind} is not supported, this model accepts text only", at)
+        raise bad_request(f"{at} must be a text part ({', '.join(_TEXT_PARTS[:2])}), got {shown_value(kind)}", at)
+    if not isinstance(part.get("text"), str):
+        raise bad_request(f"{at}.text must be a string", f"{at}.text")
+    return part["text"]
 
 
 def _messages(body: dict) -> list[dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from starlette.requests import Request
@@ -146,6 +146,16 @@ def get_stop(body: dict, name: str = "stop", *, label: str | None = None) -> lis
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         return [s for s in v if s]
     raise bad_request(f"{label} must be a string or a list of strings", label)
+
+
+def joined_text(content: Any, where: str, part_text: Callable[[Any, str], str], what: str) -> str:
+    """Text given as a string or as a list of parts (what: the list's name in the 400), each part's
+    text read by part_text(part, its location)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or {what}", where)
+    return "".join(part_text(part, f"{where}[{i}]") for i, part in enumerate(content))
 
 
 def get_dict(body: dict, name: str, *, label: str | None = None) -> dict:
