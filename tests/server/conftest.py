@@ -59,6 +59,15 @@ def long_tiny_server(tmp_path_factory):
 
 
 @pytest.fixture
+def long_tiny(long_tiny_server):
+    """(base url, ModelHost) of the 1k-context server; checks nothing leaked after each test. A module
+    that needs the room overrides `tiny` with it, so `client` and `oai` talk to it."""
+    server, host = long_tiny_server
+    yield server.url, host
+    wait_idle(host)
+
+
+@pytest.fixture
 def oai(tiny):
     """The official `openai` client, unchanged, on the module's `tiny` server."""
     import openai

@@ -56,6 +56,23 @@ def start_server(model: str, *, max_queue: int = 256, dtype: str = "fp32", kv_si
     return server, host
 
 
+def hang_up_mid_stream(url: str, path: str, body: dict, event: str, host: ModelHost, count: int = 2) -> None:
+    """Stream `body` to `path` with the engine's steps slowed (so the answer cannot end first), read
+    until the `event: <event>` line has come `count` times, check the request holds KV blocks, and
+    drop the connection."""
+    engine = host.current.engine
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine, "step_hook", lambda batch: time.sleep(0.01))
+        with httpx.Client(base_url=url, timeout=30) as client, client.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                seen += line == f"event: {event}"
+                if seen == count:
+                    break
+            assert engine.blocks.num_used_blocks > 0
+
+
 def wait_idle(host: ModelHost, timeout: float = 10.0) -> None:
     """Every request finished and every KV block back in the pool, in every loaded model."""
     deadline = time.monotonic() + timeout

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import pytest
 
-from server_helpers import model_name, start_server, wait_idle
+from server_helpers import hang_up_mid_stream, model_name, start_server, wait_idle
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -23,11 +23,9 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
 
 
 @pytest.fixture
-def tiny(long_tiny_server):
-    """Overrides conftest's `tiny` with the 1k-context model (room for a tool listing); checks nothing leaked."""
-    server, host = long_tiny_server
-    yield server.url, host
-    wait_idle(host)
+def tiny(long_tiny):
+    """conftest's `tiny` on the 1k-context model: room for a tool listing."""
+    return long_tiny
 
 
 @pytest.fixture
@@ -205,20 +203,12 @@ def test_sdk_errors_carry_status_and_message(ant, tiny):
 
 def test_a_client_gone_mid_stream_aborts_and_frees_its_blocks(tiny):
     url, host = tiny
-    engine = host.current.engine
-    before = engine.stats.finished.get("abort", 0)
+    before = host.current.engine.stats.finished.get("abort", 0)
     body = {"model": model_name(host), "max_tokens": 300, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": "hello"}]}
-    with httpx.Client(base_url=url, timeout=30) as client, client.stream("POST", "/v1/messages", json=body) as r:
-        assert r.status_code == 200
-        deltas = 0
-        for line in r.iter_lines():
-            deltas += line == "event: content_block_delta"
-            if deltas == 2:
-                break
-        assert engine.blocks.num_used_blocks > 0
-    wait_idle(host)  # closing the response dropped the connection mid-stream
-    assert engine.stats.finished.get("abort", 0) == before + 1
+    hang_up_mid_stream(url, "/v1/messages", body, "content_block_delta", host)
+    wait_idle(host)
+    assert host.current.engine.stats.finished.get("abort", 0) == before + 1
 
 
 def test_the_api_key_comes_as_x_api_key(tiny_gguf):

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from server_helpers import model_name, wait_idle
+from server_helpers import hang_up_mid_stream, model_name, wait_idle
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
@@ -21,11 +21,9 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 @pytest.fixture
-def tiny(long_tiny_server):
-    """Overrides conftest's `tiny` with the 1k-context model (room for a tool listing); checks nothing leaked."""
-    server, host = long_tiny_server
-    yield server.url, host
-    wait_idle(host)
+def tiny(long_tiny):
+    """conftest's `tiny` on the 1k-context model: room for a tool listing."""
+    return long_tiny
 
 
 def test_text_matches_chat_on_the_same_conversation(oai, tiny):
@@ -146,16 +144,8 @@ def test_a_prompt_longer_than_the_context_is_a_400(tiny):
 
 def test_a_client_gone_mid_stream_aborts_and_frees_its_blocks(tiny):
     url, host = tiny
-    engine = host.current.engine
-    before = engine.stats.finished.get("abort", 0)
+    before = host.current.engine.stats.finished.get("abort", 0)
     body = {"model": model_name(host), "input": "hello", "max_output_tokens": 300, "temperature": 0, "stream": True}
-    with httpx.Client(base_url=url, timeout=30) as client, client.stream("POST", "/v1/responses", json=body) as r:
-        assert r.status_code == 200
-        deltas = 0
-        for line in r.iter_lines():
-            deltas += line == "event: response.output_text.delta"
-            if deltas == 2:
-                break
-        assert engine.blocks.num_used_blocks > 0
-    wait_idle(host)  # closing the response dropped the connection mid-stream
-    assert engine.stats.finished.get("abort", 0) == before + 1
+    hang_up_mid_stream(url, "/v1/responses", body, "response.output_text.delta", host)
+    wait_idle(host)
+    assert host.current.engine.stats.finished.get("abort", 0) == before + 1

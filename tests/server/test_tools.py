@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server_helpers import model_name, stream_calls, wait_idle
+from server_helpers import model_name, stream_calls
 from tokenmill.server.chat import normalize_messages
 from tokenmill.server.errors import APIError
 from tokenmill.server.tool_stream import ToolCallStream
@@ -147,11 +147,9 @@ def test_a_template_with_tools_gets_them_and_the_arguments_as_objects(tiny_token
 
 
 @pytest.fixture
-def tiny(long_tiny_server):
-    """Overrides conftest's `tiny` with the 1k-context model, so `client` and `oai` talk to it."""
-    server, host = long_tiny_server
-    yield server.url, host
-    wait_idle(host)
+def tiny(long_tiny):
+    """conftest's `tiny` on the 1k-context model: room for a tool listing."""
+    return long_tiny
 
 
 def check_call(call, name: str | None = None) -> None:
