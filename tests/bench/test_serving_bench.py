@@ -32,7 +32,7 @@ def _ordered(p: dict) -> bool:
     return 0 <= p["p50"] <= p["p95"] <= p["p99"] <= p["max"]
 
 
-@pytest.mark.parametrize("api", ["openai", "ollama"])
+@pytest.mark.parametrize("api", ["openai", "ollama", "anthropic"])
 def test_serve_bench_fixed_concurrency(server, tiny_gguf, tmp_path, capsys, api):
     srv, host = server
     out = tmp_path / f"{api}.json"
@@ -52,7 +52,7 @@ def test_serve_bench_fixed_concurrency(server, tiny_gguf, tmp_path, capsys, api)
     assert run["num_requests"] == run["num_completed"] == 6
     assert run["num_errors"] == 0 and run["num_not_started"] == 0 and run["errors"] == {}
     assert run["output_tokens_counted_by"] == "server" and run["prompt_tokens_counted_by"] == "server"
-    if api == "openai":  # EOS ignored: every request gets exactly max-tokens
+    if api != "ollama":  # EOS ignored: every request gets exactly max-tokens
         assert run["output_tokens"] == 6 * 4
     else:  # Ollama's API has no ignore_eos: num_predict is only a cap
         assert 6 <= run["output_tokens"] <= 6 * 4
@@ -198,7 +198,8 @@ def test_helpers():
 
 def test_run_load_stops_at_duration(server):
     """A Poisson run whose duration ends before most arrivals: the rest are not started."""
-    from tokenmill.bench.loadgen import ApiOptions, LoadConfig, RequestSpec, run_load
+    from tokenmill.bench.api_streams import ApiOptions
+    from tokenmill.bench.loadgen import LoadConfig, RequestSpec, run_load
 
     srv, host = server
     specs = [RequestSpec(f"hello {i}", 2, 2) for i in range(50)]
@@ -211,21 +212,32 @@ def test_run_load_stops_at_duration(server):
 
 def test_stream_parsing_tokens_without_text():
     """A completion whose only token has no text (e.g. EOS) still has a first token time."""
-    from tokenmill.bench.loadgen import RequestResult, _take_ollama, _take_openai
+    from tokenmill.bench.api_streams import RequestResult, take_anthropic, take_ollama, take_openai
 
     res = RequestResult(start=1.0)
-    _take_openai({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, res, False, 1.5)
-    _take_openai({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1,
+    take_openai({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, res, False, 1.5)
+    take_openai({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1,
                                            "prompt_tokens_details": {"cached_tokens": 0}}}, res, False, 1.6)
     assert res.ttft is None and res.first_event == 1.5 and res.output_tokens == 1 and res.cached_tokens == 0
     chat = RequestResult(start=0.0)
-    _take_openai({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, chat, True, 0.1)
+    take_openai({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, chat, True, 0.1)
     assert chat.first_event is None  # the role announcement is not a token
-    _take_openai({"choices": [{"index": 0, "delta": {"content": "Hi"}}]}, chat, True, 0.3)
+    take_openai({"choices": [{"index": 0, "delta": {"content": "Hi"}}]}, chat, True, 0.3)
     assert chat.ttft == 0.3 and chat.chunk_times == [0.3]
     ol = RequestResult(start=0.0)
-    assert not _take_ollama({"response": "a", "done": False}, ol, False, 0.2)
-    assert _take_ollama({"response": "", "done": True, "eval_count": 2, "prompt_eval_count": 5}, ol, False, 0.4)
+    assert not take_ollama({"response": "a", "done": False}, ol, False, 0.2)
+    assert take_ollama({"response": "", "done": True, "eval_count": 2, "prompt_eval_count": 5}, ol, False, 0.4)
     assert ol.ttft == 0.2 and ol.output_tokens == 2 and ol.prompt_tokens == 5
     with pytest.raises(RuntimeError):
-        _take_openai({"error": {"message": "boom"}}, RequestResult(), False, 0.0)
+        take_openai({"error": {"message": "boom"}}, RequestResult(), False, 0.0)
+    an = RequestResult(start=0.0)
+    for kind in ("message_start", "content_block_start"):
+        assert not take_anthropic({"type": kind}, an, 0.1)
+    assert an.first_event is None  # announcements, not tokens
+    assert not take_anthropic({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "Hi"}}, an, 0.3)
+    assert not take_anthropic({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                               "usage": {"input_tokens": 3, "cache_read_input_tokens": 4, "output_tokens": 2}}, an, 0.4)
+    assert take_anthropic({"type": "message_stop"}, an, 0.5)
+    assert an.ttft == 0.3 and an.output_tokens == 2 and an.prompt_tokens == 7 and an.cached_tokens == 4
+    with pytest.raises(RuntimeError, match="boom"):
+        take_anthropic({"type": "error", "error": {"type": "api_error", "message": "boom"}}, RequestResult(), 0.0)

@@ -1,5 +1,6 @@
 """An HTTP load generator for LLM servers: streams requests over the OpenAI API (`/v1/completions`,
-`/v1/chat/completions`, SSE) or Ollama's (`/api/generate`, `/api/chat`, NDJSON) and times each one,
+`/v1/chat/completions`, SSE), Ollama's (`/api/generate`, `/api/chat`, NDJSON) or Anthropic's
+(`/v1/messages`, typed SSE events; api_streams.py reads each) and times each one,
 so tokenmill and its peers (llama.cpp, Ollama, vLLM) are measured the same way.
 
 Loopback only: a benchmark must never send load to another machine. Every run is bounded by a number
@@ -24,15 +25,15 @@ import random
 import re
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import httpx
 
+from tokenmill.bench.api_streams import ApiOptions, RequestResult, error_text, take_line
 from tokenmill.bench.common import CORPUS, percentiles
 
-APIS = ("openai", "ollama")
 
 
 class BenchError(Exception):
@@ -159,135 +160,6 @@ def make_requests(n: int, prompt_len: str, max_tokens: str, maker: TextMaker, *,
 
 
 # --- one request ---------------------------------------------------------------------------------
-@dataclass
-class RequestResult:
-    ok: bool = False
-    error: str | None = None
-    start: float = 0.0            # perf_counter at send
-    end: float = 0.0
-    ttft: float | None = None
-    first_event: float | None = None  # first chunk standing for a token, even one with no text
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with text
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None  # OpenAI usage.prompt_tokens_details.cached_tokens, if sent
-    tokens_from_server: bool = False
-    prompt_from_server: bool = False
-    text: str = ""
-
-    @property
-    def e2e(self) -> float:
-        return self.end - self.start
-
-    def itls(self) -> list[float]:
-        t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
-
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
-@dataclass
-class ApiOptions:
-    api: str = "openai"           # openai | ollama
-    chat: bool = False            # /v1/chat/completions or /api/chat instead of the completion endpoint
-    model: str = ""
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    seed: int | None = None
-    raw: bool = True              # Ollama /api/generate: send the prompt untemplated
-    extra: dict = field(default_factory=dict)  # merged into every request body
-
-    def endpoint(self) -> str:
-        if self.api == "openai":
-            return "/v1/chat/completions" if self.chat else "/v1/completions"
-        return "/api/chat" if self.chat else "/api/generate"
-
-    def body(self, prompt: str, max_tokens: int) -> dict:
-        if self.api == "openai":
-            b: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": self.temperature,
-                                 "stream": True, "stream_options": {"include_usage": True}}
-            if self.chat:
-                b["messages"] = [{"role": "user", "content": prompt}]
-            else:
-                b["prompt"] = prompt
-            if self.ignore_eos:  # vLLM's extensions (llama.cpp and tokenmill take them too)
-                b["ignore_eos"] = True
-                b["min_tokens"] = max_tokens
-        else:
-            # Ollama has no ignore_eos: num_predict caps the output, EOS may end it earlier.
-            opts: dict[str, Any] = {"num_predict": max_tokens, "temperature": self.temperature}
-            b = {"model": self.model, "stream": True, "options": opts}
-            if self.chat:
-                b["messages"] = [{"role": "user", "content": prompt}]
-            else:
-                b["prompt"] = prompt
-                if self.raw:
-                    b["raw"] = True
-        if self.seed is not None:
-            if self.api == "openai":
-                b["seed"] = self.seed
-            else:
-                b["options"]["seed"] = self.seed
-        b.update(self.extra)
-        return b
-
-
-def _error_text(obj: Any) -> str:
-    if isinstance(obj, dict):
-        err = obj.get("error", obj)
-        if isinstance(err, dict):
-            return str(err.get("message") or err)
-        return str(err)
-    return str(obj)
-
-
-def _take_openai(obj: dict, res: RequestResult, chat: bool, now: float) -> None:
-    if obj.get("error") is not None:
-        raise RuntimeError(_error_text(obj))
-    for ch in obj.get("choices") or []:
-        text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-        if res.first_event is None and (text or ch.get("finish_reason") or not chat):
-            res.first_event = now  # (a chat stream's first chunk only announces the role)
-        if text:
-            res.chunk_times.append(now)
-            res.text += text
-            if res.ttft is None:
-                res.ttft = now - res.start
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        if usage.get("completion_tokens") is not None:
-            res.output_tokens, res.tokens_from_server = int(usage["completion_tokens"]), True
-        if usage.get("prompt_tokens") is not None:
-            res.prompt_tokens, res.prompt_from_server = int(usage["prompt_tokens"]), True
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and details.get("cached_tokens") is not None:
-            res.cached_tokens = int(details["cached_tokens"])
-
-
-def _take_ollama(obj: dict, res: RequestResult, chat: bool, now: float) -> bool:
-    """True when this was the final object."""
-    if obj.get("error") is not None:
-        raise RuntimeError(_error_text(obj))
-    text = (obj.get("message") or {}).get("content") if chat else obj.get("response")
-    if res.first_event is None:
-        res.first_event = now
-    if text:
-        res.chunk_times.append(now)
-        res.text += text
-        if res.ttft is None:
-            res.ttft = now - res.start
-    if obj.get("done"):
-        if obj.get("eval_count") is not None:
-            res.output_tokens, res.tokens_from_server = int(obj["eval_count"]), True
-        if obj.get("prompt_eval_count") is not None:
-            res.prompt_tokens, res.prompt_from_server = int(obj["prompt_eval_count"]), True
-        return True
-    return False
-
-
 async def send_one(client: httpx.AsyncClient, base_url: str, opts: ApiOptions, spec: RequestSpec) -> RequestResult:
     """One streamed request, timed. Never raises (except cancellation): failures are in .error."""
     res = RequestResult(prompt_tokens=spec.prompt_tokens_est)
@@ -297,7 +169,7 @@ async def send_one(client: httpx.AsyncClient, base_url: str, opts: ApiOptions, s
             if r.status_code != 200:
                 raw = (await r.aread()).decode("utf-8", "replace")
                 try:
-                    msg = _error_text(json.loads(raw))
+                    msg = error_text(json.loads(raw))
                 except ValueError:
                     msg = raw[:200]
                 raise RuntimeError(f"HTTP {r.status_code}: {msg}")
@@ -305,22 +177,11 @@ async def send_one(client: httpx.AsyncClient, base_url: str, opts: ApiOptions, s
             async for line in r.aiter_lines():
                 now = time.perf_counter()
                 line = line.strip()
-                if not line:
-                    continue
-                if opts.api == "openai":
-                    if not line.startswith("data:"):
-                        continue  # SSE comments / event names
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    _take_openai(json.loads(data), res, opts.chat, now)
-                else:
-                    if _take_ollama(json.loads(line), res, opts.chat, now):
-                        done = True
-                        break
-            if not done and opts.api == "ollama":
-                raise RuntimeError("stream ended without a final object")
+                if line and take_line(opts, line, res, now):
+                    done = True
+                    break
+            if not done and opts.api != "openai":  # OpenAI-style servers may end without [DONE]
+                raise RuntimeError("stream ended without its final " + ("object" if opts.api == "ollama" else "event"))
         if not res.tokens_from_server:
             res.output_tokens = len(res.chunk_times)
         if res.ttft is None and res.output_tokens > 0 and res.first_event is not None:

@@ -34,8 +34,8 @@ from typing import Any
 import httpx
 
 from tokenmill.bench.common import fmt, loadavg, progress, write_json
-from tokenmill.bench.loadgen import (ApiOptions, LoadConfig, RequestSpec, TextMaker, load_tokenizer, new_client,
-                                     run_load, summarize)
+from tokenmill.bench.api_streams import ApiOptions
+from tokenmill.bench.loadgen import LoadConfig, RequestSpec, TextMaker, load_tokenizer, new_client, run_load, summarize
 
 SETUPS = ("single", "prefix", "default")
 WORKLOADS = ("shared", "unique")

@@ -27,10 +27,10 @@ import sys
 import time
 from typing import Any
 
+from tokenmill.bench.api_streams import APIS, ApiOptions
 from tokenmill.bench.common import environment, fmt, loadavg, progress, write_json
-from tokenmill.bench.loadgen import (APIS, ApiOptions, BenchError, LoadConfig, TextMaker, check_loopback,
-                                     load_tokenizer, make_requests, new_client, parse_length, run_load, send_one,
-                                     summarize)
+from tokenmill.bench.loadgen import (BenchError, LoadConfig, TextMaker, check_loopback, load_tokenizer, make_requests,
+                                     new_client, parse_length, run_load, send_one, summarize)
 from tokenmill.bench.server_metrics import detect_model, scrape_metrics, server_latencies, server_peak_rss_mib
 
 
@@ -38,7 +38,8 @@ def build_parser(prog: str = "tokenmill bench serve") -> argparse.ArgumentParser
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:11434", help="server base URL (loopback only)")
     p.add_argument("--api", choices=APIS, default="openai",
-                   help="openai: /v1/completions (SSE); ollama: /api/generate (NDJSON)")
+                   help="openai: /v1/completions (SSE); ollama: /api/generate (NDJSON); anthropic: /v1/messages "
+                        "(typed SSE events, chat only)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions or /api/chat instead")
     p.add_argument("--model", default=None, help="model name to send (default: ask the server)")
     p.add_argument("--concurrency", type=int, default=None,

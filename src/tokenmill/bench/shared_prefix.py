@@ -25,9 +25,10 @@ import sys
 import time
 from typing import Any
 
+from tokenmill.bench.api_streams import APIS, ApiOptions, RequestResult
 from tokenmill.bench.common import CORPUS, environment, fmt, loadavg, percentiles, progress, write_json
-from tokenmill.bench.loadgen import (APIS, ApiOptions, BenchError, RequestResult, RequestSpec, TextMaker,
-                                     check_loopback, load_tokenizer, new_client, result_dict, send_one)
+from tokenmill.bench.loadgen import (BenchError, RequestSpec, TextMaker, check_loopback, load_tokenizer, new_client,
+                                     result_dict, send_one)
 from tokenmill.bench.server_metrics import detect_model, scrape_metrics
 
 TARGET_RATIO = 0.15

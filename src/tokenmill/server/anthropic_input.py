@@ -13,9 +13,10 @@ from tokenmill.server.errors import APIError, bad_request, shown_value
 from tokenmill.server.validation import get_int, joined_text, warn_unknown
 
 # Fields taken over from the chat body as they are (the chat path checks them); past Anthropic's own
-# (temperature, top_p, top_k, stream), the sampling extensions the other APIs here take.
+# (temperature, top_p, top_k, stream), the sampling extensions the other APIs here take (vLLM's
+# ignore_eos and min_tokens among them, which benchmarks use to fix the output's length).
 _SAME = ("model", "temperature", "top_p", "top_k", "stream", "seed", "min_p", "repetition_penalty",
-         "presence_penalty", "frequency_penalty", "priority")
+         "presence_penalty", "frequency_penalty", "priority", "ignore_eos", "min_tokens")
 # Fields that change nothing here: billing, routing and caching hints (the prefix cache is automatic).
 _HARMLESS = {"metadata", "service_tier", "thinking", "cache_control", "diagnostics", "inference_geo", "speed",
              "user_profile_id", "workspace_id"}
