@@ -138,21 +138,28 @@ def cmd_create(args: argparse.Namespace) -> int:
         body["files"] = {local.name: digest_ref(file_digest(local))}
     else:
         body["from"] = parsed.base
-    base_model, profile = _checked(body, text)
-    server = server_url()
+    create_model(body, text, local)
+    print("success")
+    return 0
+
+
+def create_model(body: dict, modelfile_text: str = "", local: Path | None = None, server: str | None = None) -> None:
+    """Make the model an /api/create body describes: through the server when one answers (the file
+    FROM names, `local`, pushed first as a blob), else on the local store, checked the same way
+    before anything is sent or copied (errors naming the Modelfile's lines, given its text)."""
+    from tokenmill.store.blobs import import_file
+    from tokenmill.store.derived import save_derived
+
+    base_model, profile = _checked(body, modelfile_text)
+    server = server or server_url()
     if answers(server):
         if local is not None:
             _push(server, body["files"][local.name], local)
         call(server, "POST", "/api/create", body)
-    else:
-        from tokenmill.store.blobs import import_file
-        from tokenmill.store.derived import save_derived
-
-        if local is not None:
-            import_file(local, base_model.removeprefix("sha256:"))
-        save_derived(args.model, base_model, profile)
-    print("success")
-    return 0
+        return
+    if local is not None:
+        import_file(local, base_model.removeprefix("sha256:"))
+    save_derived(body["model"], base_model, profile)
 
 
 def _read_modelfile(path: Path) -> str:
@@ -231,14 +238,23 @@ def _push(server: str, digest: str, path: Path) -> None:
 
 @user_errors
 def cmd_show(args: argparse.Namespace) -> int:
-    base = server_url()
-    if answers(base):
-        info = call(base, "POST", "/api/show", {"model": args.model})
-    else:
-        info = _show_local(args.model)
+    info = model_details(args.model)
     if args.modelfile:
         print(info.get("modelfile", ""), end="")
         return 0
+    print_details(info)
+    return 0
+
+
+def model_details(model: str, server: str | None = None) -> dict:
+    """What /api/show says of a model: from the server when one answers, else from the store."""
+    base = server or server_url()
+    return call(base, "POST", "/api/show", {"model": model}) if answers(base) else _show_local(model)
+
+
+def print_details(info: dict) -> None:
+    """`ollama show`'s table: the model's architecture, size, context and quantization, then its
+    system prompt and parameters when it has them."""
     details = info.get("details", {})
     model_info = info.get("model_info", {})
     arch = model_info.get("general.architecture", details.get("family", ""))
@@ -251,7 +267,6 @@ def cmd_show(args: argparse.Namespace) -> int:
     if info.get("parameters"):
         rows += [("  Parameters", "")] + [("    " + line, "") for line in info["parameters"].splitlines()]
     _table([("", "")] + rows)
-    return 0
 
 
 def _show_local(name: str) -> dict:

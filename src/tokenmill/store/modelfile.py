@@ -76,30 +76,36 @@ def _unquote(value: str) -> str:
 def _parameter(number: int, rest: str, params: dict) -> None:
     name, _, value = rest.strip().partition(" ")
     name = name.lower()
+    typed = typed_parameter(name, _unquote(value), f"line {number}")
+    if name == "stop":
+        params.setdefault("stop", []).append(typed)
+    elif typed is not None:
+        params[name] = typed
+
+
+def typed_parameter(name: str, value: str, where: str) -> int | float | str | None:
+    """A PARAMETER's value as its option's type (None for an option that means nothing here, once
+    type-checked as Ollama checks it); errors begin with `where` (a Modelfile line, a command)."""
     if name not in PARAMETER_TYPES and name not in IGNORED_PARAMETER_TYPES:
-        raise ModelfileError(f"line {number}: unknown PARAMETER {name!r}; known: {', '.join(sorted(PARAMETER_TYPES))}")
-    value = _unquote(value)
+        raise ModelfileError(f"{where}: unknown PARAMETER {name!r}; known: {', '.join(sorted(PARAMETER_TYPES))}")
     if not value:
-        raise ModelfileError(f"line {number}: PARAMETER {name} needs a value")
+        raise ModelfileError(f"{where}: PARAMETER {name} needs a value")
     if name in IGNORED_PARAMETER_TYPES:
         kind = IGNORED_PARAMETER_TYPES[name]
         if kind is bool and value.lower() not in ("true", "false"):
-            raise ModelfileError(f"line {number}: PARAMETER {name} must be true or false, got {value!r}")
+            raise ModelfileError(f"{where}: PARAMETER {name} must be true or false, got {value!r}")
         if kind is not bool:
-            _typed(number, name, kind, value)
-        return  # checked, and dropped: it means nothing here
-    if name == "stop":
-        params.setdefault("stop", []).append(value)
-        return
-    params[name] = _typed(number, name, PARAMETER_TYPES[name], value)
+            _typed(where, name, kind, value)
+        return None  # checked, and dropped: it means nothing here
+    return value if name == "stop" else _typed(where, name, PARAMETER_TYPES[name], value)
 
 
-def _typed(number: int, name: str, kind: type, value: str) -> int | float:
+def _typed(where: str, name: str, kind: type, value: str) -> int | float:
     try:
         return kind(value)
     except ValueError:
         what = "an integer" if kind is int else "a number"
-        raise ModelfileError(f"line {number}: PARAMETER {name} must be {what}, got {value!r}") from None
+        raise ModelfileError(f"{where}: PARAMETER {name} must be {what}, got {value!r}") from None
 
 
 def parse_modelfile(text: str) -> Modelfile:
