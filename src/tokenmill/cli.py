@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "gguf", "bf16", "fp32"], default="auto",
                    help="see `tokenmill serve --help`")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--verbose", action="store_true",
+                   help="after each answer, its timings and token rates (as `ollama run --verbose`)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default: the model's own on a server, greedy in-process)")
     p.add_argument("--server", default=None, help="the server to talk to (host:port); default TOKENMILL_HOST or "

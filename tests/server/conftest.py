@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from server_helpers import start_server, wait_idle
+from tokenmill.server.commands import bind_socket
 from tiny_model import TinyLlamaSpec, write_tiny_llama
 
 
@@ -48,6 +49,15 @@ def store(tmp_path, monkeypatch):
     write_tiny_llama(models / "tiny-a.gguf", TinyLlamaSpec(seed=1))
     write_tiny_llama(models / "tiny-b.gguf", TinyLlamaSpec(seed=2))
     return models
+
+
+@pytest.fixture
+def nobody_listens(monkeypatch):
+    """TOKENMILL_HOST at a port nobody answers on: the CLI works on the store, in-process."""
+    sock = bind_socket("127.0.0.1", 0)  # a port that was bound (so it was free) and is never listened on
+    port = sock.getsockname()[1]
+    sock.close()
+    monkeypatch.setenv("TOKENMILL_HOST", f"127.0.0.1:{port}")
 
 
 @pytest.fixture(scope="module")

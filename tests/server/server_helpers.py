@@ -3,6 +3,7 @@ thread, and checks on the model host behind it."""
 from __future__ import annotations
 
 import contextlib
+import io
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,13 @@ from tokenmill.server.model_host import HostPolicy
 from tokenmill.server.commands import bind_socket
 
 TINY_KV_TOKENS = 8192
+
+
+class Terminal(io.StringIO):
+    """Typed input: `run` without a prompt opens the chat only on a terminal (piped stdin is the prompt)."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 class LiveServer:

@@ -4,7 +4,6 @@ server's request counter proves the answer came from it) and runs in-process whe
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import re
 import sys
@@ -12,19 +11,8 @@ import sys
 import httpx
 import pytest
 
-from server_helpers import start_server
+from server_helpers import Terminal, start_server
 from tokenmill.cli import main
-from tokenmill.server.commands import bind_socket
-
-
-
-
-@pytest.fixture
-def nobody_listens(monkeypatch):
-    sock = bind_socket("127.0.0.1", 0)  # a port that is bound (so nobody else takes it) but never answers
-    port = sock.getsockname()[1]
-    sock.close()
-    monkeypatch.setenv("TOKENMILL_HOST", f"127.0.0.1:{port}")
 
 
 def finished_requests(c: httpx.Client) -> float:
@@ -114,6 +102,7 @@ def test_run_through_a_server_sends_only_the_options_given(monkeypatch, capsys):
     # A model created with PARAMETER num_predict/temperature keeps them: `run` without flags sends no
     # options (as Ollama's run), and a flag overrides only its own option.
     import tokenmill.run as run
+    import tokenmill.run_chats as run_chats
 
     bodies = []
 
@@ -122,7 +111,7 @@ def test_run_through_a_server_sends_only_the_options_given(monkeypatch, capsys):
         yield {"message": {"content": "arr"}}
 
     monkeypatch.setattr(run, "answers", lambda base: True)
-    monkeypatch.setattr(run, "stream", fake_stream)
+    monkeypatch.setattr(run_chats, "stream", fake_stream)
     assert main(["run", "pirate", "hi"]) == 0
     assert main(["run", "pirate", "hi", "--max-tokens", "5"]) == 0
     assert main(["run", "pirate", "hi", "--temperature", "0"]) == 0
@@ -178,25 +167,18 @@ def test_a_server_that_wants_an_api_key_is_a_server_not_a_fallback(store, monkey
         server.stop()
 
 
-class _Terminal(io.StringIO):
-    """Typed input: `run` without a prompt opens the chat only on a terminal (piped stdin is the prompt)."""
-
-    def isatty(self) -> bool:
-        return True
-
-
 def test_interactive_run_checks_the_model_before_the_prompt(store, monkeypatch, capsys):
     server, host = start_server("tiny-a", kv_size=2048)
     monkeypatch.setenv("TOKENMILL_HOST", f"127.0.0.1:{server.port}")
     try:
         assert host.wait_ready(30)
-        monkeypatch.setattr("sys.stdin", _Terminal("hello\n"))  # never read: the model is unknown
+        monkeypatch.setattr("sys.stdin", Terminal("hello\n"))  # never read: the model is unknown
         assert main(["run", "nosuchmodel"]) == 1
         err = capsys.readouterr().err
         assert 'model "nosuchmodel" not found' in err and "Type a message" not in err
         assert "hello" in sys.stdin.read()
         # A known model is loaded first (as Ollama's run does), then the prompt opens.
-        monkeypatch.setattr("sys.stdin", _Terminal("/bye\n"))
+        monkeypatch.setattr("sys.stdin", Terminal("/bye\n"))
         assert main(["run", "tiny-b"]) == 0
         assert "Type a message" in capsys.readouterr().err
         assert "tiny-b" in {m.name for m in host.loaded_models()}
