@@ -211,6 +211,17 @@ def test_a_client_gone_mid_stream_aborts_and_frees_its_blocks(tiny):
     assert host.current.engine.stats.finished.get("abort", 0) == before + 1
 
 
+def test_models_list_and_retrieve_in_anthropic_shape(ant, oai, tiny):
+    name = model_name(tiny[1])
+    listed = list(ant.models.list())
+    assert name in [m.id for m in listed] and all(m.type == "model" and m.display_name for m in listed)
+    one = ant.models.retrieve(name)
+    assert one.id == name and one.created_at.year >= 2020 and one.max_input_tokens == 1024  # loaded: its context
+    assert name in [m.id for m in oai.models.list()]  # OpenAI's client, without the header, gets OpenAI's list
+    with pytest.raises(anthropic.NotFoundError):
+        ant.models.retrieve("no-such-model")
+
+
 def test_the_api_key_comes_as_x_api_key(tiny_gguf):
     server, host = start_server(str(tiny_gguf), api_key="sekret")
     try:

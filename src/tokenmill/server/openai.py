@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tokenmill.server import model_info, profiles
+from tokenmill.server import anthropic_models, model_info, profiles
 from tokenmill.server.chat import chars_in, check_token_ids, encode_prompt, normalize_messages, off_loop, render_chat
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.generation import Generation, Result, all_deltas, collect_all
@@ -337,18 +337,25 @@ async def completions(request: Request) -> Response:
 
 
 # --- /v1/models -----------------------------------------------------------------------------------
-def _model_card(e: model_info.ModelEntry, host: ModelHost) -> dict:
-    card = {"id": e.name, "object": "model", "created": int(e.modified_at), "owned_by": "tokenmill"}
+def _model_card(request: Request, e: model_info.ModelEntry, host: ModelHost) -> dict:
+    """OpenAI's model object, or Anthropic's for its SDK (which says so in a header)."""
     served = next((m for m in host.loaded_models() if m.path == e.path), None)
-    if served is not None:
-        card["max_model_len"] = served.engine.max_model_len
+    max_len = served.engine.max_model_len if served is not None else None
+    if anthropic_models.wants_anthropic(request):
+        return anthropic_models.model_card(e, max_len)
+    card = {"id": e.name, "object": "model", "created": int(e.modified_at), "owned_by": "tokenmill"}
+    if max_len is not None:
+        card["max_model_len"] = max_len
     return card
 
 
 async def list_models(request: Request) -> Response:
     host = _host(request)
     entries = await run_in_threadpool(model_info.installed_entries, host)
-    return JSONResponse({"object": "list", "data": [_model_card(e, host) for e in entries]})
+    cards = [_model_card(request, e, host) for e in entries]
+    if anthropic_models.wants_anthropic(request):
+        return JSONResponse(anthropic_models.model_list(cards))
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def get_model(request: Request) -> Response:
@@ -357,7 +364,7 @@ async def get_model(request: Request) -> Response:
     entry = await run_in_threadpool(model_info.find_entry, host, name)
     if entry is None:
         raise APIError(404, f"model {name!r} not found", param="model", code="model_not_found")
-    return JSONResponse(_model_card(entry, host))
+    return JSONResponse(_model_card(request, entry, host))
 
 
 def routes() -> list[Route]:
