@@ -90,6 +90,8 @@ class LocalChat:
         if unknown:
             raise ValueError(f"{', '.join(unknown)}: only a server uses {'it' if len(unknown) == 1 else 'them'}")
         params = replace(params, **{_LOCAL_OPTIONS[k]: v for k, v in turn.options.items()})
+        if "num_predict" in turn.options and turn.options["num_predict"] < 0:
+            params.max_tokens = None  # Ollama's -1 and -2: until the model stops or the context is full
         if turn.format == "json":
             from tokenmill.structured.compiler import compiler_for
             from tokenmill.structured.grammar import GrammarSpec

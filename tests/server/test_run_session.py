@@ -98,11 +98,13 @@ def test_a_session_in_process(store, nobody_listens, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", Terminal("\n".join([
         "/set parameter num_predict 4", "/set format json", "/set verbose", "hi",
         "/set parameter num_ctx 64", "hello", "/set noformat", "/show info", "/load tiny-b", "/show system",
-        "/set parameter seed 7", "/save seeded", "hey", "/bye"]) + "\n"))
+        "/set parameter seed 7", "/save seeded", "hey", "/set quiet", "/set parameter num_predict -1", "yo",
+        "/set parameter top_p 7", "yo again", "/bye"]) + "\n"))
     assert main(["run", "tiny-a", "--dtype", "fp32"]) == 0
     out, err = capsys.readouterr()
     assert out.count('>>> {"') == 2  # /set format json: both answers begin a JSON object, until /set noformat
-    assert err.count("\neval count:") == 3
+    assert err.count("\neval count:") == 3  # hi, hello, hey; then /set quiet
+    assert err.count("error:") == 2 and "error: top_p must be between 0 and 1, got 7" in err  # "yo" answered
     assert "eval count:           4 token(s)" in err  # num_predict reached the engine
     assert "error: /set parameter num_ctx: only a server uses it" in err
     assert "llama" in out and "No system was specified for this model." in out
