@@ -273,7 +273,35 @@ def test_ollama_tools_come_back_as_tool_calls_with_object_arguments(client, tiny
     assert call["function"]["name"] == "get_weather"
     jsonschema.validate(call["function"]["arguments"], PARAMS["get_weather"])
     lines = [json.loads(x) for x in client.post("/api/chat", json=body).text.splitlines()]
-    assert len(lines) == 1 and lines[0]["done"] and lines[0]["message"]["tool_calls"] == message["tool_calls"]
+    # As Ollama 0.8+ streams: the call in a chunk of its own once complete, the final chunk without it.
+    streamed = [c for line in lines if not line["done"] for c in line["message"].get("tool_calls", [])]
+    assert streamed == message["tool_calls"]
+    assert lines[-1]["done"] and "tool_calls" not in lines[-1]["message"]
+    assert "".join(line["message"]["content"] for line in lines) == message["content"] == ""
+
+
+def test_ollama_streams_text_with_tools_on_and_a_cut_call_as_text(client, tiny):
+    name = model_name(tiny[1])
+    body = {"model": name, "messages": [{"role": "user", "content": "hello"}], "tools": [WEATHER],
+            "options": {"temperature": 0, "num_predict": 40}}
+    whole = client.post("/api/chat", json={**body, "stream": False}).json()["message"]
+    lines = [json.loads(x) for x in client.post("/api/chat", json=body).text.splitlines()]
+    assert "tool_calls" not in whole and len(whole["content"]) > 10  # the tiny model writes text, no call
+    assert "".join(line["message"]["content"] for line in lines) == whole["content"]
+    assert sum(bool(line["message"]["content"]) for line in lines) > 1  # it came as it was written
+    with_lp = [json.loads(x) for x in client.post("/api/chat", json={**body, "logprobs": True}).text.splitlines()]
+    assert sum(len(line.get("logprobs") or []) for line in with_lp) == with_lp[-1]["eval_count"]  # one a token
+    # A call that num_predict cuts: no call (its arguments are incomplete), its text kept, as without stream.
+    call_schema = {"type": "object", "properties": {"name": {"const": "get_weather"},
+                                                    "arguments": WEATHER["function"]["parameters"]},
+                   "required": ["name", "arguments"], "additionalProperties": False}
+    cut = {**body, "format": call_schema, "options": {"temperature": 0, "num_predict": 12}}
+    whole = client.post("/api/chat", json={**cut, "stream": False}).json()
+    lines = [json.loads(x) for x in client.post("/api/chat", json=cut).text.splitlines()]
+    assert whole["done_reason"] == lines[-1]["done_reason"] == "length" and "tool_calls" not in whole["message"]
+    assert not any("tool_calls" in line["message"] for line in lines)
+    streamed = "".join(line["message"]["content"] for line in lines)
+    assert streamed == whole["message"]["content"], (streamed, whole["message"]["content"])  # the same text
 
 
 # A tree of nodes: recursive through its own $defs ("#/$defs/node") and through "#" (a forest of trees).

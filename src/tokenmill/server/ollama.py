@@ -30,12 +30,13 @@ from tokenmill.server.chat import (
 )
 from tokenmill.server.embedding import embed, embedding_limit, fit_to_context, requested_dimensions
 from tokenmill.server.errors import APIError, bad_request, shown_value
-from tokenmill.server.generation import Generation, Result, Timings
+from tokenmill.server.generation import Generation, Timings
 from tokenmill.server.logprobs import chat_entries
 from tokenmill.server.model_host import KEEP_DEFAULT, ModelHost, ServedModel, model_for
 from tokenmill.server.ollama_params import FIELD_NAMES, OllamaOptions, parse_options
 from tokenmill.server.streaming import ndjson_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, ollama_spec
+from tokenmill.server.ollama_tool_stream import OllamaCallStream
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.server.validation import (
     get_bool,
@@ -78,14 +79,17 @@ class Shape:
         self.tool_use = tool_use
 
     @property
-    def holds_text(self) -> bool:
-        """With tools, the text is held back to the end: only then is it known to be a call."""
+    def finds_calls(self) -> bool:
+        """With tools, the text is read for calls: a stream's as it comes (ollama_tool_stream.py), a
+        whole answer's at its end."""
         return self.tool_use is not None and self.tool_use.active
 
-    def chunk(self, text: str, logprobs: list | None = None) -> dict:
+    def chunk(self, text: str, logprobs: list | None = None, tool_calls: list | None = None) -> dict:
         obj = {"model": self.model, "created_at": now_iso()}
         if self.chat:
             obj["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                obj["message"]["tool_calls"] = tool_calls
         else:
             obj["response"] = text
         obj["done"] = False
@@ -96,7 +100,7 @@ class Shape:
     def final(self, gen: Generation, text: str, done_reason: str, output_ids: list[int],
               logprobs: list | None) -> dict:
         obj = self.chunk(text, logprobs)
-        if self.holds_text:
+        if self.finds_calls and text:
             content, calls = self.tool_use.extract(text)
             if calls:
                 obj["message"] = {"role": "assistant", "content": content or "",
@@ -122,16 +126,20 @@ def _logprobs(gen: Generation, ids: list[int], lps, top) -> list | None:
 
 async def _stream(gen: Generation, shape: Shape):
     output: list[int] = []
-    held = Result()
+    calls = OllamaCallStream(shape.tool_use) if shape.finds_calls else None
     async for _, d in gen.deltas():
         output += d.token_ids
-        if shape.holds_text:
-            held.add(d)
-            if d.finished:
-                lp = _logprobs(gen, held.token_ids, held.logprobs, held.top_logprobs)
-                yield shape.final(gen, held.text, d.finish_reason, output, lp)
-            continue
         lp = _logprobs(gen, d.token_ids, d.logprobs, d.top_logprobs)
+        if calls is not None:
+            # Content as it comes, each call once complete; a delta's logprobs ride on its first message.
+            messages = calls.feed(d.text, d.finished)
+            for i, m in enumerate(messages):
+                yield shape.chunk(m["content"], lp if i == 0 else None, m.get("tool_calls"))
+            if d.finished:
+                yield shape.final(gen, "", d.finish_reason, output, None if messages else lp)
+            elif lp and not messages:
+                yield shape.chunk("", lp)
+            continue
         if d.finished:
             yield shape.final(gen, d.text, d.finish_reason, output, lp)
         elif d.text or lp:
