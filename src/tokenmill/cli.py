@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--verbose", action="store_true",
                    help="after each answer, its timings and token rates (as `ollama run --verbose`)")
+    p.add_argument("--format", choices=["json"], default=None, help="answer in JSON (a chat's /set format json)")
+    p.add_argument("--keepalive", default=None, metavar="DURATION",
+                   help="how long the server keeps the model loaded after this (e.g. 5m, 0 unloads at once)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default: the model's own on a server, greedy in-process)")
     p.add_argument("--server", default=None, help="the server to talk to (host:port); default TOKENMILL_HOST or "

@@ -37,9 +37,12 @@ def choose_chat(args) -> LocalChat | RemoteChat:
     if explicit or (not looks_like_path(args.model) and answers(base)):
         print(f"using the server at {base}", file=sys.stderr)
         given = {"num_predict": getattr(args, "max_tokens", None), "temperature": getattr(args, "temperature", None)}
-        return RemoteChat(base, args.model, {k: v for k, v in given.items() if v is not None})
+        return RemoteChat(base, args.model, {k: v for k, v in given.items() if v is not None},
+                          keep_alive=getattr(args, "keepalive", None))
     reason = "a .gguf path" if looks_like_path(args.model) else f"no server answers at {base}"
     print(f"running {args.model} in-process ({reason})", file=sys.stderr)
+    if getattr(args, "keepalive", None) is not None:
+        print("(--keepalive is for a server: this process holds the model until it exits)", file=sys.stderr)
     return LocalChat(args.model, args.dtype)
 
 
@@ -60,7 +63,7 @@ def cmd_run(args) -> int:
     temperature = getattr(args, "temperature", None)
     params = SamplingParams(max_tokens=args.max_tokens if args.max_tokens is not None else 256,
                             temperature=temperature if temperature is not None else 0.0)
-    verbose = bool(getattr(args, "verbose", False))
+    verbose, fmt = bool(getattr(args, "verbose", False)), getattr(args, "format", None)
     try:
         prompt = piped_prompt(args.prompt)
         if prompt is None or not prompt.strip():
@@ -69,9 +72,9 @@ def cmd_run(args) -> int:
             if prompt is not None:
                 return 0
             return interactive(chat, params, lambda model: _opened(argparse.Namespace(**{**vars(args), "model": model})),
-                               verbose=verbose)
+                               verbose=verbose, format=fmt)
         chat = choose_chat(args)
-        print_stream(chat.stream(Turn(prompt, raw=args.raw), params))
+        print_stream(chat.stream(Turn(prompt, format=fmt, raw=args.raw), params))
         if verbose and chat.stats is not None:
             print("\n".join(chat.stats.lines()), file=sys.stderr)
         return 0

@@ -137,11 +137,18 @@ class RemoteChat:
     options the user gave are sent (`options`), as Ollama's run does: a model created with PARAMETER
     num_predict or temperature keeps them unless a flag overrides them."""
 
-    def __init__(self, base_url: str, model: str, options: dict | None = None):
+    def __init__(self, base_url: str, model: str, options: dict | None = None, keep_alive: str | None = None):
         self.base_url = server_url(base_url)
         self.model = model
         self.options = options or {}
+        self.keep_alive = keep_alive  # Ollama's duration text; None: the server's default
         self.stats: Stats | None = None
+
+    def _body(self, **fields) -> dict:
+        body = {"model": self.model, **fields}
+        if self.keep_alive is not None:
+            body["keep_alive"] = self.keep_alive
+        return body
 
     @staticmethod
     def takes_option(name: str) -> bool:
@@ -150,10 +157,10 @@ class RemoteChat:
     def load(self) -> None:
         """Ollama's load request (a model and no prompt): an unknown model, or one that cannot load,
         is an error before the interactive prompt opens rather than after the first message."""
-        call(self.base_url, "POST", "/api/generate", {"model": self.model, "stream": False})
+        call(self.base_url, "POST", "/api/generate", self._body(stream=False))
 
     def stream(self, turn: Turn, params: SamplingParams) -> Iterator[str]:
-        body: dict = {"model": self.model, "stream": True, "options": {**self.options, **turn.options}}
+        body = self._body(stream=True, options={**self.options, **turn.options})
         if turn.format is not None:
             body["format"] = turn.format
         if turn.raw:

@@ -192,13 +192,13 @@ def _say(text: str) -> None:
 
 
 def interactive(chat, params: SamplingParams, open_chat: Callable[[str], object], *, verbose: bool = False,
-                ask: Callable[[str], str] = input) -> int:
+                format: str | None = None, ask: Callable[[str], str] = input) -> int:
     """Read messages and commands until /bye or the end of input. A message whose answer fails (a
     bad parameter, a server gone) says why and the session goes on."""
     from tokenmill.server_client import ServerError
     from tokenmill.store import StoreError
 
-    session = Session(verbose=verbose)
+    session = Session(format=format, verbose=verbose)
     commands = Commands(chat, session, open_chat)
     _say('Type a message (/? for help, """ for several lines); /bye or Ctrl-D to leave.')
     while True:

@@ -118,6 +118,9 @@ def test_run_through_a_server_sends_only_the_options_given(monkeypatch, capsys):
     assert "arr" in capsys.readouterr().out
     assert [(p, b["options"]) for p, b in bodies] == [
         ("/api/chat", {}), ("/api/chat", {"num_predict": 5}), ("/api/chat", {"temperature": 0.0})]
+    assert not any("format" in b or "keep_alive" in b for _, b in bodies)
+    assert main(["run", "pirate", "hi", "--format", "json", "--keepalive", "5m"]) == 0
+    assert bodies[-1][1]["format"] == "json" and bodies[-1][1]["keep_alive"] == "5m"
 
 
 @pytest.mark.parametrize("value,words", [

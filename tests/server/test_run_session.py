@@ -111,3 +111,9 @@ def test_a_session_in_process(store, nobody_listens, monkeypatch, capsys):
     assert "Loading model 'tiny-b'" in err and "running tiny-b in-process" in err
     assert main(["show", "seeded"]) == 0  # /save made it on the store, from tiny-b
     assert "seed" in capsys.readouterr().out
+
+
+def test_one_answer_in_json_with_its_figures(store, nobody_listens, capsys):
+    assert main(["run", "tiny-a", "hi", "--format", "json", "--verbose", "--max-tokens", "5", "--dtype", "fp32"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith('{"') and "\neval count:           5 token(s)" in err
