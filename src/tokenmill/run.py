@@ -46,8 +46,11 @@ def choose_chat(args) -> LocalChat | RemoteChat:
     return LocalChat(args.model, args.dtype)
 
 
-def _opened(args):
-    """The chat for args.model, its model loaded and checked (as Ollama's run does before a prompt)."""
+def _opened(args, model: str | None = None):
+    """The chat for `model` (args.model unless given: the chat's /load), its model loaded and checked
+    (as Ollama's run does before a prompt)."""
+    if model is not None:
+        args = argparse.Namespace(**{**vars(args), "model": model})
     chat = choose_chat(args)
     if isinstance(chat, RemoteChat):
         chat.load()
@@ -71,8 +74,7 @@ def cmd_run(args) -> int:
             # Nothing piped (`< /dev/null`): the model is loaded and checked, and that is all.
             if prompt is not None:
                 return 0
-            return interactive(chat, params, lambda model: _opened(argparse.Namespace(**{**vars(args), "model": model})),
-                               verbose=verbose, format=fmt)
+            return interactive(chat, params, lambda model: _opened(args, model), verbose=verbose, format=fmt)
         chat = choose_chat(args)
         print_stream(chat.stream(Turn(prompt, format=fmt, raw=args.raw), params))
         if verbose and chat.stats is not None:

@@ -101,13 +101,16 @@ class Commands:
             from tokenmill.store.modelfile import typed_parameter
 
             name = args[1].lower()
-            value = args[2:] if name == "stop" else typed_parameter(name, " ".join(args[2:]), "/set parameter")
+            # stop takes several words, each one stop string (quotes around one are not part of it)
+            value = ([w.strip('"') for w in args[2:]] if name == "stop"
+                     else typed_parameter(name, " ".join(args[2:]), "/set parameter"))
             if not self.chat.takes_option(name):
                 _say(f"error: /set parameter {name}: only a server uses it (start one with `tokenmill serve`)")
-                return
-            if value is not None:
+            elif value is None:
+                _say(f"Parameter '{name}' means nothing here: ignored, as a server ignores it")
+            else:
                 s.options[name] = value
-            _say(f"Set parameter '{name}' to '{', '.join(value) if name == 'stop' else value}'")
+                _say(f"Set parameter '{name}' to '{', '.join(value) if name == 'stop' else value}'")
         elif what == "system" and len(args) >= 2:
             s.system = line.split(None, 2)[2].strip().strip('"')
             _say("Set system message.")

@@ -197,7 +197,8 @@ def test_sdk_errors_carry_status_and_message(ant, tiny):
         ant.messages.create(model="no-such-model", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
     assert info.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as info:
-        ant.messages.create(model=model_name(tiny[1]), max_tokens=5, messages=[{"role": "user", "content": "hi " * 2000}])
+        ant.messages.create(model=model_name(tiny[1]), max_tokens=5,
+                            messages=[{"role": "user", "content": "hi " * 2000}])
     assert "context" in info.value.message
 
 

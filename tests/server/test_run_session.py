@@ -67,7 +67,8 @@ def test_a_session_on_a_server(store, monkeypatch, capsys, sent):
         assert host.wait_ready(30)
         monkeypatch.setattr("sys.stdin", Terminal("\n".join([
             "/set system Answer in French.", "/set parameter temperature 0", "/set parameter num_predict 3",
-            "/set parameter stop END FIN", "/set verbose", "hello", '"""', "two", "lines", '"""',
+            "/set parameter stop END \"FIN\"", "/set parameter num_gpu 99", "/set verbose",
+            "hello", '"""', "two", "lines", '"""',
             "/show system", "/show parameters", "/set parameter temperature warm", "/nonsense", "/save french",
             "/clear", "again", "/bye"]) + "\n"))
         assert main(["run", "tiny-a"]) == 0
@@ -85,6 +86,7 @@ def test_a_session_on_a_server(store, monkeypatch, capsys, sent):
         assert "Answer in French." in out and "temperature" in out and "END FIN" in out
         assert "PARAMETER temperature must be a number, got 'warm'" in err
         assert "Unknown command '/nonsense'" in err and "Created new model 'french'" in err
+        assert "Parameter 'num_gpu' means nothing here" in err
         # /save made a model of the session, on the server
         with httpx.Client(base_url=server.url, timeout=30) as c:
             shown = c.post("/api/show", json={"model": "french"}).json()
