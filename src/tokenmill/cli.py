@@ -24,6 +24,7 @@ COMMANDS = {
     "serve": "tokenmill.server.commands:cmd_serve",
     "serve-ray": "tokenmill.ray.launch:cmd_serve_ray",
     "bench": "tokenmill.bench:cmd_bench",
+    "batch": "tokenmill.batch:cmd_batch",
     "ps": "tokenmill.cli_models:cmd_ps",
     "stop": "tokenmill.cli_models:cmd_stop",
     "show": "tokenmill.cli_models:cmd_show",
@@ -104,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the effective settings as TOML and exit")
     add_flags(p)  # one flag per setting of tokenmill.config
     add_ray_flags(p)
+
+    p = sub.add_parser("batch", help="answer a file of requests (OpenAI's batch format) in this process",
+                       description="Each input line is {custom_id, method: POST, url, body}, url one of "
+                                   "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, "
+                                   "/v1/messages; each output line is OpenAI's batch result, in input order. "
+                                   "The requests are batched together; settings as for `serve`.")
+    p.add_argument("model", nargs="?", default=None, help="the model requests that name none get (as `serve MODEL`)")
+    p.add_argument("-i", "--input", required=True, metavar="PATH", help="the requests, JSON lines")
+    p.add_argument("-o", "--output", required=True, metavar="PATH", help="where the results go, JSON lines")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once (default 64)")
+    p.add_argument("--config", default=None, metavar="PATH", help="TOML config file (env TOKENMILL_CONFIG)")
+    add_flags(p)
 
     sub.add_parser("ps", help="models a running server has loaded")
     p = sub.add_parser("stop", help="unload a model from the running server")

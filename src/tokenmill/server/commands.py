@@ -119,10 +119,9 @@ def check_device(settings: Config) -> str | None:
     return None
 
 
-def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:
+def host_for(settings: Config) -> ModelHost:
+    """The models' host for these settings, its first model loading (serve's, and batch's)."""
     from tokenmill.cpu_threads import configure_threads
-    from tokenmill.server.app import create_app
-    from tokenmill.server.connections import protocol_with_timeout
     from tokenmill.server.model_host import HostPolicy, LoadSpec, ModelHost
 
     # Before any model loads, for the whole process: every model loaded on demand runs on this count
@@ -131,6 +130,14 @@ def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:
     host = ModelHost(max_queue=settings.max_queue, retire_timeout=settings.drain_timeout,
                      policy=HostPolicy.from_settings(settings))
     host.start_load(LoadSpec(settings.model, settings.engine_config()))
+    return host
+
+
+def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:
+    from tokenmill.server.app import create_app
+    from tokenmill.server.connections import protocol_with_timeout
+
+    host = host_for(settings)
     config = uvicorn.Config(
         create_app(host, settings),
         http=protocol_with_timeout(settings.header_timeout),
