@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -264,6 +265,39 @@ def test_serve_on_port_0_says_which_port_it_got(home, tmp_path):
         url = line.split("listening on ")[1].split(",")[0]
         assert not url.endswith(":0")
         with urllib.request.urlopen(url + "/api/version", timeout=30) as resp:
+            assert "version" in json.loads(resp.read())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_serve_over_https_with_a_certificate(home, tmp_path, capsys):
+    import ssl
+    import urllib.request
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    # Half a pair, or a key that is no key, is refused before listening.
+    assert main(["serve", "tiny-a", "--ssl-certfile", str(cert)]) == 1
+    assert "ssl_certfile is set (flag --ssl-certfile) but ssl_keyfile is not" in capsys.readouterr().err
+    assert main(["serve", "tiny-a", "--ssl-certfile", str(cert), "--ssl-keyfile", str(cert)]) == 1
+    assert "cannot use" in capsys.readouterr().err
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "tiny-a", "--port", "0", "--no-compile",
+                             "--log-level", "warning", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if "listening on" in line:
+                break
+        else:
+            pytest.fail("serve printed no 'listening on' line")
+        url = line.split("listening on ")[1].split(",")[0]
+        assert url.startswith("https://")
+        context = ssl.create_default_context(cafile=str(cert))
+        context.check_hostname = False  # the certificate names localhost, the URL the address
+        with urllib.request.urlopen(url + "/api/version", timeout=30, context=context) as resp:
             assert "version" in json.loads(resp.read())
     finally:
         proc.terminate()

@@ -83,8 +83,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("model_wait_timeout", float, 120.0, "seconds a request waits for its model to load or for memory to "
            "free up before it gets 503", ("--model-wait-timeout",), lo=0.1, group="server"),
     Option("log_level", str, "info", "log level", ("--log-level",), choices=LOG_LEVELS, group="server"),
-    Option("api_key", str, "", "require `Authorization: Bearer KEY` on every route but /health; empty = no key",
-           ("--api-key",), group="server"),
+    Option("api_key", str, "", "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but "
+           "/health; empty = no key", ("--api-key",), group="server"),
     Option("origins", str, "", "extra CORS origins allowed to call the API, comma-separated, `*` wildcards "
            "(as OLLAMA_ORIGINS); localhost origins are always allowed", ("--origins",), env=("OLLAMA_ORIGINS",),
            group="server"),
@@ -99,6 +99,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("allowed_hosts", str, "", "extra Host header names the server answers to when it listens on loopback, "
            "comma-separated (DNS rebinding guard; loopback names and addresses are always allowed; `*` = any)",
            ("--allowed-hosts",), env=("TOKENMILL_ALLOWED_HOSTS",), group="server"),
+    Option("ssl_certfile", str, "", "serve HTTPS with this certificate (PEM; with --ssl-keyfile), as vLLM's "
+           "--ssl-certfile; empty = plain HTTP", ("--ssl-certfile",), group="server"),
+    Option("ssl_keyfile", str, "", "the certificate's private key (PEM)", ("--ssl-keyfile",), group="server"),
     # --- engine ---------------------------------------------------------------------------------
     Option("dtype", str, "auto", "weights and activations: gguf (weights stay in their GGUF blocks, native "
            "kernels, float32 activations), bf16, fp32, or auto (gguf where the compiled core runs, else bf16 on "
@@ -181,6 +184,8 @@ class Config:
     max_body_bytes: int = 32 * 1024 * 1024
     max_blob_gb: float = 16.0
     allowed_hosts: str = ""
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
     dtype: str = "auto"
     kv_dtype: str = "auto"
     num_ctx: int = 0

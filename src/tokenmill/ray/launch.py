@@ -22,6 +22,11 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
     settings = read_settings(args)
     if isinstance(settings, int):
         return settings
+    if settings.ssl_certfile or settings.ssl_keyfile:
+        # Ray Serve's own HTTP proxy listens, not uvicorn: HTTPS is a proxy's job in front of it.
+        print("error: --ssl-certfile/--ssl-keyfile do not apply with --ray: terminate TLS in front of Ray Serve",
+              file=sys.stderr)
+        return 1
     try:
         import ray
         from ray import serve

@@ -105,6 +105,24 @@ def check_draft(settings: Config) -> str | None:
     return None
 
 
+def check_tls(settings: Config) -> str | None:
+    """Why the TLS settings cannot serve HTTPS, or None: both files or neither, each a readable PEM
+    the server can load (checked before listening, not on the first connection)."""
+    cert, key = settings.ssl_certfile, settings.ssl_keyfile
+    if not cert and not key:
+        return None
+    if not cert or not key:
+        given, missing = ("ssl_certfile", "ssl_keyfile") if cert else ("ssl_keyfile", "ssl_certfile")
+        return f"{given} is set ({settings.source(given)}) but {missing} is not: HTTPS needs both"
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        return f"cannot use {cert} and {key} for HTTPS: {getattr(exc, 'strerror', None) or exc}"
+    return None
+
+
 def check_device(settings: Config) -> str | None:
     """Why the device asked for cannot be used here, or None: with --device cuda on a machine
     without CUDA no model could ever load, so the server refuses to start (a setting, not a model's fault)."""
@@ -145,6 +163,8 @@ def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:
         timeout_keep_alive=int(settings.http_keep_alive),
         timeout_graceful_shutdown=int(settings.drain_timeout),
         lifespan="on",
+        ssl_certfile=settings.ssl_certfile or None,
+        ssl_keyfile=settings.ssl_keyfile or None,
     )
     return DrainingServer(config, host), host
 
@@ -177,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    unusable = check_device(settings) or check_draft(settings)
+    unusable = check_device(settings) or check_draft(settings) or check_tls(settings)
     if unusable:
         print(f"error: {unusable}", file=sys.stderr)
         return 1
@@ -199,7 +219,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     LogWriter().take_over("", "uvicorn", "uvicorn.error", "uvicorn.access")
     port = sock.getsockname()[1]  # the one the system chose for --port 0
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    print(f"tokenmill listening on http://{host}:{port}, loading {model}", file=sys.stderr)
+    scheme = "https" if settings.ssl_certfile else "http"
+    print(f"tokenmill listening on {scheme}://{host}:{port}, loading {model}", file=sys.stderr)
     try:
         server.run(sockets=[sock])
     finally:
