@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -271,6 +272,17 @@ def test_serve_on_port_0_says_which_port_it_got(home, tmp_path):
         proc.wait(30)
 
 
+@pytest.mark.parametrize("value, url", [("", "http://127.0.0.1:11434"), ("example.org", "http://example.org:11434"),
+                                        ("http://0.0.0.0:8080", "http://127.0.0.1:8080"),
+                                        ("https://example.org", "https://example.org:443"),
+                                        ("HTTPS://[::1]:8443/", "https://[::1]:8443")])
+def test_the_client_keeps_the_scheme_it_is_given(monkeypatch, value, url):
+    from tokenmill.server_client import server_url
+
+    monkeypatch.setenv("TOKENMILL_HOST", value)
+    assert server_url() == url
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_serve_over_https_with_a_certificate(home, tmp_path, capsys):
     import ssl
@@ -278,7 +290,8 @@ def test_serve_over_https_with_a_certificate(home, tmp_path, capsys):
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
     # Half a pair, or a key that is no key, is refused before listening.
     assert main(["serve", "tiny-a", "--ssl-certfile", str(cert)]) == 1
     assert "ssl_certfile is set (flag --ssl-certfile) but ssl_keyfile is not" in capsys.readouterr().err
@@ -296,9 +309,13 @@ def test_serve_over_https_with_a_certificate(home, tmp_path, capsys):
         url = line.split("listening on ")[1].split(",")[0]
         assert url.startswith("https://")
         context = ssl.create_default_context(cafile=str(cert))
-        context.check_hostname = False  # the certificate names localhost, the URL the address
         with urllib.request.urlopen(url + "/api/version", timeout=30, context=context) as resp:
             assert "version" in json.loads(resp.read())
+        # The CLI's client reaches it at TOKENMILL_HOST=https://..., trusting the certificate as OpenSSL is told.
+        env = {**os.environ, "TOKENMILL_HOST": url, "SSL_CERT_FILE": str(cert)}
+        run = subprocess.run([sys.executable, "-m", "tokenmill.cli", "run", "tiny-a", "hi", "--max-tokens", "2"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and f"using the server at {url}" in run.stderr, run.stderr
     finally:
         proc.terminate()
         proc.wait(30)

@@ -310,7 +310,7 @@ def split_host_port(value: str) -> tuple[str, int | None]:
     the port is None when the value has none."""
     v = value.strip()
     for scheme in ("http://", "https://"):
-        if v.startswith(scheme):
+        if v.lower().startswith(scheme):
             v = v[len(scheme):]
     v = v.rstrip("/")
     if v.startswith("["):  # bracketed IPv6

@@ -36,7 +36,9 @@ def server_url(explicit: str | None = None) -> str:
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1"  # a server listening everywhere is reached on loopback
     host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{port or DEFAULT_PORT}"
+    # A server behind HTTPS (serve --ssl-certfile, or a proxy): https://host, port 443 unless given.
+    secure = value.strip().lower().startswith("https://")
+    return f"{'https' if secure else 'http'}://{host}:{port or (443 if secure else DEFAULT_PORT)}"
 
 
 def _request(url: str, method: str, body: dict | None) -> urllib.request.Request:
