@@ -36,7 +36,7 @@ def open_fds() -> int:
 async def client_loop(c: httpx.AsyncClient, name: str, rng: random.Random, stop: float, counts: dict) -> None:
     chat = [{"role": "user", "content": "hello"}]
     while time.monotonic() < stop:
-        kind = rng.choice(["generate", "chat", "openai", "embed", "abort"])
+        kind = rng.choice(["generate", "chat", "openai", "responses", "anthropic", "embed", "abort"])
         opts = {"temperature": 0.7, "num_predict": rng.randrange(4, 24)}
         if kind == "generate":
             r = await c.post("/api/generate", json={"model": name, "prompt": f"soak {rng.random()}", "raw": True,
@@ -45,6 +45,13 @@ async def client_loop(c: httpx.AsyncClient, name: str, rng: random.Random, stop:
             r = await c.post("/api/chat", json={"model": name, "messages": chat, "stream": False, "options": opts})
         elif kind == "openai":
             r = await c.post("/v1/chat/completions", json={"messages": chat, "max_tokens": opts["num_predict"]})
+        elif kind == "responses":
+            r = await c.post("/v1/responses", json={"input": "hello", "max_output_tokens": opts["num_predict"]})
+        elif kind == "anthropic":  # streamed: the events read to the end
+            async with c.stream("POST", "/v1/messages", json={"max_tokens": opts["num_predict"], "messages": chat,
+                                                              "stream": True}) as r:
+                assert r.status_code == 200, (kind, await r.aread())
+                assert [line async for line in r.aiter_lines()][-2:] == ["data: {\"type\": \"message_stop\"}", ""]
         elif kind == "embed":
             r = await c.post("/api/embed", json={"model": name, "input": [f"text {rng.random()}"] * 2})
         else:
