@@ -97,30 +97,33 @@ def _result(line: Line, status: int | None = None, body: object = None) -> dict:
 async def run_batch(app: App, lines: list[Line], write: Callable[[dict], None], concurrency: int,
                     headers: list[tuple[bytes, bytes]] = (), progress: Callable[[int], None] = lambda n: None
                     ) -> list[dict]:
-    """Every line answered, at most `concurrency` requests in flight; results written in input order
-    as soon as those before them are."""
-    gate = asyncio.Semaphore(concurrency)
+    """Every line answered by `concurrency` workers taking the next line as they free up (so a file
+    of any length holds that many requests in flight, not one task a line); results written in
+    input order as soon as those before them are."""
     results: list[dict | None] = [None] * len(lines)
-    written = 0
+    taken = written = 0
 
-    async def one(i: int, line: Line) -> None:
-        nonlocal written
-        if line.problem is None:
-            async with gate:
-                status, raw = await asgi_post(app, line.url, json.dumps(line.body).encode(), list(headers))
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                body = raw.decode("utf-8", "replace")
-            results[i] = _result(line, status, body)
-        else:
-            results[i] = _result(line)
-        while written < len(results) and results[written] is not None:
-            write(results[written])
-            written += 1
-            progress(written)
+    async def answer(line: Line) -> dict:
+        if line.problem is not None:
+            return _result(line)
+        status, raw = await asgi_post(app, line.url, json.dumps(line.body).encode(), list(headers))
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = raw.decode("utf-8", "replace")
+        return _result(line, status, body)
 
-    await asyncio.gather(*(one(i, line) for i, line in enumerate(lines)))
+    async def worker() -> None:
+        nonlocal taken, written
+        while taken < len(lines):
+            i, taken = taken, taken + 1
+            results[i] = await answer(lines[i])
+            while written < len(results) and results[written] is not None:
+                write(results[written])
+                written += 1
+                progress(written)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, max(len(lines), 1)))))
     return [r for r in results if r is not None]
 
 
