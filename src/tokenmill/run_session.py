@@ -194,16 +194,52 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr)
 
 
+def line_editing() -> Callable[[], None]:
+    """On a real terminal, line editing and a history kept across chats (TOKENMILL_HOME/history, as
+    Ollama keeps ~/.ollama/history); returns what saves the history when the chat ends."""
+    if sys.stdin is not sys.__stdin__ or not sys.stdin.isatty():
+        return lambda: None
+    try:
+        import readline
+    except ImportError:  # a Python built without it: plain input
+        return lambda: None
+    from tokenmill.store.local import models_dir
+
+    path = models_dir().parent / "history"
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass  # none yet
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:
+            pass  # a history is a convenience: a home that cannot take it loses nothing else
+
+    return save
+
+
 def interactive(chat, params: SamplingParams, open_chat: Callable[[str], object], *, verbose: bool = False,
                 format: str | None = None, ask: Callable[[str], str] = input) -> int:
     """Read messages and commands until /bye or the end of input. A message whose answer fails (a
     bad parameter, a server gone) says why and the session goes on."""
-    from tokenmill.server_client import ServerError
-    from tokenmill.store import StoreError
-
     session = Session(format=format, verbose=verbose)
     commands = Commands(chat, session, open_chat)
     _say('Type a message (/? for help, """ for several lines); /bye or Ctrl-D to leave.')
+    save_history = line_editing()
+    try:
+        return _loop(commands, session, params, ask)
+    finally:
+        save_history()
+
+
+def _loop(commands: Commands, session: Session, params: SamplingParams, ask: Callable[[str], str]) -> int:
+    from tokenmill.server_client import ServerError
+    from tokenmill.store import StoreError
+
     while True:
         try:
             message = read_message(ask)

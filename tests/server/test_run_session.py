@@ -5,6 +5,7 @@ is an error line after which the session goes on."""
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -119,3 +120,39 @@ def test_one_answer_in_json_with_its_figures(store, nobody_listens, capsys):
     assert main(["run", "tiny-a", "hi", "--format", "json", "--verbose", "--max-tokens", "5", "--dtype", "fp32"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith('{"') and "\neval count:           5 token(s)" in err
+
+
+def _read_until(fd: int, wanted: bytes, seconds: float = 60) -> bytes:
+    import select
+    import time
+
+    seen, deadline = b"", time.monotonic() + seconds
+    while wanted not in seen:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise AssertionError(f"no {wanted!r} within {seconds} s; got {seen[-300:]!r}")
+        seen += os.read(fd, 4096)
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_a_chat_on_a_terminal_keeps_its_history(store, nobody_listens):
+    # Line editing and a history across chats, as Ollama's: on a real terminal only.
+    import subprocess
+    import sys
+
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "run", "tiny-a", "--dtype", "fp32"],
+                            stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    try:
+        _read_until(master, b">>> ")
+        os.write(master, b"/set verbose\r")
+        _read_until(master, b"Set 'verbose' mode.")
+        os.write(master, b"/bye\r")
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    history = (store.parent / "history").read_text()
+    assert "/set verbose" in history and "/bye" in history
