@@ -4,6 +4,7 @@ server stands in for servers that misbehave (cut answers, HTML error pages, huge
 tokenmill server does not produce on purpose."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -250,12 +251,11 @@ def test_a_draft_model_that_cannot_load_is_refused_before_listening(home, tmp_pa
     assert line.startswith("error: flag --speculative: " + wanted.format(notes=notes))
 
 
-def test_serve_on_port_0_says_which_port_it_got(home, tmp_path):
-    # "listening on http://127.0.0.1:0" named a port no client can reach; the chosen one is shown.
-    import urllib.request
-
+@contextlib.contextmanager
+def _serving(*flags: str):
+    """`tokenmill serve tiny-a --port 0 ...` in a process of its own: the URL its 'listening on' line names."""
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "tiny-a", "--port", "0",
-                             "--no-compile", "--log-level", "warning"],
+                             "--no-compile", "--log-level", "warning", *flags],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stderr:
@@ -263,13 +263,20 @@ def test_serve_on_port_0_says_which_port_it_got(home, tmp_path):
                 break
         else:
             pytest.fail("serve printed no 'listening on' line")
-        url = line.split("listening on ")[1].split(",")[0]
-        assert not url.endswith(":0")
-        with urllib.request.urlopen(url + "/api/version", timeout=30) as resp:
-            assert "version" in json.loads(resp.read())
+        yield line.split("listening on ")[1].split(",")[0]
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_on_port_0_says_which_port_it_got(home, tmp_path):
+    # "listening on http://127.0.0.1:0" named a port no client can reach; the chosen one is shown.
+    import urllib.request
+
+    with _serving() as url:
+        assert not url.endswith(":0")
+        with urllib.request.urlopen(url + "/api/version", timeout=30) as resp:
+            assert "version" in json.loads(resp.read())
 
 
 @pytest.mark.parametrize("value, url", [("", "http://127.0.0.1:11434"), ("example.org", "http://example.org:11434"),
@@ -297,16 +304,7 @@ def test_serve_over_https_with_a_certificate(home, tmp_path, capsys):
     assert "ssl_certfile is set (flag --ssl-certfile) but ssl_keyfile is not" in capsys.readouterr().err
     assert main(["serve", "tiny-a", "--ssl-certfile", str(cert), "--ssl-keyfile", str(cert)]) == 1
     assert "cannot use" in capsys.readouterr().err
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "tiny-a", "--port", "0", "--no-compile",
-                             "--log-level", "warning", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stderr:
-            if "listening on" in line:
-                break
-        else:
-            pytest.fail("serve printed no 'listening on' line")
-        url = line.split("listening on ")[1].split(",")[0]
+    with _serving("--ssl-certfile", str(cert), "--ssl-keyfile", str(key)) as url:
         assert url.startswith("https://")
         context = ssl.create_default_context(cafile=str(cert))
         with urllib.request.urlopen(url + "/api/version", timeout=30, context=context) as resp:
@@ -316,9 +314,6 @@ def test_serve_over_https_with_a_certificate(home, tmp_path, capsys):
         run = subprocess.run([sys.executable, "-m", "tokenmill.cli", "run", "tiny-a", "hi", "--max-tokens", "2"],
                              env=env, capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and f"using the server at {url}" in run.stderr, run.stderr
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 # --- create ---------------------------------------------------------------------------------------
