@@ -28,7 +28,8 @@ def test_a_batch_file_answered_in_order(store, nobody_listens, tmp_path, capsys)
                  _request("resp", "/v1/responses", {"model": "tiny-a", "input": "hi", "max_output_tokens": 3}),
                  _request("streamed", "/v1/chat/completions", {**CHAT, "stream": True}),
                  _request("path", "/v1/chat/completions", {**CHAT, "model": "/etc/passwd"}),
-                 _request("long", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x " * 900}]}),
+                 _request("long", "/v1/chat/completions",
+                          {**CHAT, "messages": [{"role": "user", "content": "x " * 900}]}),
                  _request("delete", "/api/delete", {"model": "tiny-a"}),
                  {"method": "POST", "url": "/v1/completions", "body": {}}]
     src = tmp_path / "in.jsonl"

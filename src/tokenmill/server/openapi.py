@@ -15,9 +15,9 @@ from starlette.routing import Route
 
 from tokenmill.server import (anthropic_input, ollama, ollama_models, openai_embeddings, openai_params,
                               openai_responses_input, runner_api, runner_info)
-from tokenmill.server.openapi_fields import FIELDS, INTEGER, OBJECT, OPTIONS, PROMPTS, STRING
 from tokenmill.server.errors import is_anthropic_path
 from tokenmill.server.ollama_models import tokenmill_version
+from tokenmill.server.openapi_fields import FIELDS, INTEGER, OBJECT, OPTIONS, PROMPTS, STRING
 
 NDJSON, SSE, JSON, TEXT = "application/x-ndjson", "text/event-stream", "application/json", "text/plain"
 OLLAMA_OPTIONS = {"type": "object", "properties": OPTIONS, "description": "Ollama's model options"}
