@@ -40,6 +40,8 @@ class OllamaCallStream:
         if self.name is None:
             return []
         self.arguments += piece
+        if not self.arguments.rstrip().endswith("}"):
+            return []  # an object ends with its brace: no parse of every piece of long arguments
         try:
             value = json.loads(self.arguments)
         except ValueError:
