@@ -23,37 +23,19 @@ App = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[
 
 
 async def asgi_post(app: App, path: str, body: bytes, headers: list[tuple[bytes, bytes]] = ()) -> tuple[int, bytes]:
-    """POST body to path on an ASGI app, as a loopback client would: (status, response body)."""
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
-             "headers": [(b"host", b"localhost"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode()), *headers]}
-    answered = asyncio.Event()
-    request_sent = False
+    """POST body to path on the app, as a loopback client would (the in-process replay Ray's replicas
+    use, ray/asgi_bridge.py): (status, response body)."""
+    from tokenmill.ray.asgi_bridge import ForwardedRequest, ResponseStart, replay
+
+    request = ForwardedRequest("POST", path, b"", ((b"host", b"localhost"), (b"content-type", b"application/json"),
+                                                    (b"content-length", str(len(body)).encode()), *headers),
+                               body, ("127.0.0.1", 0))
     status, chunks = 500, []
-
-    async def receive() -> dict:
-        nonlocal request_sent
-        if not request_sent:
-            request_sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await answered.wait()  # the client stays until its answer is complete
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                answered.set()
-
-    try:
-        await app(scope, receive, send)
-    finally:
-        answered.set()
+    async for part in replay(app, request):
+        if isinstance(part, ResponseStart):
+            status = part.status
+        else:
+            chunks.append(part)
     return status, b"".join(chunks)
 
 

@@ -35,7 +35,6 @@ from tokenmill.bench.api_streams import ApiOptions, RequestResult, error_text, t
 from tokenmill.bench.common import CORPUS, percentiles
 
 
-
 class BenchError(Exception):
     """A problem with the benchmark's own arguments or setup; the message is for the user."""
 
