@@ -1,4 +1,4 @@
-// A whole decoder step in one call: every layer of a Llama or Gemma 3 model, chained from the same
+// A whole decoder step in one call: every layer of a Llama, Qwen2/3 or Gemma 3 model, chained from the same
 // kernels the per-op path calls (kernels.h), over scratch buffers this object keeps between steps.
 // At one sequence a layer's kernels take ~10 us each but each Python-side call costs as much again,
 // which was half of a decode step; here Python makes one call per step.
@@ -43,7 +43,8 @@ struct Projection {
 struct Layer {
     const float *attn_norm, *ffn_norm;
     const float *post_attn_norm, *post_ffn_norm;  // Gemma 3 only (nullptr otherwise)
-    const float *q_norm, *k_norm;                 // Gemma 3 only
+    const float *q_norm, *k_norm;                 // Gemma 3 and Qwen3 only
+    const float* qkv_bias;                        // Qwen2 only: added to the qkv projection's rows
     Projection qkv, o, gate_up, down;
     const float *cos, *sin;
     int64_t rope_rows, rope_stride, rope_dim;
@@ -69,7 +70,7 @@ public:
           activation_(activation), scale_(float(scale)), cache_type_(cache_type), num_slots_(num_slots) {}
 
     void add_layer(uintptr_t attn_norm, uintptr_t ffn_norm, uintptr_t post_attn_norm, uintptr_t post_ffn_norm,
-                   uintptr_t q_norm, uintptr_t k_norm, const std::vector<PartSpec>& qkv, const std::vector<PartSpec>& o,
+                   uintptr_t q_norm, uintptr_t k_norm, uintptr_t qkv_bias, const std::vector<PartSpec>& qkv, const std::vector<PartSpec>& o,
                    const std::vector<PartSpec>& gate_up, const std::vector<PartSpec>& down, uintptr_t cos,
                    uintptr_t sin, int64_t rope_rows, int64_t rope_stride, int64_t rope_dim, int window) {
         Layer l{};
@@ -79,6 +80,7 @@ public:
         l.post_ffn_norm = ptr<const float>(post_ffn_norm);
         l.q_norm = ptr<const float>(q_norm);
         l.k_norm = ptr<const float>(k_norm);
+        l.qkv_bias = ptr<const float>(qkv_bias);
         if ((l.post_attn_norm == nullptr) != (l.post_ffn_norm == nullptr) || (l.q_norm == nullptr) != (l.k_norm == nullptr))
             throw std::invalid_argument("post norms and q/k norms come in pairs");
         l.qkv = projection(qkv, (H_ + 2 * Hkv_) * int64_t(D_), dim_, "qkv");
@@ -145,6 +147,9 @@ public:
             const float* k = qkv + int64_t(H_) * D_;
             const float* v = k + int64_t(Hkv_) * D_;
             parallel_for(T, rope_grain, [&](int64_t b, int64_t e) {
+                if (l.qkv_bias != nullptr)  // the per-op path's `y + bias`: one float add an element
+                    for (int64_t r = b; r < e; ++r)
+                        for (int64_t j = 0; j < n_qkv; ++j) qkv[r * n_qkv + j] += l.qkv_bias[j];
                 if (l.q_norm != nullptr)
                     entry::head_rms_norm_rope_rows(qk, H_, l.q_norm, l.k_norm, eps_, rope, b, e);
                 else
@@ -353,7 +358,7 @@ void register_decoder_step(py::module_& m) {
              "n_kv_heads"_a, "head_dim"_a, "ffn_dim"_a, "eps"_a, "activation"_a, "scale"_a, "cache_type"_a,
              "num_slots"_a)
         .def("add_layer", &DecoderStep::add_layer, "attn_norm"_a, "ffn_norm"_a, "post_attn_norm"_a,
-             "post_ffn_norm"_a, "q_norm"_a, "k_norm"_a, "qkv"_a, "o"_a, "gate_up"_a, "down"_a, "cos"_a, "sin"_a,
+             "post_ffn_norm"_a, "q_norm"_a, "k_norm"_a, "qkv_bias"_a, "qkv"_a, "o"_a, "gate_up"_a, "down"_a, "cos"_a, "sin"_a,
              "rope_rows"_a, "rope_stride"_a, "rope_dim"_a, "window"_a)
         .def("set_cache", &DecoderStep::set_cache, "layer"_a, "k"_a, "v"_a, "k_scale"_a, "v_scale"_a)
         .def_property_readonly("num_layers", &DecoderStep::num_layers)

@@ -52,7 +52,9 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def hf_model(path, dtype=torch.float32):
+def hf_model(path, dtype=torch.float32, **config):
+    """transformers' model from the same GGUF file; `config` sets what its GGUF mapping leaves at the
+    architecture's defaults (Qwen3's head_dim: it does not read attention.key_length)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype, **config).eval()

@@ -54,6 +54,12 @@ class TinyLlamaSpec:
     weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32
     seed: int = 0
     file_type: int | None = None  # general.file_type; None: the weight type's number
+    # Qwen's differences (write_tiny_qwen sets them): a head size other than dim / heads (key_length),
+    # RMSNorms over each q and k head (Qwen3), biases on q, k and v (Qwen2).
+    head_dim: int | None = None
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    tokenizer_pre: str = "smollm"
 
 
 def _add(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
@@ -74,7 +80,7 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     rng = np.random.default_rng(spec.seed)
     tokens, types, merges = tiny_vocab()
     vocab = len(tokens)
-    head_dim = spec.dim // spec.n_heads
+    head_dim = spec.head_dim or spec.dim // spec.n_heads
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-random-llama")
@@ -87,10 +93,13 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(spec.norm_eps)
     w.add_rope_dimension_count(head_dim)
+    if spec.head_dim:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(vocab)
     w.add_file_type(int(spec.weight_type) if spec.file_type is None else spec.file_type)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre(spec.tokenizer_pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -114,6 +123,12 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
         _add(w, p + "attn_k.weight", mat(spec.n_kv_heads * head_dim, spec.dim), wt)
         _add(w, p + "attn_v.weight", mat(spec.n_kv_heads * head_dim, spec.dim), wt)
         _add(w, p + "attn_output.weight", mat(spec.dim, spec.n_heads * head_dim), wt)
+        if spec.qk_norm:
+            for name in ("attn_q_norm", "attn_k_norm"):
+                _add(w, p + name + ".weight", 1.0 + rng.normal(0, 0.1, head_dim), gguf.GGMLQuantizationType.F32)
+        if spec.qkv_bias:
+            for name, heads in (("attn_q", spec.n_heads), ("attn_k", spec.n_kv_heads), ("attn_v", spec.n_kv_heads)):
+                _add(w, p + name + ".bias", rng.normal(0, 0.2, heads * head_dim), gguf.GGMLQuantizationType.F32)
         _add(w, p + "ffn_norm.weight", 1.0 + rng.normal(0, 0.05, spec.dim), gguf.GGMLQuantizationType.F32)
         _add(w, p + "ffn_gate.weight", mat(spec.ffn_dim, spec.dim), wt)
         _add(w, p + "ffn_up.weight", mat(spec.ffn_dim, spec.dim), wt)
@@ -127,6 +142,14 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_qwen(path: Path | str, arch: str, spec: TinyLlamaSpec | None = None) -> Path:
+    """A tiny random Qwen2 (q/k/v biases) or Qwen3 (q/k head norms) file, with Qwen's pre-tokenizer."""
+    from dataclasses import replace
+
+    spec = replace(spec or TinyLlamaSpec(), qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2", tokenizer_pre="qwen2")
+    return write_tiny_llama(path, spec, arch=arch)
 
 
 @dataclass

@@ -22,13 +22,21 @@ MAX_ROTARY_TABLE = 1 << 25
 # The native attention kernels work on heads of a multiple of 16 values (every real model's 64 to 256).
 HEAD_DIM_MULTIPLE = 16
 
-# The tensors each architecture's blocks hold beyond Llama's, with their sizes: "dim" (the embedding)
-# or "head" (a head's size). model/ has the same lists in its classes' BLOCK_TENSORS (a test keeps
-# them in step); the shapes are checked here, before a model is built, so that a file whose tensors
-# do not fit its numbers is refused rather than loaded into uninitialised or mis-sized weights.
-_EXTRA_BLOCK_NORMS: dict[str, dict[str, str]] = {
+# The tensors each architecture's blocks hold beyond Llama's, with their sizes: "dim" (the embedding),
+# "head" (a head's size), "q" or "kv" (the query's or a key's projection rows). A name without a suffix
+# is a weight (".weight"); biases say ".bias". model/ has the same lists in its classes' BLOCK_TENSORS (a
+# test keeps them in step); the shapes are checked here, before a model is built, so that a file whose
+# tensors do not fit its numbers is refused rather than loaded into uninitialised or mis-sized weights.
+_EXTRA_BLOCK_TENSORS: dict[str, dict[str, str]] = {
     "gemma3": {"attn_q_norm": "head", "attn_k_norm": "head", "post_attention_norm": "dim", "post_ffw_norm": "dim"},
+    "qwen3": {"attn_q_norm": "head", "attn_k_norm": "head"},
+    "qwen2": {"attn_q.bias": "q", "attn_k.bias": "kv", "attn_v.bias": "kv"},
 }
+
+
+def block_tensor_file_name(layer: int, name: str) -> str:
+    """A block tensor's name in the file: "attn_q" -> "blk.3.attn_q.weight", "attn_q.bias" -> "blk.3.attn_q.bias"."""
+    return f"blk.{layer}.{name}" + ("" if "." in name else ".weight")
 
 
 @dataclass(frozen=True)
@@ -156,13 +164,14 @@ class ModelConfig:
         block = {"attn_norm": (dim,), "attn_q": (q_rows, dim), "attn_k": (kv_rows, dim), "attn_v": (kv_rows, dim),
                  "attn_output": (dim, q_rows), "ffn_norm": (dim,), "ffn_gate": (ffn, dim), "ffn_up": (ffn, dim),
                  "ffn_down": (dim, ffn)}
-        for name, size in _EXTRA_BLOCK_NORMS.get(self.architecture, {}).items():
-            block[name] = (head,) if size == "head" else (dim,)
+        sizes = {"dim": dim, "head": head, "q": q_rows, "kv": kv_rows}
+        for name, size in _EXTRA_BLOCK_TENSORS.get(self.architecture, {}).items():
+            block[name] = (sizes[size],)
         shapes = {"token_embd.weight": (self.vocab_size, dim), "output_norm.weight": (dim,)}
         if not self.tied_embeddings:
             shapes["output.weight"] = (self.vocab_size, dim)
         for i in range(self.n_layers):
-            shapes.update({f"blk.{i}.{name}.weight": shape for name, shape in block.items()})
+            shapes.update({block_tensor_file_name(i, name): shape for name, shape in block.items()})
         return shapes
 
     def _check_tensors(self, shapes: Mapping[str, tuple[int, ...]]) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.gguf.config import ModelConfig
+from tokenmill.gguf.config import ModelConfig, block_tensor_file_name
 from tokenmill.kernels import gpu as gpu_ops
 from tokenmill.kernels import native as native_kernels
 from tokenmill.kernels.argmax import argmax_rows, excluding
@@ -153,14 +153,15 @@ class DecoderLM(nn.Module):
         layers = sum(m.quantized.nbytes for m in self.modules() if isinstance(m, Linear) and m.quantized is not None)
         return coarse_copy_bytes(w.ggml_type, w.out_features, w.in_features, w.nbytes, w.nbytes + layers)
 
-    BLOCK_TENSORS: tuple[str, ...] = ()  # each block's GGUF tensor names, without "blk.N." and ".weight"
+    # Each block's GGUF tensor names without "blk.N.": "attn_q" for a weight (".weight" implied), "attn_q.bias".
+    BLOCK_TENSORS: tuple[str, ...] = ()
 
     def gguf_tensor_names(self) -> list[str]:
         names = ["token_embd.weight", "output_norm.weight"]
         if not self.config.tied_embeddings:
             names.append("output.weight")
         for i in range(self.config.n_layers):
-            names += [f"blk.{i}.{n}.weight" for n in self.BLOCK_TENSORS]
+            names += [block_tensor_file_name(i, n) for n in self.BLOCK_TENSORS]
         return names
 
     def load_tensor(self, name: str, w: GGUFWeight, pending: dict[str, GGUFWeight]) -> None:
@@ -188,8 +189,14 @@ class DecoderLM(nn.Module):
         if name == "output_norm.weight":
             self.norm.weight.data = tensor
             return
-        _, idx, part, _ = name.split(".")
+        _, idx, part, kind = name.split(".")
         block = self.blocks[int(idx)]
+        if kind == "bias":  # Qwen2's q, k, v: one bias for the fused projection, in its rows' order
+            pending[name] = w
+            biases = take_parts(pending, [f"blk.{idx}.attn_{p}.bias" for p in "qkv"])
+            if biases:
+                block.attn.qkv_proj.set_bias(torch.cat([b.dense for b in self.qkv_in_model_order(biases)]))
+            return
         norms = self.block_norms(block)
         if part in norms:
             norms[part].data = tensor

@@ -121,20 +121,24 @@ def interleaved_to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over the paged cache. Options for Gemma 3: `qk_norm_eps` adds RMSNorms
-    over each q and k head before the rotary embedding; `window` makes it a sliding-window layer."""
+    """Grouped-query attention over the paged cache. Options: `qk_norm_eps` adds RMSNorms over each q
+    and k head before the rotary embedding (Gemma 3's, or with `qk_norm_weight_in_float32` False
+    Qwen3's, which rounds before the weight as Llama's norm does); `window` makes it a sliding-window
+    layer (Gemma 3)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, scale: float | None = None,
-                 qk_norm_eps: float | None = None, window: int | None = None):
+                 qk_norm_eps: float | None = None, qk_norm_weight_in_float32: bool = True,
+                 window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = scale
         self.window = window
         self.qkv_proj = Linear((n_heads + 2 * n_kv_heads) * head_dim, dim)
         self.o_proj = Linear(dim, n_heads * head_dim)
-        gemma_norm = qk_norm_eps is not None
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=True) if gemma_norm else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=True) if gemma_norm else None
+        norms = qk_norm_eps is not None
+        in_float32 = qk_norm_weight_in_float32
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=in_float32) if norms else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, weight_in_float32=in_float32) if norms else None
 
     @property
     def score_scale(self) -> float:

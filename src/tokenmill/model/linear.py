@@ -108,6 +108,20 @@ class Linear(nn.Module):
         self.int4: Int4Weight | None = None
         self.packed: PackedWeight | None = None  # oneDNN-blocked copy of a bf16 weight
         self.quantized: QuantizedParts | None = None
+        # Added to the product (Qwen2's q, k and v projections have one); kept in the activations' dtype
+        # (float32 in the gguf weight mode), added after the matmul in every form, as one more op.
+        self.bias: nn.Parameter | None = None
+
+    def set_bias(self, bias: torch.Tensor) -> None:
+        if bias.shape != (self.out_features,):
+            raise ValueError(f"a bias of shape {list(bias.shape)} for {self.out_features} outputs")
+        self.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        if self.quantized is not None:
+            return self.quantized.out_features
+        return self.weight.shape[0]
 
     def pack_dense(self) -> None:
         if self.quantized is None:
@@ -135,6 +149,10 @@ class Linear(nn.Module):
             self.int4 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x)
+        return y if self.bias is None else y + self.bias
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized.matmul(x)
         if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:

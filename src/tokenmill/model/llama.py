@@ -13,10 +13,12 @@ from tokenmill.model.layers import (Attention, GatedMLP, RMSNorm, RotaryEmbeddin
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, qk_norm: bool = False):
+        """`qk_norm`: RMSNorms over each q and k head (Qwen3's)."""
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                              qk_norm_eps=cfg.norm_eps if qk_norm else None, qk_norm_weight_in_float32=False)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, activation="silu")
 
@@ -31,11 +33,12 @@ class LlamaBlock(nn.Module):
 class LlamaModel(DecoderLM):
     BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                      "ffn_down")
+    QK_NORM = False  # the blocks norm each q and k head (model/qwen.py's Qwen3)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, RMSNorm(cfg.dim, cfg.norm_eps))
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length)
-        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(LlamaBlock(cfg, qk_norm=self.QK_NORM) for _ in range(cfg.n_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
                 kv: KVStorage | None = None, *, k_caches: list[torch.Tensor] | None = None,

@@ -86,7 +86,10 @@ class NativeStep:
             norms = [block.attn_norm, block.ffn_norm, getattr(block, "post_attn_norm", None),
                      getattr(block, "post_ffn_norm", None), attn.q_norm, attn.k_norm]
             weights = [n.weight if n is not None else None for n in norms]
-            if None in projections or any(w is not None and w.dtype != torch.float32 for w in weights):
+            bias = attn.qkv_proj.bias  # Qwen2's; the other projections have none
+            if any(p.bias is not None for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+                return None
+            if None in projections or any(w is not None and w.dtype != torch.float32 for w in weights + [bias]):
                 return None
             if any(n is not None and n.eps != first.attn_norm.eps for n in norms):
                 return None
@@ -94,7 +97,7 @@ class NativeStep:
                 return None
             rope = model.layer_rope(i)
             rope_rows = rope.cos.shape[0] if rope_rows is None else min(rope_rows, rope.cos.shape[0])
-            step.add_layer(*(_addr(w) for w in weights), *projections, rope.cos.data_ptr(), rope.sin.data_ptr(),
+            step.add_layer(*(_addr(w) for w in weights), _addr(bias), *projections, rope.cos.data_ptr(), rope.sin.data_ptr(),
                            rope.cos.shape[0], rope.cos.stride(0), rope.cos.shape[1], attn.window or 0)
             layer = kv.layer(i)
             step.set_cache(i, layer.k.data_ptr(), layer.v.data_ptr(), _addr(layer.k_scale), _addr(layer.v_scale))

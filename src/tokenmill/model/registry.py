@@ -18,8 +18,9 @@ from tokenmill.model.linear import GGUFWeight, Int4Weight, onednn_bf16_available
 from tokenmill.model.quantized import RawTensor
 from tokenmill.model.gemma3 import Gemma3Model
 from tokenmill.model.llama import LlamaModel
+from tokenmill.model.qwen import Qwen2Model, Qwen3Model
 
-ARCHITECTURES: dict[str, type] = {"llama": LlamaModel, "gemma3": Gemma3Model}
+ARCHITECTURES: dict[str, type] = {"llama": LlamaModel, "gemma3": Gemma3Model, "qwen2": Qwen2Model, "qwen3": Qwen3Model}
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 # Weight modes beyond a dense dtype: "gguf" keeps every weight in its GGUF blocks and runs them through
