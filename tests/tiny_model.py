@@ -144,12 +144,13 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     return path
 
 
-def write_tiny_qwen(path: Path | str, arch: str, spec: TinyLlamaSpec | None = None) -> Path:
+def write_tiny_qwen(path: Path | str, arch: str, spec: TinyLlamaSpec | None = None,
+                    chat_template: str | None = CHATML_TEMPLATE) -> Path:
     """A tiny random Qwen2 (q/k/v biases) or Qwen3 (q/k head norms) file, with Qwen's pre-tokenizer."""
     from dataclasses import replace
 
     spec = replace(spec or TinyLlamaSpec(), qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2", tokenizer_pre="qwen2")
-    return write_tiny_llama(path, spec, arch=arch)
+    return write_tiny_llama(path, spec, arch=arch, chat_template=chat_template)
 
 
 @dataclass

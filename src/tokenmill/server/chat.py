@@ -111,15 +111,17 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=True)
 
 
-def render_prompt(tokenizer: Tokenizer, prompt: str, *, system: str | None = None, raw: bool = False) -> list[int]:
-    """Ollama's /api/generate prompt: templated as one user turn unless raw; a model without a
-    template gets the text as is (Ollama's default template is just the prompt)."""
+def render_prompt(tokenizer: Tokenizer, prompt: str, *, system: str | None = None, raw: bool = False,
+                  **variables: Any) -> list[int]:
+    """Ollama's /api/generate prompt: templated as one user turn unless raw (`variables` reach the
+    template: enable_thinking); a model without a template gets the text as is (Ollama's default
+    template is just the prompt)."""
     if raw:
         return encode_prompt(tokenizer, prompt)
     if tokenizer.chat_template is None:
         return encode_prompt(tokenizer, f"{system}\n\n{prompt}" if system else prompt)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return render_chat(tokenizer, messages)
+    return render_chat(tokenizer, messages, **variables)
 
 
 def check_token_ids(ids: Any, vocab_size: int, field: str) -> list[int]:

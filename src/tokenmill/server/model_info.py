@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenmill.server.model_host import ModelHost, ServedModel, normalize_name
+from tokenmill.server.thinking import template_thinks
 from tokenmill.store import list_models
 from tokenmill.store.blobs import blob_path, is_blob_path, is_digest, parse_digest
 from tokenmill.store.local import describe
@@ -157,11 +158,13 @@ def show(e: ModelEntry, verbose: bool = False, metadata: dict | None = None) -> 
             if not k.startswith("tokenizer.chat_template") and (verbose or k not in _BULKY_KEYS)}
     template = chat_template_source(metadata) or ""
     capabilities = ["completion", "embedding"]
-    if "tools" in template:
-        capabilities.append("tools")
     profile = e.derived.profile if e.derived else None
     if profile is not None and profile.template:
         template = profile.template
+    if "tools" in template:
+        capabilities.append("tools")
+    if template_thinks(template):
+        capabilities.append("thinking")
     return {
         "modelfile": modelfile_text(e),
         "parameters": "\n".join(f"{k} {json.dumps(v) if isinstance(v, str) else v}"

@@ -37,6 +37,7 @@ from tokenmill.server.ollama_params import FIELD_NAMES, OllamaOptions, parse_opt
 from tokenmill.server.streaming import ndjson_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, ollama_spec
 from tokenmill.server.ollama_tool_stream import OllamaCallStream
+from tokenmill.server.thinking import Thinking, model_thinks, reading_for
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.server.validation import (
     get_bool,
@@ -77,6 +78,7 @@ class Shape:
         self.chat = chat
         self.model = model
         self.tool_use = tool_use
+        self.thinking: Thinking | None = None  # a thinking model's answer: its reasoning goes in `thinking`
 
     @property
     def finds_calls(self) -> bool:
@@ -84,27 +86,32 @@ class Shape:
         whole answer's at its end."""
         return self.tool_use is not None and self.tool_use.active
 
-    def chunk(self, text: str, logprobs: list | None = None, tool_calls: list | None = None) -> dict:
+    def chunk(self, text: str, logprobs: list | None = None, tool_calls: list | None = None,
+              thinking: str = "") -> dict:
         obj = {"model": self.model, "created_at": now_iso()}
         if self.chat:
             obj["message"] = {"role": "assistant", "content": text}
+            if thinking:
+                obj["message"]["thinking"] = thinking
             if tool_calls:
                 obj["message"]["tool_calls"] = tool_calls
         else:
             obj["response"] = text
+            if thinking:
+                obj["thinking"] = thinking
         obj["done"] = False
         if logprobs is not None:
             obj["logprobs"] = logprobs
         return obj
 
     def final(self, gen: Generation, text: str, done_reason: str, output_ids: list[int],
-              logprobs: list | None) -> dict:
-        obj = self.chunk(text, logprobs)
+              logprobs: list | None, thinking: str = "") -> dict:
+        """The last object; `text` is the answer (a stream's last piece of it), its reasoning apart."""
+        obj = self.chunk(text, logprobs, thinking=thinking)
         if self.finds_calls and text:
             content, calls = self.tool_use.extract(text)
             if calls:
-                obj["message"] = {"role": "assistant", "content": content or "",
-                                  "tool_calls": [c.ollama() for c in calls]}
+                obj["message"].update(content=content or "", tool_calls=[c.ollama() for c in calls])
         obj.update(done=True, done_reason=done_reason)
         if not self.chat:
             obj["context"] = gen.prompt_ids + output_ids  # lets a client continue from here
@@ -127,12 +134,19 @@ def _logprobs(gen: Generation, ids: list[int], lps, top) -> list | None:
 async def _stream(gen: Generation, shape: Shape):
     output: list[int] = []
     calls = OllamaCallStream(shape.tool_use) if shape.finds_calls else None
+    split = shape.thinking.split() if shape.thinking is not None else None
     async for _, d in gen.deltas():
         output += d.token_ids
         lp = _logprobs(gen, d.token_ids, d.logprobs, d.top_logprobs)
+        text = d.text
+        if split is not None:  # the reasoning in chunks of its own, before the answer's (Ollama's order)
+            thought, text = split.take(d.text, d.finished)
+            if thought:
+                yield shape.chunk("", lp, thinking=thought)
+                lp = None
         if calls is not None:
             # Content as it comes, each call once complete; a delta's logprobs ride on its first message.
-            messages = calls.feed(d.text, d.finished)
+            messages = calls.feed(text, d.finished)
             for i, m in enumerate(messages):
                 yield shape.chunk(m["content"], lp if i == 0 else None, m.get("tool_calls"))
             if d.finished:
@@ -141,9 +155,9 @@ async def _stream(gen: Generation, shape: Shape):
                 yield shape.chunk("", lp)
             continue
         if d.finished:
-            yield shape.final(gen, d.text, d.finish_reason, output, lp)
-        elif d.text or lp:
-            yield shape.chunk(d.text, lp)
+            yield shape.final(gen, text, d.finish_reason, output, lp)
+        elif text or lp:
+            yield shape.chunk(text, lp)
 
 
 async def _respond(request: Request, served: ServedModel, ids: list[int], opts: OllamaOptions, body: dict,
@@ -167,18 +181,26 @@ async def _respond(request: Request, served: ServedModel, ids: list[int], opts: 
         if slot is not None:
             slot.release()
     lp = _logprobs(gen, result.token_ids, result.logprobs, result.top_logprobs)
-    return JSONResponse(shape.final(gen, result.text, result.finish_reason or "stop", result.token_ids, lp))
+    thinking, text = shape.thinking.split_text(result.text) if shape.thinking is not None else ("", result.text)
+    return JSONResponse(shape.final(gen, text, result.finish_reason or "stop", result.token_ids, lp, thinking))
 
 
-def _refuse_thinking(body: dict, name: str) -> None:
-    """Ollama's `think`: no model here has a thinking mode, so asking for one is Ollama's 400 for a
-    model without the capability, rather than an answer that silently has no thinking."""
+def _think(body: dict, name: str, tok) -> tuple[bool, dict]:
+    """Ollama's `think`: (whether to read the answer's reasoning apart, the template variables that
+    say so). A thinking model (its template writes think tags) thinks unless `think` is false, which
+    renders its template with `enable_thinking` false (Qwen3's switch); a model without the capability
+    gets Ollama's 400 for `think: true` rather than an answer that silently has no thinking. The levels
+    ("high", ...) are gpt-oss's; a model here that thinks takes them as true."""
     think = body.get("think")
-    if think is None or think is False:
-        return
-    if think is not True and think not in ("high", "medium", "low"):
+    if think is not None and not isinstance(think, bool) and think not in ("high", "medium", "low"):
         raise bad_request(f'think must be true, false, "high", "medium" or "low", got {shown_value(think)}', "think")
-    raise bad_request(f'"{name}" does not support thinking', "think")
+    if not model_thinks(tok):
+        if think is None or think is False:
+            return False, {}
+        raise bad_request(f'"{name}" does not support thinking', "think")
+    if think is False:
+        return False, {"enable_thinking": False}
+    return True, {}
 
 
 def _ignore_unsupported(body: dict, where: str) -> None:
@@ -200,7 +222,6 @@ async def generate(request: Request) -> Response:
     if not prompt and not body.get("context"):
         return await _load_or_unload(request, body, keep_alive, chat=False)
     served = await model_for(request, _model_field(body), keep_alive)
-    _refuse_thinking(body, served.name)
     body = profiles.ollama_body(body, served.profile)
     shape = Shape(False, served.name)
     tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
@@ -210,7 +231,13 @@ async def generate(request: Request) -> Response:
     system, raw = profiles.system_prompt(get_str(body, "system"), served.profile), bool(get_bool(body, "raw"))
     if template and not raw:  # Ollama's per-request template, in place of the model's
         tok = await off_loop(lambda: profiles.with_request_template(tok, template), len(template))
-    ids = context + await off_loop(lambda: render_prompt(tok, prompt, system=system, raw=raw), len(prompt))
+    think, variables = _think(body, served.name, tok)
+    if constraint is not None:  # the grammar holds from the first token: no room to think
+        variables = {"enable_thinking": False} if think else variables
+    ids = context + await off_loop(lambda: render_prompt(tok, prompt, system=system, raw=raw, **variables),
+                                   len(prompt))
+    if not raw:  # a raw prompt is the client's own: its answer comes back as written
+        shape.thinking = reading_for(tok, ids, wanted=think, constrained=constraint is not None)
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "prompt")
 
@@ -226,16 +253,20 @@ async def chat(request: Request) -> Response:
     if not messages:
         return await _load_or_unload(request, body, keep_alive, chat=True)
     served = await model_for(request, _model_field(body), keep_alive)
-    _refuse_thinking(body, served.name)
     body = profiles.ollama_body(body, served.profile)
     shape = Shape(True, served.name, tool_use)
     opts = parse_options(body, "/api/chat")
     constraint = ollama_spec(body)
     tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
+    think, variables = _think(body, served.name, tok)
+    if constraint is not None:  # the grammar holds from the first token: no room to think
+        variables = {"enable_thinking": False} if think else variables
     messages, tools = prepare_messages(tok, profiles.chat_messages(messages, served.profile), tool_use)
     prefill = ends_in_prefill(messages)
-    ids = await off_loop(lambda: render_chat(tok, messages, tools=tools, continue_final_message=prefill),
-                         chars_in(messages))
+    ids = await off_loop(lambda: render_chat(tok, messages, tools=tools, continue_final_message=prefill,
+                                             **variables), chars_in(messages))
+    if not prefill:  # a continued answer is the client's own text going on: as written
+        shape.thinking = reading_for(tok, ids, wanted=think, constrained=constraint is not None)
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "messages")
 

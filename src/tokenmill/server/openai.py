@@ -28,6 +28,7 @@ from tokenmill.server.openai_params import (
 )
 from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, openai_spec
+from tokenmill.server.thinking import Thinking, reading_for
 from tokenmill.server.tool_stream import Piece
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.server.validation import check_name_field, get_bool, get_int, get_model_name, get_str, read_json
@@ -115,12 +116,14 @@ class ChatJob:
     tok: Tokenizer
     tool_use: ToolUse
     prompt_ids: list[int]
+    thinking: Thinking | None = None  # a thinking model's answer: its reasoning is read apart
 
 
-async def prepare_chat(request: Request, body: dict) -> ChatJob:
+async def prepare_chat(request: Request, body: dict, *, reasoning: bool = False) -> ChatJob:
     """A chat completions body checked, its messages rendered by the model's template and its
     constraint compiled (shared with /v1/responses and Anthropic's /v1/messages, which are translated
-    into such a body)."""
+    into such a body). `reasoning`: a thinking model's reasoning is read apart from its answer (unless
+    chat_template_kwargs.enable_thinking is false)."""
     served = await model_for(request, get_model_name(body))
     body = profiles.openai_body(body, served.profile)
     opts = parse_options(body, chat=True)
@@ -136,11 +139,15 @@ async def prepare_chat(request: Request, body: dict) -> ChatJob:
     ids = await off_loop(lambda: render_chat(tok, messages, tools=tools, **template),
                          chars_in(messages) + chars_in(template))
     await add_constraint(opts.params, tok, constraint)
-    return ChatJob(served, opts, tok, tool_use, ids)
+    thinking = None
+    if reasoning and not template["continue_final_message"]:  # a continued message is the client's own text
+        thinking = reading_for(tok, ids, wanted=template.get("enable_thinking") is not False,
+                               constrained=constraint is not None)
+    return ChatJob(served, opts, tok, tool_use, ids, thinking)
 
 
 async def chat_completions(request: Request) -> Response:
-    job = await prepare_chat(request, await read_json(request))
+    job = await prepare_chat(request, await read_json(request), reasoning=True)
     served, opts, tok, tool_use, ids = job.served, job.opts, job.tok, job.tool_use, job.prompt_ids
     env = Envelope("chat.completion", served.name, opts.include_usage)
 
@@ -158,16 +165,22 @@ async def chat_completions(request: Request) -> Response:
 
         for i in range(num_choices):
             yield chunk(i, {"role": "assistant", "content": ""})
-        # With tools, each choice's text goes through a parser that sends calls as they are written.
+        # With tools, each choice's text goes through a parser that sends calls as they are written;
+        # a thinking model's, first through a split that sends its reasoning as reasoning_content.
         parsers = [tool_use.stream() for _ in range(num_choices)] if tool_use.active else None
+        splits = [job.thinking.split() for _ in range(num_choices)] if job.thinking is not None else None
         async for i, d in all_deltas(gens):
             counts[i] += len(d.token_ids)
             lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs)
+            text, deltas = d.text, []
+            if splits is not None:
+                reasoning, text = splits[i].take(d.text, d.finished)
+                deltas = [{"reasoning_content": reasoning}] if reasoning else []
             if parsers is None:
-                deltas = [{"content": d.text}] if d.text else []
+                deltas += [{"content": text}] if text else []
             else:
-                pieces = parsers[i].feed(d.text) + (parsers[i].finish() if d.finished else [])
-                deltas = [_tool_delta(p) for p in pieces]
+                pieces = parsers[i].feed(text) + (parsers[i].finish() if d.finished else [])
+                deltas += [_tool_delta(p) for p in pieces]
             if lp and not deltas:
                 deltas = [{}]
             for j, delta in enumerate(deltas):
@@ -182,7 +195,7 @@ async def chat_completions(request: Request) -> Response:
     def finish_body(gens: list[Generation], results: list[Result]) -> dict:
         choices = []
         for i, r in enumerate(results):
-            message, reason = chat_message(tool_use, r)
+            message, reason = chat_message(tool_use, r, job.thinking)
             choices.append({"index": i, "message": message,
                             "logprobs": logprobs_of(r.token_ids, r.logprobs, r.top_logprobs), "finish_reason": reason})
         return env.wrap(choices, usage=_total_usage(gens, [len(r.token_ids) for r in results]))
@@ -198,17 +211,22 @@ def _one_constraint(found, tool_use: ToolUse):
     return forced or found
 
 
-def chat_message(tool_use: ToolUse, r: Result) -> tuple[dict, str | None]:
-    """The assistant message of a finished choice, with its tool calls parsed out, and the finish reason."""
-    content, calls = tool_use.extract(r.text) if tool_use.active else (r.text, [])
+def chat_message(tool_use: ToolUse, r: Result, thinking: Thinking | None = None) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice, with its reasoning (`thinking`: a thinking model's,
+    as `reasoning_content`) and its tool calls parsed out, and the finish reason."""
+    reasoning, text = thinking.split_text(r.text) if thinking is not None else ("", r.text)
+    message: dict = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    content, calls = tool_use.extract(text) if tool_use.active else (text, [])
     if not calls and tool_use.active and r.finish_reason == "length":
-        content, cut = _cut_calls(tool_use, r.text)
+        content, cut = _cut_calls(tool_use, text)
         if cut:
-            return {"role": "assistant", "content": content, "tool_calls": cut}, r.finish_reason
+            return {**message, "content": content, "tool_calls": cut}, r.finish_reason
     if not calls:
-        return {"role": "assistant", "content": r.text}, r.finish_reason
+        return message, r.finish_reason
     reason = "tool_calls" if r.finish_reason == "stop" else r.finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}, reason
+    return {**message, "content": content, "tool_calls": [c.openai() for c in calls]}, reason
 
 
 def _cut_calls(tool_use: ToolUse, text: str) -> tuple[str | None, list[dict]]:

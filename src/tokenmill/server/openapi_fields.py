@@ -56,7 +56,9 @@ FIELDS: dict[str, dict] = {
     "structured_outputs": described(OBJECT, "one of json, regex, choice, grammar"),
     "grammar": described(STRING, "a GBNF grammar"),
     "json_schema": described(OBJECT, "a JSON schema"),
-    "think": described({"oneOf": [BOOLEAN, STRING]}, "false: no model here has a thinking mode (true is a 400)"),
+    "think": described({"oneOf": [BOOLEAN, STRING]},
+                       "a thinking model's reasoning apart, in `thinking` (true, a level, or unset); false renders its "
+                       "template with enable_thinking false; true for a model that does not think is a 400"),
     "priority": PRIORITY,
     "user": STRING,
     "echo": described(BOOLEAN, "the prompt before the completion; with logprobs, the prompt's own logprobs "
