@@ -211,8 +211,8 @@ def _check_harmless(body: dict) -> None:
     metadata, thinking = body.get("metadata"), body.get("thinking")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad_request("metadata must be an object", "metadata")
-    # The models here have no thinking mode: a request for it gets an answer without thinking blocks
-    # (as Ollama does for a model that cannot think), so clients that always ask still work.
+    # A model that cannot think answers a request for thinking without thinking blocks (as Ollama
+    # does), so clients that always ask still work; budget_tokens is not held to.
     if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") not in _THINKING_TYPES):
         raise bad_request(f"thinking.type must be one of {', '.join(_THINKING_TYPES)}", "thinking.type")
 
@@ -255,6 +255,8 @@ def chat_body(body: dict, *, count_only: bool = False) -> tuple[dict, list[str]]
                        ("parallel_tool_calls", parallel)):
         if value is not None:
             chat[key] = value
+    if (body.get("thinking") or {}).get("type") == "disabled":  # a thinking model's switch (Qwen3's)
+        chat["chat_template_kwargs"] = {"enable_thinking": False}
     return chat, origins
 
 

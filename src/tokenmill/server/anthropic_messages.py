@@ -4,10 +4,10 @@ with ANTHROPIC_BASE_URL pointed here).
 
 A request is translated into a chat completions body (anthropic_input.py) and runs through the chat
 path (openai.prepare_chat), so the template, tools, structured tool calls and sampling behave as
-there. The answer is a message of content blocks (text, tool_use), its stop_reason end_turn,
+there. The answer is a message of content blocks (thinking, for a thinking model; text, tool_use), its stop_reason end_turn,
 max_tokens, stop_sequence or tool_use, and usage with the prefix cache's share as
 cache_read_input_tokens. A stream is Anthropic's typed events (message_start, content_block_start,
-content_block_delta with text_delta / input_json_delta, content_block_stop, message_delta,
+content_block_delta with thinking_delta / text_delta / input_json_delta, content_block_stop, message_delta,
 message_stop), an `error` event when it breaks after it began. Errors are Anthropic's
 `{"type": "error", "error": {...}}` (server/errors.py)."""
 from __future__ import annotations
@@ -44,6 +44,12 @@ def usage(g: Generation, num_output: int) -> dict:
             "cache_read_input_tokens": cached, "output_tokens": num_output}
 
 
+def thinking_block(text: str) -> dict:
+    # No signature: it is Anthropic's proof that the thinking is its model's; clients pass it back as
+    # they got it, and past thinking blocks are not rendered here.
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def tool_use_block(call_id: str, name: str, arguments: str) -> dict:
     try:
         value = json.loads(arguments)
@@ -59,9 +65,11 @@ def _message(job: ChatJob, message_id: str, content: list[dict], reason: str | N
 
 
 def finished_message(job: ChatJob, g: Generation, r: Result) -> dict:
-    message, _ = chat_message(job.tool_use, r)
+    message, _ = chat_message(job.tool_use, r, job.thinking)
     calls = message.get("tool_calls") or []
-    content = [{"type": "text", "text": message.get("content") or ""}] if message.get("content") or not calls else []
+    content = [thinking_block(message["reasoning_content"])] if message.get("reasoning_content") else []
+    if message.get("content") or not (calls or content):  # an empty text block only for an empty answer
+        content.append({"type": "text", "text": message.get("content") or ""})
     content += [tool_use_block(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
     reason = stop_reason(r.finish_reason, r.stop_string, bool(calls))
     return _message(job, f"msg_{uuid.uuid4().hex}", content, reason,
@@ -81,6 +89,11 @@ class BlockStream:
         self.index += 1
         self.open = block["type"]
         return out + [{"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def thinking(self, text: str) -> list[dict]:
+        out = [] if self.open == "thinking" else self._start(thinking_block(""))
+        return out + [{"type": "content_block_delta", "index": self.index,
+                       "delta": {"type": "thinking_delta", "thinking": text}}]
 
     def text(self, text: str) -> list[dict]:
         out = [] if self.open == "text" else self._start({"type": "text", "text": ""})
@@ -111,17 +124,21 @@ async def _events(job: ChatJob, gens: list[Generation]) -> AsyncIterator[dict]:
     yield {"type": "ping"}
     blocks = BlockStream()
     parser = job.tool_use.stream() if job.tool_use.active else None
+    split = job.thinking.split() if job.thinking is not None else None
     count, finish, stop = 0, None, None
     try:
         # Closed here however the stream ends (a client gone included), which aborts the generation.
         async with contextlib.aclosing(all_deltas(gens)) as deltas:
             async for _, d in deltas:
                 count += len(d.token_ids)
+                text, events = d.text, []
+                if split is not None:  # a thinking model's reasoning: a thinking block before the answer's
+                    reasoning, text = split.take(d.text, d.finished)
+                    events = blocks.thinking(reasoning) if reasoning else []
                 if parser is None:
-                    events = blocks.text(d.text) if d.text else []
+                    events += blocks.text(text) if text else []
                 else:
-                    events = []
-                    for p in parser.feed(d.text) + (parser.finish() if d.finished else []):
+                    for p in parser.feed(text) + (parser.finish() if d.finished else []):
                         if p.content is not None:
                             events += blocks.text(p.content)
                         elif p.name is not None:
@@ -150,7 +167,7 @@ async def _events(job: ChatJob, gens: list[Generation]) -> AsyncIterator[dict]:
 async def _prepared(request: Request, *, count_only: bool = False) -> ChatJob:
     chat, origins = chat_body(await read_json(request), count_only=count_only)
     try:
-        job = await prepare_chat(request, chat)
+        job = await prepare_chat(request, chat, reasoning=True)
     except APIError as err:
         raise in_messages_terms(err, origins) from None
     job.opts.field_names.update({"stop": "stop_sequences"})

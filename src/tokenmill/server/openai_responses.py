@@ -26,6 +26,7 @@ from tokenmill.server.logprobs import chat_entries
 from tokenmill.server.openai import ChatJob, chat_message, generations, prepare_chat, respond
 from tokenmill.server.openai_responses_input import chat_body, in_responses_terms
 from tokenmill.server.streaming import as_api_error, event_stream_response
+from tokenmill.server.thinking import ThinkingSplit
 from tokenmill.server.validation import read_json
 
 
@@ -65,9 +66,14 @@ class ResponseView:
         self.status = "incomplete" if self.incomplete else "completed"
         for item in self.output:
             item["status"] = self.status if item["type"] == "message" else "completed"
+        # The reasoning's tokens as its text encodes (a token may straddle the block's end).
+        reasoning = "".join(part["text"] for item in self.output if item["type"] == "reasoning"
+                            for part in item["content"])
+        reasoning_tokens = len(self.job.tok.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         self.usage = {"input_tokens": g.num_prompt_tokens,
                       "input_tokens_details": {"cached_tokens": g.num_cached_tokens},
-                      "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": num_output,
+                      "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, num_output)},
                       "total_tokens": g.num_prompt_tokens + num_output}
 
     def logprobs(self, ids, lps, top) -> list[dict]:
@@ -79,6 +85,13 @@ def _message_item(text: str, logprobs: list[dict], status: str) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
 
 
+def _reasoning_item(text: str, status: str) -> dict:
+    """A thinking model's reasoning, as open-weight models' reasoning items carry it (gpt-oss in vLLM):
+    its text as reasoning_text content, no summary."""
+    return {"type": "reasoning", "id": _new_id("rs"), "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"type": "function_call", "id": _new_id("fc"), "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
@@ -86,8 +99,10 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
 
 def finished_response(body: dict, job: ChatJob, g: Generation, r: Result) -> dict:
     view = ResponseView(body, job)
-    message, reason = chat_message(job.tool_use, r)
-    if message.get("content") or not message.get("tool_calls"):
+    message, reason = chat_message(job.tool_use, r, job.thinking)
+    if message.get("reasoning_content"):
+        view.output.append(_reasoning_item(message["reasoning_content"], "completed"))
+    if message.get("content") or not (message.get("tool_calls") or view.output):  # empty: only an empty answer
         view.output.append(_message_item(message.get("content") or "", view.logprobs(r.token_ids, r.logprobs,
                                                                                       r.top_logprobs), "completed"))
     for call in message.get("tool_calls") or []:
@@ -106,6 +121,7 @@ class EventStream:
         self.seq = 0
         self.message: dict | None = None  # the open message item
         self.call: dict | None = None     # the open function_call item
+        self.reasoning: dict | None = None  # the open reasoning item
 
     def event(self, kind: str, **fields) -> dict:
         self.seq += 1
@@ -114,10 +130,32 @@ class EventStream:
     def _index(self, item: dict) -> int:
         return self.view.output.index(item)
 
+    def reasoning_text(self, text: str) -> list[dict]:
+        out = []
+        if self.reasoning is None:
+            self.reasoning = _reasoning_item("", "in_progress")
+            self.view.output.append(self.reasoning)
+            out.append(self.event("response.output_item.added", output_index=self._index(self.reasoning),
+                                  item={**self.reasoning, "content": []}))
+        self.reasoning["content"][0]["text"] += text
+        out.append(self.event("response.reasoning_text.delta", item_id=self.reasoning["id"],
+                              output_index=self._index(self.reasoning), content_index=0, delta=text))
+        return out
+
+    def close_reasoning(self) -> list[dict]:
+        if self.reasoning is None:
+            return []
+        item, self.reasoning = self.reasoning, None
+        i = self._index(item)
+        item["status"] = "completed"
+        return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                           text=item["content"][0]["text"]),
+                self.event("response.output_item.done", output_index=i, item=dict(item))]
+
     def open_message(self) -> list[dict]:
         if self.message is not None:
             return []
-        out = self.close_call()
+        out = self.close_reasoning() + self.close_call()
         self.message = _message_item("", [], "in_progress")
         self.view.output.append(self.message)
         i = self._index(self.message)
@@ -150,7 +188,7 @@ class EventStream:
                 self.event("response.output_item.done", output_index=i, item=dict(m))]
 
     def start_call(self, call_id: str, name: str, arguments: str) -> list[dict]:
-        out = self.close_message() + self.close_call()
+        out = self.close_reasoning() + self.close_message() + self.close_call()
         self.call = _call_item(call_id, name, "", "in_progress")
         self.view.output.append(self.call)
         out.append(self.event("response.output_item.added", output_index=self._index(self.call), item=dict(self.call)))
@@ -174,13 +212,17 @@ class EventStream:
                 self.event("response.output_item.done", output_index=i, item=dict(c))]
 
 
-def _delta_events(events: EventStream, parser, d: TextDelta) -> list[dict]:
-    """A delta's events: its text (with its logprobs), or with tools, what the call parser makes of it."""
+def _delta_events(events: EventStream, parser, split: ThinkingSplit | None, d: TextDelta) -> list[dict]:
+    """A delta's events: a thinking model's reasoning (`split`), then its text (with its logprobs), or
+    with tools, what the call parser makes of it."""
+    text, out = d.text, []
+    if split is not None:
+        reasoning, text = split.take(d.text, d.finished)
+        out = events.reasoning_text(reasoning) if reasoning else []
     if parser is None:
         logprobs = events.view.logprobs(d.token_ids, d.logprobs, d.top_logprobs)
-        return events.text(d.text, logprobs) if d.text or logprobs else []
-    out = []
-    for p in parser.feed(d.text) + (parser.finish() if d.finished else []):
+        return out + (events.text(text, logprobs) if text or logprobs else [])
+    for p in parser.feed(text) + (parser.finish() if d.finished else []):
         if p.content is not None:
             out += events.text(p.content, [])
         elif p.name is not None:
@@ -196,13 +238,14 @@ async def _events(body: dict, job: ChatJob, gens: list[Generation]) -> AsyncIter
     yield events.event("response.created", response=view.snapshot())
     yield events.event("response.in_progress", response=view.snapshot())
     parser = job.tool_use.stream() if job.tool_use.active else None
+    split = job.thinking.split() if job.thinking is not None else None
     count, reason = 0, None
     try:
         # Closed here however the stream ends (a client gone included), which aborts the generation.
         async with contextlib.aclosing(all_deltas(gens)) as deltas:
             async for _, d in deltas:
                 count += len(d.token_ids)
-                for ev in _delta_events(events, parser, d):
+                for ev in _delta_events(events, parser, split, d):
                     yield ev
                 if d.finished:
                     reason = d.finish_reason
@@ -214,7 +257,7 @@ async def _events(body: dict, job: ChatJob, gens: list[Generation]) -> AsyncIter
     if not view.output:  # nothing written: an empty message, as the non-streaming response has
         for ev in events.open_message():
             yield ev
-    for ev in events.close_message(ended) + events.close_call():
+    for ev in events.close_reasoning() + events.close_message(ended) + events.close_call():
         yield ev
     view.finish(gens[0], count, reason)
     # response.completed however it ended (its status says incomplete when max_output_tokens cut it), as
@@ -226,7 +269,7 @@ async def responses(request: Request) -> Response:
     body = await read_json(request)
     chat = chat_body(body)
     try:
-        job = await prepare_chat(request, chat)
+        job = await prepare_chat(request, chat, reasoning=True)
     except APIError as err:
         raise in_responses_terms(err) from None
     job.opts.field_names.update({"max_tokens": "max_output_tokens", "top_logprobs": "top_logprobs"})

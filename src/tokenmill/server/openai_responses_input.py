@@ -56,11 +56,17 @@ def _messages(body: dict) -> list[dict]:
         return messages + [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise bad_request("input must be a string or a non-empty list of input items", "input")
+    reasoning = None  # a reasoning item's text, for the assistant turn it came before
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object", where)
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            # A thinking model's reasoning, sent back: the next assistant turn's reasoning_content, which
+            # thinking models' templates write back (Qwen3's, after the last user message).
+            reasoning = _reasoning_text(item, where)
+            continue
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -82,12 +88,26 @@ def _messages(body: dict) -> list[dict]:
                 raise bad_request(f"{where}.call_id must be a non-empty string", f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text_of(item.get("output"), f"{where}.output")})
-        elif kind == "reasoning":
-            continue  # a reasoning model's summary of its thoughts: nothing a template here renders
         else:
-            raise bad_request(f"{where}.type must be message, function_call or function_call_output, got "
-                              f"{shown_value(kind)}", f"{where}.type")
+            raise bad_request(f"{where}.type must be message, function_call, function_call_output or reasoning, "
+                              f"got {shown_value(kind)}", f"{where}.type")
+        if reasoning and messages[-1]["role"] == "assistant":  # the turn this item made or joined
+            messages[-1]["reasoning_content"] = reasoning
+        reasoning = None
     return messages
+
+
+def _reasoning_text(item: dict, where: str) -> str | None:
+    """A reasoning item's text: its reasoning_text content parts (what this server sends), else its summary."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if isinstance(parts, list) and parts:
+            texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == kind]
+            if not all(isinstance(t, str) for t in texts):
+                raise bad_request(f"{where}.{key}[].text must be a string", f"{where}.{key}")
+            if texts:
+                return "\n".join(texts)
+    return None
 
 
 def _function_call(item: dict, where: str) -> dict:
