@@ -234,3 +234,20 @@ def test_a_reasoning_item_sent_back_is_the_turns_reasoning_in_the_prompt(qwen3, 
     [expected], _ = render_jinja_template([chat], tools=[WEATHER], chat_template=QWEN3_TEMPLATE,
                                           add_generation_prompt=True)
     assert "<think>\nThey want Oslo.\n</think>" in expected and prompts == [expected]
+
+
+def test_an_anthropic_thinking_block_sent_back_is_the_turns_reasoning_in_the_prompt(qwen3, prompts):
+    client, host = qwen3
+    r = client.post("/v1/messages", json={"model": model_name(host), "max_tokens": 1, "tools": [
+        {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}], "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "They want Oslo.", "signature": ""},
+                                          {"type": "tool_use", "id": "c1", "name": "get_weather",
+                                           "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "4 C"}]}]})
+    assert r.status_code == 200, r.text
+    assert "<|im_start|>assistant\n<think>\nThey want Oslo.\n</think>\n\n<tool_call>" in prompts[-1]
+    bad = client.post("/v1/messages", json={"model": model_name(host), "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]},
+        {"role": "user", "content": "hi"}]})
+    assert bad.status_code == 400 and "thinking" in bad.json()["error"]["message"]

@@ -90,7 +90,11 @@ class _Conversation:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "tool_use":
                 message.setdefault("tool_calls", []).append(_tool_call(block, at))
-            elif kind not in ("thinking", "redacted_thinking"):  # a thinking model's thoughts: not rendered here
+            elif kind == "thinking":  # a thinking model's reasoning: the template may write it back (Qwen3's)
+                if not isinstance(block.get("thinking"), str):
+                    raise bad_request(f"{at}.thinking must be a string", f"{at}.thinking")
+                message["reasoning_content"] = message.get("reasoning_content", "") + block["thinking"]
+            elif kind != "redacted_thinking":  # encrypted reasoning of Anthropic's models: nothing to render
                 message["content"] += _block_text(block, at)
 
 
