@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true",
                    help="after each answer, its timings and token rates (as `ollama run --verbose`)")
     p.add_argument("--format", choices=["json"], default=None, help="answer in JSON (a chat's /set format json)")
+    p.add_argument("--think", nargs="?", const="true", default=None, choices=["true", "false", "high", "medium", "low"],
+                   help="a thinking model thinks (--think, the default) or not (--think=false); as `ollama run`")
+    p.add_argument("--hidethinking", action="store_true", help="do not show a thinking model's reasoning")
     p.add_argument("--keepalive", default=None, metavar="DURATION",
                    help="how long the server keeps the model loaded after this (e.g. 5m, 0 unloads at once)")
     p.add_argument("--temperature", type=float, default=None,

@@ -67,6 +67,8 @@ def cmd_run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens if args.max_tokens is not None else 256,
                             temperature=temperature if temperature is not None else 0.0)
     verbose, fmt = bool(getattr(args, "verbose", False)), getattr(args, "format", None)
+    think = {"true": True, "false": False}.get(getattr(args, "think", None), getattr(args, "think", None))
+    hide = bool(getattr(args, "hidethinking", False))
     try:
         prompt = piped_prompt(args.prompt)
         if prompt is None or not prompt.strip():
@@ -74,9 +76,10 @@ def cmd_run(args) -> int:
             # Nothing piped (`< /dev/null`): the model is loaded and checked, and that is all.
             if prompt is not None:
                 return 0
-            return interactive(chat, params, lambda model: _opened(args, model), verbose=verbose, format=fmt)
+            return interactive(chat, params, lambda model: _opened(args, model), verbose=verbose, format=fmt,
+                               think=think, hide_thinking=hide)
         chat = choose_chat(args)
-        print_stream(chat.stream(Turn(prompt, format=fmt, raw=args.raw), params))
+        print_stream(chat.stream(Turn(prompt, format=fmt, raw=args.raw, think=think), params), hide)
         if verbose and chat.stats is not None:
             print("\n".join(chat.stats.lines()), file=sys.stderr)
         return 0

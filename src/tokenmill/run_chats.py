@@ -1,6 +1,7 @@
 """The two ways `tokenmill run` gets an answer: from a running server (`RemoteChat`, Ollama's API,
 as `ollama run` does) or from an engine in this process (`LocalChat`). Each answers a `Turn` (the
-message and what the session set) as a stream of text and keeps the answer's figures (`Stats`)."""
+message and what the session set) as a stream of text and keeps the answer's figures (`Stats`). A
+thinking model's reasoning comes in the same stream, as `Thought` pieces before the answer's."""
 from __future__ import annotations
 
 import time
@@ -10,6 +11,10 @@ from dataclasses import dataclass, field, replace
 from tokenmill.engine import EngineConfig, LLMEngine, OutputAssembler, SamplingParams
 from tokenmill.server_client import call, server_url, stream
 from tokenmill.store.modelfile import IGNORED_PARAMETER_TYPES
+
+class Thought(str):
+    """A piece of a thinking model's reasoning (what Ollama's API sends as `thinking`)."""
+
 
 # Ollama option names a session may set (/set parameter), as the in-process chat's SamplingParams fields.
 _LOCAL_OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
@@ -28,6 +33,7 @@ class Turn:
     options: dict = field(default_factory=dict)
     format: str | None = None  # "json"
     raw: bool = False          # the prompt as is, no template and no history
+    think: bool | str | None = None  # Ollama's `think`: None for the model's default
 
     def messages(self) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
@@ -101,12 +107,22 @@ class LocalChat:
         return params
 
     def stream(self, turn: Turn, params: SamplingParams) -> Iterator[str]:
+        from tokenmill.server.thinking import model_thinks, reading_for
+
         params = self.params_for(turn, params)
+        thinks = model_thinks(self.tokenizer) and not turn.raw
+        if turn.think not in (None, False) and not thinks:
+            raise ValueError(f'"{self.model}" does not support thinking')
+        reading = None
         if turn.raw:
             ids = self.tokenizer.encode(turn.prompt)
         else:
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(turn.messages(), add_generation_prompt=True),
-                                        add_special_tokens=False)
+            variables = {"enable_thinking": False} if thinks and turn.think is False else {}
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(turn.messages(), add_generation_prompt=True,
+                                                                           **variables), add_special_tokens=False)
+            reading = reading_for(self.tokenizer, ids, wanted=turn.think is not False,
+                                  constrained=params.constraint is not None)
+        split = reading.split() if reading is not None else None
         self.stats = None
         start = time.perf_counter()
         first: float | None = None
@@ -119,12 +135,21 @@ class LocalChat:
                     first = first if first is not None or not ev.token_ids else time.perf_counter()
                     count += len(ev.token_ids)
                     delta = asm.push(ev)
-                    if delta.text:
-                        yield delta.text
+                    if split is not None:
+                        thought, text = split.take(delta.text, delta.finished)
+                        if thought:
+                            yield Thought(thought)
+                    else:
+                        text = delta.text
+                    if text:
+                        yield text
                     if delta.hit_stop_string:
                         self.engine.abort(rid)
                     if delta.error:
                         raise RuntimeError(delta.error)
+            if split is not None:  # a stop string ended it: what the split still holds
+                thought, text = split.finish()
+                yield from ([Thought(thought)] if thought else []) + ([text] if text else [])
         finally:
             self.engine.abort(rid)  # Ctrl-C mid-answer: free the sequence
         end = time.perf_counter()
@@ -163,6 +188,8 @@ class RemoteChat:
         body = self._body(stream=True, options={**self.options, **turn.options})
         if turn.format is not None:
             body["format"] = turn.format
+        if turn.think is not None:
+            body["think"] = turn.think
         if turn.raw:
             body.update(prompt=turn.prompt, raw=True)
         else:
@@ -170,6 +197,9 @@ class RemoteChat:
         self.stats = None
         path, key = ("/api/generate", "response") if turn.raw else ("/api/chat", None)
         for obj in stream(self.base_url, path, body):
-            yield obj.get(key, "") if key else obj.get("message", {}).get("content", "")
+            part = obj if key else obj.get("message", {})
+            if part.get("thinking"):
+                yield Thought(part["thinking"])
+            yield part.get(key or "content", "")
             if obj.get("done"):
                 self.stats = Stats.from_ollama(obj)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tokenmill.engine import SamplingParams
-from tokenmill.run_chats import Turn
+from tokenmill.run_chats import Thought, Turn
 
 HELP = """Available Commands:
   /set            Set session variables
@@ -27,7 +27,9 @@ SET_HELP = """Available Commands:
   /set format json               Answer in JSON
   /set noformat                  Answer in free text
   /set verbose                   Show the figures of each answer
-  /set quiet                     Do not show them"""
+  /set quiet                     Do not show them
+  /set think                     Let a thinking model think (its reasoning shown before the answer)
+  /set nothink                   Turn its thinking off"""
 SHOW_HELP = """Available Commands:
   /show info         Show details for this model
   /show modelfile    Show the Modelfile for this model
@@ -44,9 +46,11 @@ class Session:
     options: dict = field(default_factory=dict)  # Ollama option names, set with /set parameter
     format: str | None = None
     verbose: bool = False
+    think: bool | str | None = None  # None: the model's default (a thinking model thinks)
+    hide_thinking: bool = False
 
     def turn(self, prompt: str) -> Turn:
-        return Turn(prompt, list(self.history), self.system, dict(self.options), self.format)
+        return Turn(prompt, list(self.history), self.system, dict(self.options), self.format, think=self.think)
 
 
 def read_message(ask: Callable[[str], str]) -> str:
@@ -123,6 +127,9 @@ class Commands:
         elif what in ("verbose", "quiet") and len(args) == 1:
             s.verbose = what == "verbose"
             _say(f"Set '{what}' mode.")
+        elif what in ("think", "nothink") and len(args) == 1:
+            s.think = what == "think"
+            _say(f"Set '{what}' mode.")
         else:
             print(SET_HELP)
 
@@ -174,13 +181,28 @@ class Commands:
         _say(f"Created new model '{args[0]}'")
 
 
-def print_stream(chunks: Iterator[str]) -> str:
+def print_stream(chunks: Iterator[str], hide_thinking: bool = False) -> str:
+    """Writes an answer as it comes and returns it. A thinking model's reasoning (Thought pieces) is
+    written first between "Thinking..." and "...done thinking.", as `ollama run` shows it, or not at all
+    (`hide_thinking`); it is not part of the answer returned (what the conversation keeps)."""
     parts = []
+    thinking = False
     try:
         for text in chunks:
+            if isinstance(text, Thought):
+                if not hide_thinking:
+                    sys.stdout.write(text if thinking else "Thinking...\n" + text)
+                    sys.stdout.flush()
+                    thinking = True
+                continue
+            if thinking and text:
+                sys.stdout.write("\n...done thinking.\n\n")
+                thinking = False
             parts.append(text)
             sys.stdout.write(text)
             sys.stdout.flush()
+        if thinking:  # the tokens ran out while it thought
+            sys.stdout.write("\n...done thinking.\n")
     except BaseException:
         if parts:  # the error (or Ctrl-C's exit) goes on a line of its own, not glued to the answer
             sys.stdout.write("\n")
@@ -223,10 +245,11 @@ def line_editing() -> Callable[[], None]:
 
 
 def interactive(chat, params: SamplingParams, open_chat: Callable[[str], object], *, verbose: bool = False,
-                format: str | None = None, ask: Callable[[str], str] = input) -> int:
+                format: str | None = None, think: bool | str | None = None, hide_thinking: bool = False,
+                ask: Callable[[str], str] = input) -> int:
     """Read messages and commands until /bye or the end of input. A message whose answer fails (a
     bad parameter, a server gone) says why and the session goes on."""
-    session = Session(format=format, verbose=verbose)
+    session = Session(format=format, verbose=verbose, think=think, hide_thinking=hide_thinking)
     commands = Commands(chat, session, open_chat)
     _say('Type a message (/? for help, """ for several lines); /bye or Ctrl-D to leave.')
     save_history = line_editing()
@@ -256,7 +279,7 @@ def _loop(commands: Commands, session: Session, params: SamplingParams, ask: Cal
                 if not commands.run(message.strip()):
                     return 0
                 continue
-            reply = print_stream(commands.chat.stream(session.turn(message), params))
+            reply = print_stream(commands.chat.stream(session.turn(message), params), session.hide_thinking)
         except KeyboardInterrupt:
             _say("\n(interrupted)")
             continue

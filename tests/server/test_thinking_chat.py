@@ -251,3 +251,40 @@ def test_an_anthropic_thinking_block_sent_back_is_the_turns_reasoning_in_the_pro
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]},
         {"role": "user", "content": "hi"}]})
     assert bad.status_code == 400 and "thinking" in bad.json()["error"]["message"]
+
+
+def _server(client) -> str:
+    return str(client.base_url).rstrip("/").removeprefix("http://")
+
+
+def test_run_shows_the_reasoning_as_ollama_run_does_or_hides_it(always_thinks, capsys):
+    from tokenmill.cli import main
+
+    client, host = always_thinks
+    argv = ["run", model_name(host), "hi", "--server", _server(client), "--max-tokens", "8", "--temperature", "0"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Thinking...\n") and out.endswith("\n...done thinking.\n\n") and len(out) > 35
+    assert main(argv + ["--hidethinking"]) == 0
+    assert capsys.readouterr().out == "\n"  # the tokens ran out while it thought: no answer
+
+
+def test_run_in_process_reads_the_reasoning_apart_too(tmp_path, nobody_listens, capsys):
+    from tokenmill.cli import main
+
+    path = write_tiny_qwen(tmp_path / "r1.gguf", "qwen3", SPEC, chat_template=OPEN_THINK_TEMPLATE)
+    assert main(["run", str(path), "hi", "--max-tokens", "8", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Thinking...\n") and "...done thinking." in out
+
+
+def test_run_set_nothink_turns_thinking_off(qwen3, prompts, monkeypatch, capsys):
+    from server_helpers import Terminal
+    from tokenmill.cli import main
+
+    client, host = qwen3
+    monkeypatch.setattr("sys.stdin", Terminal("/set nothink\nhi\n/set think\nhi again\n/bye\n"))
+    assert main(["run", model_name(host), "--server", _server(client), "--max-tokens", "2"]) == 0
+    assert "Set 'nothink' mode." in capsys.readouterr().err
+    off, on = prompts
+    assert off.endswith("<think>\n\n</think>\n\n") and on.endswith("<|im_start|>assistant\n")
