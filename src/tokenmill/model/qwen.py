@@ -4,7 +4,9 @@ RMSNorm over the head, before the rotary embedding, as Gemma 3 does). Both rotat
 (NEOX) layout, which their GGUF files keep, so Q/K rows need no reordering (Llama's files interleave).
 
 Qwen3's head size may differ from dim / heads (attention.key_length: 128 in Qwen3-0.6B's 1024 / 16);
-ModelConfig reads it, as for Gemma 3."""
+ModelConfig reads it, as for Gemma 3. Its head norms round before the weight multiplies, as Llama's
+norm (transformers' Qwen3RMSNorm), except in the GPU's fused rotary kernel, which multiplies first as
+for Gemma: the same in float32, within bf16 rounding there (tests/kernels/gpu/test_gpu_layer_model.py)."""
 from __future__ import annotations
 
 from torch import nn
