@@ -11,7 +11,7 @@ import pytest
 
 from crafted_gguf import crafted_variants
 from hostile_gguf import DIM, DROP, VT, llama_tensors, minimal_llama_kvs, raw_gguf, small_llama, tensor_info
-from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama
+from tiny_model import TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen
 from tiny_spm import tiny_spm_metadata
 from tokenmill.gguf import GGUFError, open_gguf
 from tokenmill.gguf.config import ModelConfig
@@ -37,6 +37,24 @@ def test_tiny_gemma3_and_big_endian_files_pass(tmp_path):
     be = tmp_path / "be.gguf"
     small_llama(be, {"test.tokens": (["a", "bc"], VT.ARRAY)}, endianess=gguf.GGUFEndian.BIG)
     assert validate_gguf(be, ARCHS).tensor_count == len(llama_tensors())
+
+
+def test_qwen_files_pass_and_a_missing_or_misshapen_bias_or_head_norm_is_refused(tmp_path):
+    import dataclasses
+
+    archs = ("qwen2", "qwen3")
+    for arch in archs:
+        assert validate_gguf(write_tiny_qwen(tmp_path / f"{arch}.gguf", arch), archs).architecture == arch
+    # Written as Qwen2 (with biases) but named Qwen3: no head norms.
+    spec = dataclasses.replace(TinyLlamaSpec(), qkv_bias=True)
+    wrong = write_tiny_llama(tmp_path / "wrong.gguf", spec, arch="qwen3")
+    with pytest.raises(InvalidGGUF, match=r"missing tensors \['blk.0.attn_q_norm.weight'"):
+        validate_gguf(wrong, archs)
+    # A Qwen2 whose k bias is not a key projection's size.
+    g = open_gguf(tmp_path / "qwen2.gguf")
+    shapes = {n: t.shape for n, t in g.tensors.items()}
+    with pytest.raises(GGUFError, match=r"tensor blk.1.attn_k.bias has shape \[16\].*make it \[32\]"):
+        ModelConfig.from_metadata("qwen2", g.metadata, {**shapes, "blk.1.attn_k.bias": (16,)}, "x")
 
 
 def test_the_architecture_must_be_one_the_loader_has(tmp_path):
