@@ -60,6 +60,9 @@ class TinyLlamaSpec:
     qk_norm: bool = False
     qkv_bias: bool = False
     tokenizer_pre: str = "smollm"
+    # Rotary scaling: Llama 3.1's per-frequency divisors (the rope_freqs tensor), or a scaling type and factor.
+    rope_freqs: tuple[float, ...] | None = None
+    rope_scaling: tuple[str, float] | None = None
 
 
 def _add(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
@@ -96,6 +99,9 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     if spec.head_dim:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if spec.rope_scaling:
+        w.add_string(gguf.Keys.Rope.SCALING_TYPE.format(arch=arch), spec.rope_scaling[0])
+        w.add_rope_scaling_factor(spec.rope_scaling[1])
     w.add_vocab_size(vocab)
     w.add_file_type(int(spec.weight_type) if spec.file_type is None else spec.file_type)
     w.add_tokenizer_model("gpt2")
@@ -116,6 +122,8 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
 
     wt = spec.weight_type
     _add(w, "token_embd.weight", mat(vocab, spec.dim), wt)
+    if spec.rope_freqs is not None:
+        _add(w, "rope_freqs.weight", np.array(spec.rope_freqs), gguf.GGMLQuantizationType.F32)
     for i in range(spec.n_layers):
         p = f"blk.{i}."
         _add(w, p + "attn_norm.weight", 1.0 + rng.normal(0, 0.05, spec.dim), gguf.GGMLQuantizationType.F32)

@@ -34,6 +34,12 @@ _EXTRA_BLOCK_TENSORS: dict[str, dict[str, str]] = {
 }
 
 
+# Llama 3.1+ files carry their rotary scaling as a tensor: a divisor per rotary frequency (llama.cpp's
+# rope_freqs, made from the model's rope_scaling "llama3" settings). ModelConfig.extra notes it (under
+# this key, which no metadata key has) so that the model reads it and validation checks its shape.
+ROPE_FREQS = "rope_freqs.weight"
+
+
 def block_tensor_file_name(layer: int, name: str) -> str:
     """A block tensor's name in the file: "attn_q" -> "blk.3.attn_q.weight", "attn_q.bias" -> "blk.3.attn_q.bias"."""
     return f"blk.{layer}.{name}" + ("" if "." in name else ".weight")
@@ -91,6 +97,8 @@ class ModelConfig:
             vocab = len(tokens)
         tied = "output.weight" not in shapes
         extra = {k[len(p):]: v for k, v in metadata.items() if k.startswith(p)}
+        if ROPE_FREQS in shapes:
+            extra[ROPE_FREQS] = True
         return cls(
             architecture=arch,
             name=str(metadata.get("general.name", Path(source).stem)),
@@ -168,6 +176,8 @@ class ModelConfig:
         for name, size in _EXTRA_BLOCK_TENSORS.get(self.architecture, {}).items():
             block[name] = (sizes[size],)
         shapes = {"token_embd.weight": (self.vocab_size, dim), "output_norm.weight": (dim,)}
+        if self.extra.get(ROPE_FREQS):
+            shapes[ROPE_FREQS] = (self.rope_dim // 2,)
         if not self.tied_embeddings:
             shapes["output.weight"] = (self.vocab_size, dim)
         for i in range(self.n_layers):

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.gguf.config import ModelConfig, block_tensor_file_name
+from tokenmill.gguf.config import ROPE_FREQS, ModelConfig, block_tensor_file_name
+from tokenmill.gguf.reader import GGUFError
 from tokenmill.kernels import gpu as gpu_ops
 from tokenmill.kernels import native as native_kernels
 from tokenmill.kernels.argmax import argmax_rows, excluding
@@ -160,6 +161,8 @@ class DecoderLM(nn.Module):
         names = ["token_embd.weight", "output_norm.weight"]
         if not self.config.tied_embeddings:
             names.append("output.weight")
+        if self.config.extra.get(ROPE_FREQS):
+            names.append(ROPE_FREQS)
         for i in range(self.config.n_layers):
             names += [block_tensor_file_name(i, n) for n in self.BLOCK_TENSORS]
         return names
@@ -189,6 +192,9 @@ class DecoderLM(nn.Module):
         if name == "output_norm.weight":
             self.norm.weight.data = tensor
             return
+        if name == ROPE_FREQS:
+            self.divide_rope_frequencies(tensor)
+            return
         _, idx, part, kind = name.split(".")
         block = self.blocks[int(idx)]
         if kind == "bias":  # Qwen2's q, k, v: one bias for the fused projection, in its rows' order
@@ -216,6 +222,10 @@ class DecoderLM(nn.Module):
     def block_norms(self, block: nn.Module) -> dict[str, nn.Parameter]:
         """A block's norm weights by their GGUF names."""
         raise NotImplementedError
+
+    def divide_rope_frequencies(self, factors: torch.Tensor) -> None:
+        """The file's rope_freqs (Llama 3.1+'s rotary scaling): each rotary frequency divided by its factor."""
+        raise GGUFError(f"{ROPE_FREQS} is not supported for {self.config.architecture}")
 
     def qkv_in_model_order(self, parts: Parts) -> Parts:
         """The Q, K, V parts with their rows in the order the model's rotary embedding expects."""

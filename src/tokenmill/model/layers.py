@@ -65,15 +65,28 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope_dim: int, theta: float, max_positions: int, *, linear_scaling: float = 1.0):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)) / linear_scaling
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)) / linear_scaling
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._build(max_positions)
+
+    def _build(self, max_positions: int) -> None:
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), self.inv_freq)
         # Rounded to float32 before the halves are joined (the same values): the float64 copies of
         # the whole tables would cost twice what the tables do.
         cos, sin = freqs.cos().float(), freqs.sin().float()
         del freqs
-        self.register_buffer("cos", torch.cat([cos, cos], -1), persistent=False)
+        self.cos = torch.cat([cos, cos], -1)
         # rotate_half(x) = cat(-x2, x1); the sign lives in the table so a swap of halves suffices.
-        self.register_buffer("sin", torch.cat([-sin, sin], -1), persistent=False)
+        self.sin = torch.cat([-sin, sin], -1)
+
+    def divide_frequencies(self, factors: torch.Tensor) -> None:
+        """Each frequency divided by its factor (llama.cpp's rope_freqs: Llama 3.1+'s "llama3" scaling,
+        which transformers computes from rope_parameters: the same frequencies), the tables rebuilt."""
+        if factors.shape != self.inv_freq.shape or not bool(torch.isfinite(factors).all() and (factors > 0).all()):
+            raise ValueError(f"rope_freqs must be {self.inv_freq.numel()} positive factors")
+        self.inv_freq = self.inv_freq / factors.to(torch.float64)
+        self._build(self.cos.shape[0])
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype, *, check: bool = True, fused: bool = False) -> "Rope":
         """The rotation for these positions: gathered cos/sin rows, or (fused) the positions and the

@@ -11,20 +11,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenmill.gguf.config import ModelConfig
-from tokenmill.gguf.reader import GGUFError
 from tokenmill.model.decoder import Parts
 from tokenmill.model.llama import LlamaBlock, LlamaModel
 
 
 class _NeoxLlama(LlamaModel):
-    """A Llama whose file already holds Q/K rows in the half-split order."""
-
-    def __init__(self, cfg: ModelConfig):
-        kind = cfg.extra.get("rope.scaling.type")
-        if kind not in (None, "none"):  # YaRN and the like: not implemented, so not silently ignored
-            raise GGUFError(f"{cfg.name}: rope scaling {kind!r} is not supported for {cfg.architecture}")
-        super().__init__(cfg)
+    """A Llama whose file already holds Q/K rows in the half-split order (rope scaling as Llama's:
+    linear; YaRN, which Qwen's long-context settings use, is refused)."""
 
     def qkv_in_model_order(self, parts: Parts) -> Parts:
         return parts

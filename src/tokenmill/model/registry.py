@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tokenmill.gguf.config import ModelConfig
+from tokenmill.gguf.config import ROPE_FREQS, ModelConfig
 from tokenmill.gguf.reader import GGUFError, GGUFFile, open_gguf
 from tokenmill.gguf.weights import check_supported, dequantize
 from tokenmill.kernels import huge_pages, native
@@ -100,8 +100,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
             raise GGUFError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
             info = g.tensors[name]
-            model.load_tensor(name, device_weight(info, target) if on_device else _weight(info, mode, dtype, int4),
-                              pending)
+            if name == ROPE_FREQS:  # rotary factors: exact, whatever the weights' dtype (the tables are float32)
+                weight = GGUFWeight(dense=dequantize(info, torch.float32))
+            else:
+                weight = device_weight(info, target) if on_device else _weight(info, mode, dtype, int4)
+            model.load_tensor(name, weight, pending)
         if pending:
             raise ModelFileError(f"{path}: tensors without their fused siblings: {sorted(pending)[:4]}")
         model.rope.to(torch.float32)
