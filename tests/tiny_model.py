@@ -77,11 +77,15 @@ def _add(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: gguf.GGMLQu
 
 
 def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arch: str = "llama",
-                     chat_template: str | None = CHATML_TEMPLATE) -> Path:
+                     chat_template: str | None = CHATML_TEMPLATE, tokenizer: dict | None = None) -> Path:
+    """`tokenizer`: the tokenizer.ggml.* metadata to write instead of the byte-level tiny vocabulary
+    (a SentencePiece one from tiny_spm.py, say)."""
     spec = spec or TinyLlamaSpec()
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     tokens, types, merges = tiny_vocab()
+    if tokenizer is not None:
+        tokens = tokenizer["tokenizer.ggml.tokens"]
     vocab = len(tokens)
     head_dim = spec.head_dim or spec.dim // spec.n_heads
 
@@ -104,16 +108,19 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
         w.add_rope_scaling_factor(spec.rope_scaling[1])
     w.add_vocab_size(vocab)
     w.add_file_type(int(spec.weight_type) if spec.file_type is None else spec.file_type)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(spec.tokenizer_pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
+    if tokenizer is not None:
+        add_metadata(w, tokenizer)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(spec.tokenizer_pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_pad_token_id(2)
+        w.add_add_bos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
 

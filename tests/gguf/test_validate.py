@@ -224,7 +224,7 @@ def test_tensors_must_fit_the_hyperparameters(tmp_path, metadata, tensors, expec
     ({"tokenizer.ggml.model": "bogus"}, "unsupported tokenizer.ggml.model='bogus'"),
     ({"tokenizer.ggml.model": DROP}, "unsupported tokenizer.ggml.model=None"),
     ({"tokenizer.ggml.model": "x" * 100_000}, "unsupported tokenizer.ggml.model='<a string of 100000 bytes>'"),
-    ({"tokenizer.ggml.model": "llama"}, "supported for Gemma only"),
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.merges": DROP}, "needs tokenizer.ggml.scores"),
     ({"tokenizer.ggml.pre": "gpt9"}, "unsupported pre-tokenizer tokenizer.ggml.pre='gpt9'"),
     ({"tokenizer.ggml.merges": DROP}, "needs tokenizer.ggml.merges"),
     ({"tokenizer.ggml.merges": ([1, 2], VT.ARRAY)}, "tokenizer.ggml.merges is not an array of strings"),

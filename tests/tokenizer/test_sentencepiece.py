@@ -223,9 +223,8 @@ def test_tiny_merges_match_transformers(tiny_spm_reference):
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"general.architecture": "llama"}, "supported for Gemma only"),
-    ({"general.architecture": None}, "supported for Gemma only"),
     ({"tokenizer.ggml.add_space_prefix": True}, "add_space_prefix=True is not supported"),
+    ({"general.architecture": "llama"}, "add_space_prefix=False is not supported"),  # Llama's pipeline prepends
     ({"tokenizer.ggml.pre": "llama-bpe"}, "unsupported pre-tokenizer tokenizer.ggml.pre='llama-bpe'"),
 ])
 def test_unsupported_sentencepiece_files_raise_clear_errors(changes, message):

@@ -391,6 +391,7 @@ def _tokenizer(architecture: str, metadata: Mapping, shapes: dict[str, tuple[int
     """The file's vocabulary is one the tokenizer can be built from (tokenizer/tokenizer.py), with a
     token for every row of the embedding, so that the model made from it loads rather than failing
     on every request."""
+    from tokenmill.tokenizer.sentencepiece import GEMMA_ARCHITECTURES
     from tokenmill.tokenizer.tokenizer import unsupported_tokenizer
 
     def strings(key: str) -> ArrayInfo | None:
@@ -416,6 +417,13 @@ def _tokenizer(architecture: str, metadata: Mapping, shapes: dict[str, tuple[int
         raise InvalidGGUF(problem)
     if model == "gpt2" and not strings("tokenizer.ggml.merges"):
         raise InvalidGGUF("a byte-level BPE vocabulary (tokenizer.ggml.model 'gpt2') needs tokenizer.ggml.merges")
+    if model == "llama" and architecture not in GEMMA_ARCHITECTURES and metadata.get("tokenizer.ggml.merges") is None:
+        # Without merges, they are recovered from a score a token (Gemma's from the tokens' order).
+        scores = metadata.get("tokenizer.ggml.scores")
+        if not (isinstance(scores, ArrayInfo) and scores.element_type in (_VT.FLOAT32, _VT.FLOAT64)
+                and len(scores) == len(tokens)):
+            raise InvalidGGUF("a SentencePiece vocabulary (tokenizer.ggml.model 'llama') needs tokenizer.ggml.scores, "
+                              "a number a token, or tokenizer.ggml.merges")
 
 
 _INTEGER_TYPES = frozenset({_VT.UINT8, _VT.INT8, _VT.UINT16, _VT.INT16, _VT.UINT32, _VT.INT32, _VT.UINT64,

@@ -171,11 +171,11 @@ def build_gemma(metadata: Mapping[str, Any], tokens: list[str],
     # A no-op after the normalizer; kept so the pipeline is transformers' own, piece for piece.
     backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
-    _add_tokens(backend, metadata, tokens, spelled, named_ids)
+    add_vocabulary_tokens(backend, metadata, tokens, spelled, named_ids)
     return (backend, *decoded_bytes(spelled))
 
 
-def _add_tokens(backend: _Backend, metadata: Mapping[str, Any], tokens: list[str], spelled: list[str],
+def add_vocabulary_tokens(backend: _Backend, metadata: Mapping[str, Any], tokens: list[str], spelled: list[str],
                 named_ids: Mapping[str, int]) -> None:
     """Control tokens as special and user-defined ones as plain added tokens, both matched whole in the
     raw text before normalization (so "<end_of_turn>" and Gemma's "\\n\\n" or "<table>" tokens are

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as _Backend
 
 from tokenmill.gguf import open_gguf
 from tokenmill.tokenizer import sentencepiece
+from tokenmill.tokenizer.sentencepiece_llama import build_llama
 from tokenmill.tokenizer.chat_template import ChatTemplate, ChatTemplateError, TokenizerError
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
@@ -124,15 +125,10 @@ def unsupported_tokenizer(model: object, pre: object, architecture: object) -> s
                     f"supported: {', '.join(sorted(_PRE_SPLITS))}")
         return None
     if model == "llama":
-        if not isinstance(architecture, str) or architecture not in sentencepiece.GEMMA_ARCHITECTURES:
-            # transformers gives other SentencePiece models (Llama 2, Mistral, Phi-3...) a prefix space and a
-            # decoder that strips it again; that pipeline is not built here.
-            return (f"SentencePiece tokenizers (tokenizer.ggml.model='llama') are supported for Gemma only "
-                    f"(general.architecture {', '.join(sorted(sentencepiece.GEMMA_ARCHITECTURES))}), not "
-                    f"{_shown(architecture)}")
+        # Gemma's pipeline for Gemma files, Llama's (a prefix space) for the rest: Llama 2, Mistral, ...
         return None
     return (f"unsupported tokenizer.ggml.model={_shown(model)}; supported: byte-level BPE ('gpt2') and "
-            "SentencePiece ('llama') for Gemma")
+            "SentencePiece ('llama')")
 
 
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -198,7 +194,10 @@ def _build_sentencepiece(metadata: Mapping[str, Any],
         raise TokenizerError(problem)
     named = {key: _token_id(metadata, key, len(tokens))
              for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")}
-    return sentencepiece.build_gemma(metadata, tokens, {k: v for k, v in named.items() if v is not None})
+    named = {k: v for k, v in named.items() if v is not None}
+    if metadata.get("general.architecture") in sentencepiece.GEMMA_ARCHITECTURES:
+        return sentencepiece.build_gemma(metadata, tokens, named)
+    return build_llama(metadata, tokens, named)
 
 
 def _decoded_bytes(backend: _Backend, vocab_size: int) -> list[bytes]:
@@ -286,7 +285,8 @@ class Tokenizer:
         self.bos_id = _token_id(metadata, "bos_token_id", self.vocab_size)
         self.eos_id = _token_id(metadata, "eos_token_id", self.vocab_size)
         self.stop_ids = _stop_ids(metadata, tokens)
-        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        # A SentencePiece file that does not say gets BOS, as llama.cpp and transformers give it.
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.model") == "llama"))
         self._add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))  # transformers honours it too
         self._special_ids = frozenset(
             i for i, added in backend.get_added_tokens_decoder().items() if added.special and i < self.vocab_size
