@@ -288,3 +288,19 @@ def test_run_set_nothink_turns_thinking_off(qwen3, prompts, monkeypatch, capsys)
     assert "Set 'nothink' mode." in capsys.readouterr().err
     off, on = prompts
     assert off.endswith("<think>\n\n</think>\n\n") and on.endswith("<|im_start|>assistant\n")
+
+
+def test_reasoning_effort_none_turns_thinking_off(qwen3, prompts):
+    client, host = qwen3
+    base = {"model": model_name(host), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert client.post("/v1/chat/completions", json={**base, "reasoning_effort": "none"}).status_code == 200
+    assert client.post("/v1/chat/completions", json={**base, "reasoning_effort": "high"}).status_code == 200
+    r = client.post("/v1/responses", json={"model": model_name(host), "input": "hi", "max_output_tokens": 1,
+                                           "reasoning": {"effort": "none"}})
+    assert r.status_code == 200, r.text
+    off, default, responses_off = prompts
+    assert off.endswith("<think>\n\n</think>\n\n") and default.endswith("assistant\n") and responses_off == off
+    bad = client.post("/v1/chat/completions", json={**base, "reasoning_effort": "maximal"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
+    bad = client.post("/v1/responses", json={"model": model_name(host), "input": "hi", "reasoning": {"effort": 3}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning.effort"

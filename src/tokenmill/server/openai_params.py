@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine import Priority, SamplingParams
 from tokenmill.engine.sampling_params import MAX_SPECULATIVE_TOKENS
-from tokenmill.server.errors import bad_request
+from tokenmill.server.errors import bad_request, shown_value
 from tokenmill.server.logit_bias import openai_logit_bias
 from tokenmill.server.structured_params import OPENAI_FIELDS
 from tokenmill.server.validation import (
@@ -39,13 +39,14 @@ SAMPLING_FIELDS = {
 # only speeds up a known answer; `modalities` may only ask for text, see refuse_unsupported).
 HARMLESS = {"user", "store", "metadata", "service_tier", "safety_identifier",
             "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "prediction",
-            "modalities", "verbosity", "reasoning_effort"}
+            "modalities", "verbosity"}
 # Asked for, these would change what the client gets back in a way this server cannot honour (audio, a
 # legacy function call, a web search): a 400 naming the field, never a silently different answer.
 REFUSED_CHAT = {"audio", "functions", "function_call", "web_search_options"}
 CHAT_FIELDS = SAMPLING_FIELDS | HARMLESS | REFUSED_CHAT | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "reasoning_effort"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # Names chat_template_kwargs may not use: the renderer's own arguments, set by the request's own fields.
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | HARMLESS | {"prompt", "echo", "suffix", "best_of"}
@@ -157,6 +158,14 @@ def template_options(body: dict) -> dict:
     message left open for the model to go on writing: an assistant prefill), and chat_template_kwargs,
     variables the template reads (Qwen3's enable_thinking, documents, ...)."""
     extra = get_dict(body, "chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {shown_value(effort)}",
+                          "reasoning_effort")
+    if effort == "none" and "enable_thinking" not in extra:
+        # OpenAI's "no reasoning", as Ollama maps it: a thinking model's template with thinking off. The
+        # other levels leave the model's default (it thinks; how much is not a setting these models have).
+        extra = {**extra, "enable_thinking": False}
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
     if reserved:
         raise bad_request(f"chat_template_kwargs.{reserved[0]} cannot be set there; it comes from the request's "

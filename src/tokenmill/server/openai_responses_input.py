@@ -176,6 +176,8 @@ def _check_harmless(body: dict) -> None:
         raise bad_request("include must be a list of strings", "include")
     if body.get("store") is not None and not isinstance(body["store"], bool):
         raise bad_request("store must be true or false", "store")
+    if body.get("reasoning") is not None and not isinstance(body["reasoning"], dict):
+        raise bad_request("reasoning must be an object ({\"effort\": ...})", "reasoning")
 
 
 def chat_body(body: dict) -> dict:
@@ -187,6 +189,9 @@ def chat_body(body: dict) -> dict:
     _check_harmless(body)
     chat = {k: body[k] for k in _SAME if k in body}
     chat["messages"] = _messages(body)
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]  # "none": a thinking model's thinking off
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = get_int(body, "max_output_tokens", lo=1)
     top = get_int(body, "top_logprobs", lo=0, hi=20)
@@ -204,7 +209,8 @@ def chat_body(body: dict) -> dict:
 _CHAT_NAMES = ((re.compile(r"response_format\.json_schema\b"), "text.format"),
                (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"),
                (re.compile(r"\bmessages(\[\d+\])?"), "input"),
-               (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"))
+               (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+               (re.compile(r"\breasoning_effort\b"), "reasoning.effort"))
 
 
 def in_responses_terms(err: APIError) -> APIError:

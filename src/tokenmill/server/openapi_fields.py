@@ -154,10 +154,12 @@ FIELDS: dict[str, dict] = {
     # accepted for compatibility, without effect
     **{k: described(v, "accepted; no effect") for k, v in {
         "store": BOOLEAN, "metadata": OBJECT, "service_tier": STRING, "safety_identifier": STRING,
-        "prompt_cache_key": STRING, "verbosity": STRING, "reasoning_effort": STRING,
+        "prompt_cache_key": STRING, "verbosity": STRING,
         "prompt_cache_retention": STRING, "prompt_cache_options": OBJECT, "prediction": OBJECT,
     }.items()},
     "modalities": described(STRINGS, 'only "text": "audio" is a 400'),
+    "reasoning_effort": described({"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]},
+                                  '"none": a thinking model\'s template with enable_thinking false; the others its default'),
     **{k: described(v, "not supported: a 400 when given") for k, v in {
         "audio": OBJECT, "functions": {"type": "array", "items": OBJECT},
         "function_call": {"oneOf": [STRING, OBJECT]},
