@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 
 import torch
 
@@ -55,15 +56,17 @@ class HugePageArena:
         self.chunk_bytes = chunk_bytes
         self._chunk: torch.Tensor | None = None  # uint8 view of the current mapping, from its 2 MB boundary
         self._used = 0
+        self._lock = threading.Lock()  # a model's weights are packed on several threads
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A fresh uint8 tensor of nbytes (contents undefined), 64-byte aligned."""
-        start = -(-self._used // ALIGN) * ALIGN
-        if self._chunk is None or start + nbytes > self._chunk.numel():
-            self._chunk = self._map(max(self.chunk_bytes, nbytes))
-            start = 0
-        self._used = start + nbytes
-        return self._chunk[start:start + nbytes]
+        with self._lock:
+            start = -(-self._used // ALIGN) * ALIGN
+            if self._chunk is None or start + nbytes > self._chunk.numel():
+                self._chunk = self._map(max(self.chunk_bytes, nbytes))
+                start = 0
+            self._used = start + nbytes
+            return self._chunk[start:start + nbytes]
 
     def copy_of(self, t: torch.Tensor) -> torch.Tensor:
         """t's contents, shape and dtype in the arena (empty tensors stay as they are)."""

@@ -7,7 +7,10 @@ A fused projection (QKV, gate+up) is a list of parts, one per run of same-typed 
 all parts share one quantization of the input."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import gguf
@@ -46,6 +49,30 @@ def concat_rows(parts: list[RawTensor]) -> RawTensor:
     return RawTensor(np.concatenate([np.asarray(p.data) for p in parts]), parts[0].ggml_type, (n, parts[0].shape[1]))
 
 
+# Where QuantizedParts made on this thread wait to be packed (packed_together), or None: packed at once.
+_waiting = threading.local()
+
+
+@contextlib.contextmanager
+def packed_together() -> Iterator[list["QuantizedParts"]]:
+    """QuantizedParts made inside (on this thread) are not packed yet: they are listed in the yielded
+    list for pack_all, which repacks them in parallel. A model's load makes them one at a time."""
+    queue: list[QuantizedParts] = []
+    saved, _waiting.queue = getattr(_waiting, "queue", None), queue
+    try:
+        yield queue
+    finally:
+        _waiting.queue = saved
+
+
+def pack_all(queue: list["QuantizedParts"], workers: int,
+             place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Pack every waiting QuantizedParts, `workers` at a time (the repacking is numpy copies, which
+    run without the GIL), each weight straight into `place`'s memory when given (a huge-page arena)."""
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        list(pool.map(lambda q: q.pack(place), queue))
+
+
 class QuantizedParts:
     """y = x @ W^T for W given as GGUF parts stacked by rows. Types the kernels do not take
     (F32/F16/BF16, Q5_1, Q5_K) are dequantized to fp32 once and run through F.linear."""
@@ -57,17 +84,31 @@ class QuantizedParts:
                 runs[-1].append(p)
             else:
                 runs.append([p])
-        self.parts: list[tuple[qk.QuantizedWeight | torch.Tensor, int, int]] = []
+        self._raw: list[tuple[RawTensor, int, int]] = []  # each run of parts, until pack()
         start = 0
         for run in runs:
             raw = concat_rows(run) if len(run) > 1 else run[0]
-            if raw.ggml_type in qk.SUPPORTED_TYPES:
-                w: qk.QuantizedWeight | torch.Tensor = qk.QuantizedWeight.from_gguf(raw.data, raw.ggml_type, raw.shape)
-            else:
-                w = raw.dequantize()
-            self.parts.append((w, start, start + raw.shape[0]))
+            self._raw.append((raw, start, start + raw.shape[0]))
             start += raw.shape[0]
         self.out_features = start
+        self.parts: list[tuple[qk.QuantizedWeight | torch.Tensor, int, int]] = []
+        queue = getattr(_waiting, "queue", None)
+        if queue is None:
+            self.pack()
+        else:
+            queue.append(self)
+
+    def pack(self, place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Each run repacked for the kernels (or dequantized), its blocks moved by `place` if given."""
+        for raw, start, end in self._raw:
+            if raw.ggml_type in qk.SUPPORTED_TYPES:
+                w: qk.QuantizedWeight | torch.Tensor = qk.QuantizedWeight.from_gguf(raw.data, raw.ggml_type, raw.shape)
+                if place is not None:
+                    w = w.moved(place)
+            else:
+                w = raw.dequantize()
+            self.parts.append((w, start, end))
+        self._raw = []
 
     def move_blocks(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Every part kept in blocks moves to copies that place makes (a huge-page arena)."""

@@ -15,7 +15,7 @@ from tokenmill.kernels import huge_pages, native
 from tokenmill.model.gpu.device import resolve_device
 from tokenmill.model.gpu.load import check_device_mode, device_weight, finish_on_device
 from tokenmill.model.linear import GGUFWeight, Int4Weight, onednn_bf16_available
-from tokenmill.model.quantized import RawTensor
+from tokenmill.model.quantized import RawTensor, pack_all, packed_together
 from tokenmill.model.gemma3 import Gemma3Model
 from tokenmill.model.llama import LlamaModel
 from tokenmill.model.qwen import Qwen2Model, Qwen3Model
@@ -98,22 +98,26 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
         missing = [n for n in names if n not in g.tensors]
         if missing:
             raise GGUFError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-            info = g.tensors[name]
-            if name == ROPE_FREQS:  # rotary factors: exact, whatever the weights' dtype (the tables are float32)
-                weight = GGUFWeight(dense=dequantize(info, torch.float32))
-            else:
-                weight = device_weight(info, target) if on_device else _weight(info, mode, dtype, int4)
-            model.load_tensor(name, weight, pending)
+        # The gguf mode's weights are repacked for the kernels after the loop, in parallel (most of a
+        # load's time), each straight into huge pages where the system gives them.
+        with packed_together() as waiting:
+            for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+                info = g.tensors[name]
+                if name == ROPE_FREQS:  # rotary factors: exact, whatever the weights' dtype (the tables are float32)
+                    weight = GGUFWeight(dense=dequantize(info, torch.float32))
+                else:
+                    weight = device_weight(info, target) if on_device else _weight(info, mode, dtype, int4)
+                model.load_tensor(name, weight, pending)
         if pending:
             raise ModelFileError(f"{path}: tensors without their fused siblings: {sorted(pending)[:4]}")
+        arena = huge_pages.HugePageArena() if waiting and huge_pages.wanted() else None
+        pack_all(waiting, torch.get_num_threads(), arena.copy_of if arena is not None else None)
         model.rope.to(torch.float32)
         if on_device:
             finish_on_device(model, target)
         else:
             model.pack_weights()
-            if mode == "gguf" and huge_pages.wanted():
-                model.move_blocks(huge_pages.HugePageArena().copy_of)
+            if arena is not None:
                 huge_pages.return_freed_heap()
         model.eval()
         g.release_pages()
