@@ -1,7 +1,8 @@
 """Write a random-weight GGUF in the shape of Qwen3-0.6B-Q8_0 (28 layers, 1024 wide, 16 query heads and
 8 key/value heads of 128, feed-forward 3072, 151,936 tokens, tied embeddings, Q8_0 matrices), for speed
 measurements where the real file cannot be had (no Qwen file ships on PyPI). Its tokenizer is the byte
-alphabet, a few merges and padding control tokens up to the real vocabulary's size, enough for llama.cpp
+alphabet, a few merges, plain filler tokens up to the real vocabulary's size and Qwen's count of control
+tokens, enough for llama.cpp
 and tokenmill to load it; generation speed does not depend on the weights (bench with EOS ignored).
 
     python bench/qwen3_shaped.py /tmp/qwen3-0.6b-shaped.gguf
@@ -27,10 +28,11 @@ def _vocab() -> tuple[list[str], list[int], list[str]]:
     merges = [f"{a} {b}" for a in chars[:40] for b in chars[:40]]
     tokens += [m.replace(" ", "") for m in merges]
     types += [int(gguf.TokenType.NORMAL)] * len(merges)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    pad = [f"<|pad_{i}|>" for i in range(VOCAB - len(tokens) - len(specials))]
-    tokens += pad + specials
-    types += [int(gguf.TokenType.CONTROL)] * (len(pad) + len(specials))
+    # Qwen's 26 added tokens are control or user-defined; the rest of its vocabulary is plain pieces.
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|extra_{i}|>" for i in range(23)]
+    plain = [f"zq{i}" for i in range(VOCAB - len(tokens) - len(specials))]
+    tokens += plain + specials
+    types += [int(gguf.TokenType.NORMAL)] * len(plain) + [int(gguf.TokenType.CONTROL)] * len(specials)
     return tokens, types, merges
 
 
