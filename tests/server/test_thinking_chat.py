@@ -23,27 +23,24 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 SPEC = TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q8_0, context_length=2048)
 
 
-def _serve(folder, template: str):
+def _serving(folder, template: str):
+    """(client, host) of a server of a tiny Qwen3 with this chat template, until the generator closes."""
     path = write_tiny_qwen(folder / "tiny-qwen3.gguf", "qwen3", SPEC, chat_template=template)
     server, host = start_server(str(path), dtype="auto", kv_size=4096)
     assert host.wait_ready(60), host.error
-    return server, host
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client, host
+    server.stop()
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    server, host = _serve(tmp_path_factory.mktemp("qwen3"), QWEN3_TEMPLATE)
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client, host
-    server.stop()
+    yield from _serving(tmp_path_factory.mktemp("qwen3"), QWEN3_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def always_thinks(tmp_path_factory):
-    server, host = _serve(tmp_path_factory.mktemp("r1"), OPEN_THINK_TEMPLATE)
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client, host
-    server.stop()
+    yield from _serving(tmp_path_factory.mktemp("r1"), OPEN_THINK_TEMPLATE)
 
 
 @pytest.fixture

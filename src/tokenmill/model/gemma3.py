@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 from tokenmill.gguf.config import ModelConfig
-from tokenmill.gguf.reader import GGUFError
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.decoder import DecoderLM, StepMeta
-from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, residual_step
+from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, linear_rope_scaling, residual_step
 from tokenmill.model.linear import GGUFWeight
 
 SLIDING_WINDOW_PATTERN = 6  # layers 6, 12, ... (1-based) are global
@@ -55,7 +54,7 @@ class Gemma3Model(DecoderLM):
         self.window = int(window) if window else None
         self.embed_scale = cfg.dim ** 0.5  # rounded to the model dtype once the weights are in
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length,
-                                    linear_scaling=_linear_rope_factor(cfg))
+                                    linear_scaling=linear_rope_scaling(cfg))
         self.local_rope = RotaryEmbedding(cfg.rope_dim, LOCAL_ROPE_THETA, cfg.context_length)
         self.blocks = nn.ModuleList(Gemma3Block(cfg, None if self.is_global(i) else self.window)
                                     for i in range(cfg.n_layers))
@@ -96,13 +95,3 @@ class Gemma3Model(DecoderLM):
         return {"attn_norm": block.attn_norm.weight, "post_attention_norm": block.post_attn_norm.weight,
                 "ffn_norm": block.ffn_norm.weight, "post_ffw_norm": block.post_ffn_norm.weight,
                 "attn_q_norm": block.attn.q_norm.weight, "attn_k_norm": block.attn.k_norm.weight}
-
-
-def _linear_rope_factor(cfg: ModelConfig) -> float:
-    """Gemma 3's larger models stretch the global layers' positions linearly (rope.scaling.*)."""
-    kind = cfg.extra.get("rope.scaling.type")
-    if kind in (None, "none"):
-        return 1.0
-    if kind != "linear":
-        raise GGUFError(f"{cfg.name}: rope scaling {kind!r} is not supported for gemma3 (only linear)")
-    return float(cfg.extra.get("rope.scaling.factor", 1.0))

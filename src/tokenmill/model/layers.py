@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.gguf.config import ModelConfig
+from tokenmill.gguf.reader import GGUFError
 from tokenmill.kernels import fused, native
 from tokenmill.kernels import gpu as gpu_ops
 from tokenmill.kvcache.storage import LayerKV
@@ -102,6 +104,19 @@ class RotaryEmbedding(nn.Module):
         """x: [T, heads, rope_dim]; cos/sin: [T, 1, rope_dim]."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
+
+
+def linear_rope_scaling(cfg: ModelConfig) -> float:
+    """The file's rotary scaling as a divisor of the frequencies: llama.cpp's types are none, linear
+    (positions divided by the factor: long-context fine-tunes, Gemma 3's larger models), yarn and
+    longrope, which are not implemented here and so are refused rather than ignored. Llama 3.1's own
+    scaling comes as a tensor (rope_freqs: RotaryEmbedding.divide_frequencies), not a type."""
+    kind = cfg.extra.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return 1.0
+    if kind != "linear":
+        raise GGUFError(f"{cfg.name}: rope scaling {kind!r} is not supported for {cfg.architecture} (only linear)")
+    return float(cfg.extra.get("rope.scaling.factor", 1.0))
 
 
 def residual_step(x: torch.Tensor, a: torch.Tensor, pre: "RMSNorm | None",

@@ -10,7 +10,7 @@ from tokenmill.gguf.reader import GGUFError
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.decoder import DecoderLM, Parts, StepMeta
 from tokenmill.model.layers import (Attention, GatedMLP, RMSNorm, RotaryEmbedding, interleaved_to_half_split,
-                                   residual_step)
+                                   linear_rope_scaling, residual_step)
 
 
 class LlamaBlock(nn.Module):
@@ -39,7 +39,7 @@ class LlamaModel(DecoderLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, RMSNorm(cfg.dim, cfg.norm_eps))
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length,
-                                    linear_scaling=_linear_rope_factor(cfg))
+                                    linear_scaling=linear_rope_scaling(cfg))
         self.blocks = nn.ModuleList(LlamaBlock(cfg, qk_norm=self.QK_NORM) for _ in range(cfg.n_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
@@ -79,15 +79,3 @@ class LlamaModel(DecoderLM):
         order_q = interleaved_to_half_split(torch.arange(rows_q).unsqueeze(1), cfg.n_heads).squeeze(1)
         order_k = interleaved_to_half_split(torch.arange(rows_k).unsqueeze(1), cfg.n_kv_heads).squeeze(1)
         return [wq.permute_rows(order_q), wk.permute_rows(order_k), v]
-
-
-def _linear_rope_factor(cfg: ModelConfig) -> float:
-    """llama.cpp's rope scaling types: none, linear (positions divided by the factor, as some
-    long-context fine-tunes have), and yarn and longrope, which are not implemented here and so are
-    refused rather than ignored. Llama 3.1's own scaling comes as a tensor (rope_freqs), not a type."""
-    kind = cfg.extra.get("rope.scaling.type")
-    if kind in (None, "none"):
-        return 1.0
-    if kind != "linear":
-        raise GGUFError(f"{cfg.name}: rope scaling {kind!r} is not supported for {cfg.architecture} (only linear)")
-    return float(cfg.extra.get("rope.scaling.factor", 1.0))
