@@ -82,6 +82,15 @@ class RotaryEmbedding(nn.Module):
         # rotate_half(x) = cat(-x2, x1); the sign lives in the table so a swap of halves suffices.
         self.sin = torch.cat([-sin, sin], -1)
 
+    @classmethod
+    def unrotated(cls, rope_dim: int, max_positions: int) -> "RotaryEmbedding":
+        """Tables that rotate by nothing (cos 1, sin 0: x * 1 + y * 0 is x), for a model's layers
+        without positions (SmolLM3's NoPE layers), so that every layer runs the same kernels."""
+        rope = cls(rope_dim, 10000.0, 1)
+        rope.inv_freq = torch.zeros_like(rope.inv_freq)
+        rope._build(max_positions)
+        return rope
+
     def divide_frequencies(self, factors: torch.Tensor) -> None:
         """Each frequency divided by its factor (llama.cpp's rope_freqs: Llama 3.1+'s "llama3" scaling,
         which transformers computes from rope_parameters: the same frequencies), the tables rebuilt."""

@@ -41,6 +41,9 @@ class LlamaModel(DecoderLM):
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length,
                                     linear_scaling=linear_rope_scaling(cfg))
         self.blocks = nn.ModuleList(LlamaBlock(cfg, qk_norm=self.QK_NORM) for _ in range(cfg.n_layers))
+        # The rotary tables the layers use, and which one each layer takes (one for Llama).
+        self.rope_tables: list[RotaryEmbedding] = [self.rope]
+        self.rope_of_layer: list[int] = [0] * cfg.n_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
                 kv: KVStorage | None = None, *, k_caches: list[torch.Tensor] | None = None,
@@ -52,14 +55,16 @@ class LlamaModel(DecoderLM):
         if native_step is not None:
             return self.native_steps.run(native_step, x, positions, meta)
         caches = self.layer_caches(kv, k_caches, v_caches)
-        rope = self.rope.at(positions, x.dtype, **self.rope_options(meta, x))
+        options = self.rope_options(meta, x)
+        ropes = [table.at(positions, x.dtype, **options) for table in self.rope_tables]
         h = self.blocks[0].attn_norm(x)
         for i, (block, cache) in enumerate(zip(self.blocks, caches)):
-            x, h = block(x, h, rope, meta, cache, self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else None)
+            next_norm = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else None
+            x, h = block(x, h, ropes[self.rope_of_layer[i]], meta, cache, next_norm)
         return x
 
     def layer_rope(self, layer: int) -> RotaryEmbedding:
-        return self.rope
+        return self.rope_tables[self.rope_of_layer[layer]]
 
     def divide_rope_frequencies(self, factors: torch.Tensor) -> None:
         try:
@@ -79,3 +84,17 @@ class LlamaModel(DecoderLM):
         order_q = interleaved_to_half_split(torch.arange(rows_q).unsqueeze(1), cfg.n_heads).squeeze(1)
         order_k = interleaved_to_half_split(torch.arange(rows_k).unsqueeze(1), cfg.n_kv_heads).squeeze(1)
         return [wq.permute_rows(order_q), wk.permute_rows(order_k), v]
+
+
+class SmolLM3Model(LlamaModel):
+    """SmolLM3: Llama's decoder whose every fourth layer attends without positions (NoPE: no rotary
+    embedding on q and k). llama.cpp hard-codes the interval (its files carry no key for it), as
+    transformers' default no_rope_layer_interval does; those layers take tables that rotate by nothing."""
+
+    NO_ROPE_INTERVAL = 4
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.no_rope = RotaryEmbedding.unrotated(cfg.rope_dim, cfg.context_length)
+        self.rope_tables = [self.rope, self.no_rope]
+        self.rope_of_layer = [int((i + 1) % self.NO_ROPE_INTERVAL == 0) for i in range(cfg.n_layers)]
