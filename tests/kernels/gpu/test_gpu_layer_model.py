@@ -1,4 +1,4 @@
-"""A tiny Llama, Gemma 3, Qwen2 (q/k/v biases) and Qwen3 (q/k head norms) forward on the GPU path's metadata (DeviceBatch) on CPU tensors,
+"""A tiny Llama, SmolLM3 (NoPE layers), Gemma 3, Qwen2 (q/k/v biases) and Qwen3 (q/k head norms) forward on the GPU path's metadata (DeviceBatch) on CPU tensors,
 every device op on its Triton kernel (interpreted here, compiled on CUDA): the layer's norms with their
 residual steps, rotary embedding (with Gemma's head norms), gated activations, KV write and paged
 attention. Held to the same steps on the PyTorch references: two prompts' prefills, then decode steps
@@ -43,12 +43,12 @@ def steps(model, mode: str, prompts: list[list[int]], decode_tokens: list[list[i
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "smollm3", "gemma3", "qwen2", "qwen3"])
 def test_the_kernels_compute_what_the_references_do(device, tmp_path, arch):
     if device != "cpu":
         pytest.skip("on CUDA, tests/engine/gpu runs the model's kernels end to end")
-    if arch == "llama":
-        path = write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(context_length=256))
+    if arch in ("llama", "smollm3"):
+        path = write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(context_length=256, n_layers=4), arch=arch)
     elif arch.startswith("qwen"):
         path = write_tiny_qwen(tmp_path / "q.gguf", arch, TinyLlamaSpec(context_length=256, head_dim=32))
     else:
