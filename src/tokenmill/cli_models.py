@@ -253,8 +253,8 @@ def model_details(model: str, server: str | None = None) -> dict:
 
 
 def print_details(info: dict) -> None:
-    """`ollama show`'s table: the model's architecture, size, context and quantization, then its
-    system prompt and parameters when it has them."""
+    """`ollama show`'s table: the model's architecture, size, context and quantization, what it can do
+    (completion, tools, thinking...), then its system prompt and parameters when it has them."""
     details = info.get("details", {})
     model_info = info.get("model_info", {})
     arch = model_info.get("general.architecture", details.get("family", ""))
@@ -262,6 +262,8 @@ def print_details(info: dict) -> None:
             ("    parameters", details.get("parameter_size", "")),
             ("    context length", str(model_info.get(f"{arch}.context_length", ""))),
             ("    quantization", details.get("quantization_level", ""))]
+    if info.get("capabilities"):
+        rows += [("  Capabilities", "")] + [("    " + c, "") for c in info["capabilities"]]
     if info.get("system"):
         rows += [("  System", ""), ("    " + info["system"], "")]
     if info.get("parameters"):

@@ -95,6 +95,7 @@ def test_show_without_a_server_takes_a_catalog_alias_and_counts_parameters(store
     assert count > 1000
     expected = f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count / 1e3:.1f}K"
     assert re.search(rf"parameters\s+{re.escape(expected.replace('.0', ''))}\n", out), out
+    assert re.search(r"Capabilities\s*\n\s+completion\s*\n", out), out  # as `ollama show` lists them
     assert main(["show", "nope"]) == 1 and 'model "nope" not found' in capsys.readouterr().err
 
 
