@@ -4,11 +4,11 @@ with ANTHROPIC_BASE_URL pointed here).
 
 A request is translated into a chat completions body (anthropic_input.py) and runs through the chat
 path (openai.prepare_chat), so the template, tools, structured tool calls and sampling behave as
-there. The answer is a message of content blocks (thinking, for a thinking model; text, tool_use), its stop_reason end_turn,
-max_tokens, stop_sequence or tool_use, and usage with the prefix cache's share as
-cache_read_input_tokens. A stream is Anthropic's typed events (message_start, content_block_start,
-content_block_delta with thinking_delta / text_delta / input_json_delta, content_block_stop, message_delta,
-message_stop), an `error` event when it breaks after it began. Errors are Anthropic's
+there. The answer is a message of content blocks (a thinking model's thinking, then text, tool_use),
+its stop_reason end_turn, max_tokens, stop_sequence or tool_use, and usage with the prefix cache's
+share as cache_read_input_tokens. A stream is Anthropic's typed events (message_start,
+content_block_start, content_block_delta with thinking_delta / text_delta / input_json_delta,
+content_block_stop, message_delta, message_stop), an `error` event when it breaks after it began. Errors are Anthropic's
 `{"type": "error", "error": {...}}` (server/errors.py)."""
 from __future__ import annotations
 

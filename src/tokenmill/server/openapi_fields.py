@@ -159,7 +159,8 @@ FIELDS: dict[str, dict] = {
     }.items()},
     "modalities": described(STRINGS, 'only "text": "audio" is a 400'),
     "reasoning_effort": described({"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]},
-                                  '"none": a thinking model\'s template with enable_thinking false; the others its default'),
+                                  '"none": a thinking model\'s template with enable_thinking false; '
+                                  'the others its default'),
     **{k: described(v, "not supported: a 400 when given") for k, v in {
         "audio": OBJECT, "functions": {"type": "array", "items": OBJECT},
         "function_call": {"oneOf": [STRING, OBJECT]},

@@ -286,7 +286,8 @@ class Tokenizer:
         self.eos_id = _token_id(metadata, "eos_token_id", self.vocab_size)
         self.stop_ids = _stop_ids(metadata, tokens)
         # A SentencePiece file that does not say gets BOS, as llama.cpp and transformers give it.
-        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.model") == "llama"))
+        sentencepiece_file = metadata.get("tokenizer.ggml.model") == "llama"
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", sentencepiece_file))
         self._add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))  # transformers honours it too
         self._special_ids = frozenset(
             i for i, added in backend.get_added_tokens_decoder().items() if added.special and i < self.vocab_size
