@@ -185,11 +185,12 @@ async def _respond(request: Request, served: ServedModel, ids: list[int], opts: 
     return JSONResponse(shape.final(gen, text, result.finish_reason or "stop", result.token_ids, lp, thinking))
 
 
-def _think(body: dict, name: str, tok) -> tuple[bool, dict]:
+def _think(body: dict, name: str, tok, *, constrained: bool) -> tuple[bool, dict]:
     """Ollama's `think`: (whether to read the answer's reasoning apart, the template variables that
     say so). A thinking model (its template writes think tags) thinks unless `think` is false, which
-    renders its template with `enable_thinking` false (Qwen3's switch); a model without the capability
-    gets Ollama's 400 for `think: true` rather than an answer that silently has no thinking. The levels
+    renders its template with `enable_thinking` false (Qwen3's switch), as does a grammar (`constrained`:
+    it holds from the first token, leaving no room to think); a model without the capability gets
+    Ollama's 400 for `think: true` rather than an answer that silently has no thinking. The levels
     ("high", ...) are gpt-oss's; a model here that thinks takes them as true."""
     think = body.get("think")
     if think is not None and not isinstance(think, bool) and think not in ("high", "medium", "low"):
@@ -200,7 +201,7 @@ def _think(body: dict, name: str, tok) -> tuple[bool, dict]:
         raise bad_request(f'"{name}" does not support thinking', "think")
     if think is False:
         return False, {"enable_thinking": False}
-    return True, {}
+    return True, {"enable_thinking": False} if constrained else {}
 
 
 def _ignore_unsupported(body: dict, where: str) -> None:
@@ -231,9 +232,7 @@ async def generate(request: Request) -> Response:
     system, raw = profiles.system_prompt(get_str(body, "system"), served.profile), bool(get_bool(body, "raw"))
     if template and not raw:  # Ollama's per-request template, in place of the model's
         tok = await off_loop(lambda: profiles.with_request_template(tok, template), len(template))
-    think, variables = _think(body, served.name, tok)
-    if constraint is not None:  # the grammar holds from the first token: no room to think
-        variables = {"enable_thinking": False} if think else variables
+    think, variables = _think(body, served.name, tok, constrained=constraint is not None)
     ids = context + await off_loop(lambda: render_prompt(tok, prompt, system=system, raw=raw, **variables),
                                    len(prompt))
     if not raw:  # a raw prompt is the client's own: its answer comes back as written
@@ -258,9 +257,7 @@ async def chat(request: Request) -> Response:
     opts = parse_options(body, "/api/chat")
     constraint = ollama_spec(body)
     tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
-    think, variables = _think(body, served.name, tok)
-    if constraint is not None:  # the grammar holds from the first token: no room to think
-        variables = {"enable_thinking": False} if think else variables
+    think, variables = _think(body, served.name, tok, constrained=constraint is not None)
     messages, tools = prepare_messages(tok, profiles.chat_messages(messages, served.profile), tool_use)
     prefill = ends_in_prefill(messages)
     ids = await off_loop(lambda: render_chat(tok, messages, tools=tools, continue_final_message=prefill,
