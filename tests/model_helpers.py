@@ -58,3 +58,23 @@ def hf_model(path, dtype=torch.float32, **config):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype, **config).eval()
+
+
+@torch.inference_mode()
+def paged_steps(model, prompts: list[list[int]], block: int = BLOCK) -> list[torch.Tensor]:
+    """Two prompts prefilled together in one step over a paged cache (scattered blocks), then three
+    decode steps of both: each step's hidden states and logits, for comparing two paths bitwise."""
+    cfg = model.config
+    kv = KVStorage(cfg.n_layers, 8, block, cfg.n_kv_heads, cfg.head_dim, torch.float16)
+    tables = [[7, 5, 3, 1], [6, 4, 2, 0]]
+    tokens = [p + [7, 9, 11] for p in prompts]
+    steps = [[(0, 0, len(prompts[0])), (1, 0, len(prompts[1]))]]
+    steps += [[(0, len(prompts[0]) + i, 1), (1, len(prompts[1]) + i, 1)] for i in range(3)]
+    out = []
+    for step in steps:
+        ids = [t for s, start, n in step for t in tokens[s][start:start + n]]
+        positions = [p for _, start, n in step for p in range(start, start + n)]
+        meta = PagedBatch.build([ChunkSpec(tables[s], start, n) for s, start, n in step], block)
+        hidden = model(torch.tensor(ids), torch.tensor(positions), meta, kv)
+        out += [hidden.clone(), model.logits(hidden)]
+    return out

@@ -63,6 +63,11 @@ class TinyLlamaSpec:
     # Rotary scaling: Llama 3.1's per-frequency divisors (the rope_freqs tensor), or a scaling type and factor.
     rope_freqs: tuple[float, ...] | None = None
     rope_scaling: tuple[str, float] | None = None
+    # Phi-3's files: q, k, v in one tensor (attn_qkv), the gate above the up projection in one (ffn_up);
+    # the sliding-window key Phi-3-mini-4k's carry; LongRoPE's factor tensors (rope_factors_long.weight, ...).
+    fused: bool = False
+    sliding_window: int | None = None
+    rope_factor_tensors: tuple[str, ...] = ()
 
 
 def _add(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
@@ -106,6 +111,8 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     if spec.rope_scaling:
         w.add_string(gguf.Keys.Rope.SCALING_TYPE.format(arch=arch), spec.rope_scaling[0])
         w.add_rope_scaling_factor(spec.rope_scaling[1])
+    if spec.sliding_window is not None:
+        w.add_sliding_window(spec.sliding_window)
     w.add_vocab_size(vocab)
     w.add_file_type(int(spec.weight_type) if spec.file_type is None else spec.file_type)
     if tokenizer is not None:
@@ -131,12 +138,17 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     _add(w, "token_embd.weight", mat(vocab, spec.dim), wt)
     if spec.rope_freqs is not None:
         _add(w, "rope_freqs.weight", np.array(spec.rope_freqs), gguf.GGMLQuantizationType.F32)
+    for name in spec.rope_factor_tensors:
+        _add(w, name, np.ones(head_dim // 2), gguf.GGMLQuantizationType.F32)
     for i in range(spec.n_layers):
         p = f"blk.{i}."
         _add(w, p + "attn_norm.weight", 1.0 + rng.normal(0, 0.05, spec.dim), gguf.GGMLQuantizationType.F32)
-        _add(w, p + "attn_q.weight", mat(spec.n_heads * head_dim, spec.dim), wt)
-        _add(w, p + "attn_k.weight", mat(spec.n_kv_heads * head_dim, spec.dim), wt)
-        _add(w, p + "attn_v.weight", mat(spec.n_kv_heads * head_dim, spec.dim), wt)
+        qkv = [mat(heads * head_dim, spec.dim) for heads in (spec.n_heads, spec.n_kv_heads, spec.n_kv_heads)]
+        if spec.fused:
+            _add(w, p + "attn_qkv.weight", np.concatenate(qkv), wt)
+        else:
+            for name, part in zip(("attn_q", "attn_k", "attn_v"), qkv):
+                _add(w, p + name + ".weight", part, wt)
         _add(w, p + "attn_output.weight", mat(spec.dim, spec.n_heads * head_dim), wt)
         if spec.qk_norm:
             for name in ("attn_q_norm", "attn_k_norm"):
@@ -145,8 +157,12 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
             for name, heads in (("attn_q", spec.n_heads), ("attn_k", spec.n_kv_heads), ("attn_v", spec.n_kv_heads)):
                 _add(w, p + name + ".bias", rng.normal(0, 0.2, heads * head_dim), gguf.GGMLQuantizationType.F32)
         _add(w, p + "ffn_norm.weight", 1.0 + rng.normal(0, 0.05, spec.dim), gguf.GGMLQuantizationType.F32)
-        _add(w, p + "ffn_gate.weight", mat(spec.ffn_dim, spec.dim), wt)
-        _add(w, p + "ffn_up.weight", mat(spec.ffn_dim, spec.dim), wt)
+        gate, up = mat(spec.ffn_dim, spec.dim), mat(spec.ffn_dim, spec.dim)
+        if spec.fused:
+            _add(w, p + "ffn_up.weight", np.concatenate([gate, up]), wt)
+        else:
+            _add(w, p + "ffn_gate.weight", gate, wt)
+            _add(w, p + "ffn_up.weight", up, wt)
         _add(w, p + "ffn_down.weight", mat(spec.dim, spec.ffn_dim), wt)
     _add(w, "output_norm.weight", 1.0 + rng.normal(0, 0.05, spec.dim), gguf.GGMLQuantizationType.F32)
     if not spec.tied_embeddings:
@@ -166,6 +182,15 @@ def write_tiny_qwen(path: Path | str, arch: str, spec: TinyLlamaSpec | None = No
 
     spec = replace(spec or TinyLlamaSpec(), qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2", tokenizer_pre="qwen2")
     return write_tiny_llama(path, spec, arch=arch, chat_template=chat_template)
+
+
+def write_tiny_phi3(path: Path | str, spec: TinyLlamaSpec | None = None) -> Path:
+    """A tiny random Phi-3 file: fused q/k/v and gate/up, a separate output head unless the spec says
+    otherwise (the real ones have one)."""
+    from dataclasses import replace
+
+    spec = replace(spec or TinyLlamaSpec(tied_embeddings=False), fused=True)
+    return write_tiny_llama(path, spec, arch="phi3")
 
 
 @dataclass

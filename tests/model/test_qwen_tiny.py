@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_helpers import make_engine, run_one_at_a_time, run_to_completion
-from model_helpers import greedy, hf_model, prefill_logits
+from model_helpers import greedy, hf_model, paged_steps, prefill_logits
 from tiny_model import TinyLlamaSpec, write_tiny_qwen
 from tokenmill.engine import SamplingParams
 from tokenmill.kernels import native, use_variant
@@ -98,30 +98,11 @@ def test_native_step_is_bitwise_the_per_op_path(tmp_path, variant, arch):
         kv = KVStorage(cfg.n_layers, 8, BLOCK, cfg.n_kv_heads, cfg.head_dim, torch.float16)
         assert model.native_steps.get(model, PagedBatch.build([ChunkSpec([0], 0, 1)], BLOCK), kv,
                                       torch.zeros(1)) is not None  # the native step takes this model
-        got = _paged_steps(model, prompts)
+        got = paged_steps(model, prompts)
         with native_step.disabled():
-            want = _paged_steps(model, prompts)
+            want = paged_steps(model, prompts)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"output {i}: max |diff| {float((g - w).abs().max())}"
-
-
-@torch.inference_mode()
-def _paged_steps(model, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Both prompts prefilled together in one step, then three decode steps of both: hidden states and logits."""
-    cfg = model.config
-    kv = KVStorage(cfg.n_layers, 8, BLOCK, cfg.n_kv_heads, cfg.head_dim, torch.float16)
-    tables = [[7, 5, 3, 1], [6, 4, 2, 0]]
-    tokens = [p + [7, 9, 11] for p in prompts]
-    steps = [[(0, 0, len(prompts[0])), (1, 0, len(prompts[1]))]]
-    steps += [[(0, len(prompts[0]) + i, 1), (1, len(prompts[1]) + i, 1)] for i in range(3)]
-    out = []
-    for step in steps:
-        ids = [t for s, start, n in step for t in tokens[s][start:start + n]]
-        positions = [p for _, start, n in step for p in range(start, start + n)]
-        meta = PagedBatch.build([ChunkSpec(tables[s], start, n) for s, start, n in step], BLOCK)
-        hidden = model(torch.tensor(ids), torch.tensor(positions), meta, kv)
-        out += [hidden.clone(), model.logits(hidden)]
-    return out
 
 
 @pytest.mark.skipif(not native.runnable_variants(), reason="native kernels not built")

@@ -32,6 +32,15 @@ _EXTRA_BLOCK_TENSORS: dict[str, dict[str, str]] = {
     "qwen3": {"attn_q_norm": "head", "attn_k_norm": "head"},
     "qwen2": {"attn_q.bias": "q", "attn_k.bias": "kv", "attn_v.bias": "kv"},
 }
+# Architectures whose files store some of Llama's block tensors already fused: each fused tensor
+# replaces its parts, its rows theirs stacked in this order (Phi-3: q, k, v in one; the gate's rows
+# above the up projection's in "ffn_up").
+_FUSED_BLOCK_TENSORS: dict[str, dict[str, tuple[str, ...]]] = {
+    "phi3": {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")},
+}
+# Tensors of a rotary scaling tokenmill does not run: LongRoPE's per-frequency factors (Phi-3's 128k
+# models, Phi-3.5, Phi-4-mini). A file holding them is refused rather than run without them.
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 # Llama 3.1+ files carry their rotary scaling as a tensor: a divisor per rotary frequency (llama.cpp's
@@ -159,6 +168,10 @@ class ModelConfig:
         scaling = self.extra.get("rope.scaling.factor")
         if scaling is not None and not (isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0):
             raise fail("rope.scaling.factor", scaling, "must be a positive number")
+        longrope = [name for name in _LONGROPE_TENSORS if name in shapes]
+        if longrope:
+            raise GGUFError(f"the file's rotary scaling (LongRoPE: {longrope[0]}, as in Phi-3's 128k models, "
+                            "Phi-3.5 and Phi-4-mini) is not supported")
         embd = shapes.get("token_embd.weight")
         if embd is not None and embd[-1] != self.dim:
             raise fail("embedding_length", self.dim, f"token_embd.weight has rows of {embd[-1]}")
@@ -175,6 +188,9 @@ class ModelConfig:
         sizes = {"dim": dim, "head": head, "q": q_rows, "kv": kv_rows}
         for name, size in _EXTRA_BLOCK_TENSORS.get(self.architecture, {}).items():
             block[name] = (sizes[size],)
+        for fused, parts in _FUSED_BLOCK_TENSORS.get(self.architecture, {}).items():
+            part_shapes = [block.pop(part) for part in parts]
+            block[fused] = (sum(shape[0] for shape in part_shapes), part_shapes[0][1])
         shapes = {"token_embd.weight": (self.vocab_size, dim), "output_norm.weight": (dim,)}
         if self.extra.get(ROPE_FREQS):
             shapes[ROPE_FREQS] = (self.rope_dim // 2,)

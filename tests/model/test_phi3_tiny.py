@@ -1,0 +1,119 @@
+"""Phi-3 (fused q/k/v and gate/up in its files) on tiny random GGUF models against transformers loading
+the same file; the native decoder step bitwise the per-op path; greedy tokens the same alone and
+batched through the engine; the file's sliding window not run (as llama.cpp and transformers) and
+LongRoPE files refused, at load and when pushed."""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from engine_helpers import make_engine, run_one_at_a_time, run_to_completion
+from model_helpers import BLOCK, greedy, hf_model, paged_steps, prefill_logits
+from tiny_model import TinyLlamaSpec, write_tiny_phi3
+from tokenmill.engine import SamplingParams
+from tokenmill.gguf.validate import InvalidGGUF, validate_gguf
+from tokenmill.kernels import native, use_variant
+from tokenmill.kvcache.storage import KVStorage
+from tokenmill.model import ARCHITECTURES, ChunkSpec, ModelLoadError, load_model, native_step
+from tokenmill.model.paged_batch import PagedBatch
+
+Q = gguf.GGMLQuantizationType
+PROMPT = torch.randint(6, 260, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+
+
+def _reference(path, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(path)(torch.tensor([ids])).logits[0, -1]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk", [None, 9])
+def test_logits_match_transformers(tmp_path, tied, chunk):
+    path = write_tiny_phi3(tmp_path / "p.gguf", TinyLlamaSpec(tied_embeddings=tied))
+    model = load_model(path, torch.float32).model
+    assert model.blocks[0].attn.qkv_proj.out_features == (4 + 2 * 2) * 16
+    assert model.blocks[0].mlp.gate_up_proj.out_features == 2 * 128
+    torch.testing.assert_close(prefill_logits(model, PROMPT, chunk=chunk), _reference(path, PROMPT),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_the_gate_is_the_fused_tensors_first_half(tmp_path):
+    """Guards the test above: with ffn_up's halves the other way round the logits move."""
+    path = write_tiny_phi3(tmp_path / "p.gguf")
+    model = load_model(path, torch.float32).model
+    for block in model.blocks:
+        w = block.mlp.gate_up_proj.weight
+        w.data = torch.cat([w.data[128:], w.data[:128]])
+    assert (prefill_logits(model, PROMPT) - _reference(path, PROMPT)).abs().max() > 1e-2
+
+
+def test_greedy_matches_transformers(tmp_path):
+    path = write_tiny_phi3(tmp_path / "p.gguf")
+    with torch.inference_mode():
+        expected = hf_model(path).generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
+    assert greedy(load_model(path, torch.float32).model, PROMPT, 20) == expected[0, len(PROMPT):].tolist()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+def test_quantized_weights_on_the_native_kernels_match_transformers(tmp_path, qtype):
+    # transformers dequantizes the same blocks; ours keep them and quantize the activations to int8.
+    path = write_tiny_phi3(tmp_path / "p.gguf", TinyLlamaSpec(tied_embeddings=False, weight_type=qtype))
+    loaded = load_model(path, "gguf")
+    assert loaded.weights == "gguf"
+    torch.testing.assert_close(prefill_logits(loaded.model, PROMPT, paged=True), _reference(path, PROMPT),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_the_files_sliding_window_is_not_run(tmp_path):
+    # Phi-3-mini-4k's files say 2047; llama.cpp disables Phi's window and transformers' GGUF loading
+    # leaves it out, so every layer attends to the whole context. A window of 8 would change these logits.
+    path = write_tiny_phi3(tmp_path / "p.gguf", TinyLlamaSpec(tied_embeddings=False, sliding_window=8))
+    model = load_model(path, torch.float32).model
+    assert all(block.attn.window is None for block in model.blocks)
+    torch.testing.assert_close(prefill_logits(model, PROMPT, chunk=9), _reference(path, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def test_longrope_files_are_refused_at_load_and_push(tmp_path):
+    spec = TinyLlamaSpec(tied_embeddings=False, rope_factor_tensors=("rope_factors_long.weight",
+                                                                     "rope_factors_short.weight"))
+    path = write_tiny_phi3(tmp_path / "p.gguf", spec)
+    with pytest.raises(ModelLoadError, match="LongRoPE") as exc:
+        load_model(path, torch.float32)
+    assert str(tmp_path) not in str(exc.value).split(":", 1)[1]  # the reason names no path
+    with pytest.raises(InvalidGGUF, match="LongRoPE") as exc:
+        validate_gguf(path, ARCHITECTURES)
+    assert str(tmp_path) not in str(exc.value)
+
+
+@pytest.mark.skipif(not native.runnable_variants(), reason="native kernels not built")
+@pytest.mark.parametrize("variant", native.runnable_variants())
+def test_native_step_is_bitwise_the_per_op_path(tmp_path, variant):
+    path = write_tiny_phi3(tmp_path / "p.gguf", TinyLlamaSpec(tied_embeddings=False, weight_type=Q.Q8_0))
+    prompts = [torch.randint(6, 260, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 29)]
+    with use_variant(variant):
+        model = load_model(path, "gguf").model
+        cfg = model.config
+        kv = KVStorage(cfg.n_layers, 8, BLOCK, cfg.n_kv_heads, cfg.head_dim, torch.float16)
+        assert model.native_steps.get(model, PagedBatch.build([ChunkSpec([0], 0, 1)], BLOCK), kv,
+                                      torch.zeros(1)) is not None  # the native step takes this model
+        got = paged_steps(model, prompts)
+        with native_step.disabled():
+            want = paged_steps(model, prompts)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"output {i}: max |diff| {float((g - w).abs().max())}"
+
+
+@pytest.mark.skipif(not native.runnable_variants(), reason="native kernels not built")
+def test_engine_greedy_tokens_alone_and_batched(tmp_path):
+    """The defaults a user gets (gguf weights, the native step, f16 KV): the same tokens alone and batched."""
+    spec = TinyLlamaSpec(tied_embeddings=False, weight_type=Q.Q8_0, context_length=512)
+    loaded = load_model(write_tiny_phi3(tmp_path / "p.gguf", spec))
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(6, 260, (n,), generator=g).tolist() for n in (5, 300, 17, 64, 120, 33)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    reqs = [(p, params) for p in prompts]
+    alone = run_one_at_a_time(make_engine(loaded, max_total_tokens=8192), reqs)
+    together = run_to_completion(make_engine(loaded, max_total_tokens=8192, n_batch=64, n_ubatch=64), reqs)
+    assert together == alone
