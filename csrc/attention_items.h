@@ -23,6 +23,7 @@ struct Problem {
     int block_size, window;
     float scale;
     int seg_blocks;  // blocks per segment (attention_tile.h)
+    float softcap;   // > 0: scores soft-capped (attend_group)
 };
 
 inline int64_t state_floats(int D) { return D + TILE + 1; }  // acc, lane sums, max

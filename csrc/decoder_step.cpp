@@ -49,6 +49,7 @@ struct Layer {
     const float *cos, *sin;
     int64_t rope_rows, rope_stride, rope_dim;
     int window;
+    float softcap;  // Gemma 2's attention score cap (0: none)
     void *k_cache = nullptr, *v_cache = nullptr;
     float *k_scale = nullptr, *v_scale = nullptr;
 };
@@ -72,7 +73,7 @@ public:
     void add_layer(uintptr_t attn_norm, uintptr_t ffn_norm, uintptr_t post_attn_norm, uintptr_t post_ffn_norm,
                    uintptr_t q_norm, uintptr_t k_norm, uintptr_t qkv_bias, const std::vector<PartSpec>& qkv, const std::vector<PartSpec>& o,
                    const std::vector<PartSpec>& gate_up, const std::vector<PartSpec>& down, uintptr_t cos,
-                   uintptr_t sin, int64_t rope_rows, int64_t rope_stride, int64_t rope_dim, int window) {
+                   uintptr_t sin, int64_t rope_rows, int64_t rope_stride, int64_t rope_dim, int window, double softcap) {
         Layer l{};
         l.attn_norm = ptr<const float>(attn_norm);
         l.ffn_norm = ptr<const float>(ffn_norm);
@@ -93,6 +94,7 @@ public:
         l.rope_stride = rope_stride;
         l.rope_dim = rope_dim;
         l.window = window;
+        l.softcap = float(softcap);
         layers_.push_back(l);
     }
 
@@ -161,7 +163,7 @@ public:
             entry::paged_attention(qkv, n_qkv, D_, att, T, H_, D_, l.k_cache, l.v_cache, l.k_scale, l.v_scale,
                                    cache_type_, Hkv_, num_slots_, ptr<const int32_t>(cu_rows),
                                    ptr<const int32_t>(start_pos), S, ptr<const int32_t>(block_tables), table_width,
-                                   block_size, scale_, l.window);
+                                   block_size, scale_, l.window, l.softcap);
             clock.lap(ATTENTION);
             entry::quantize_rows(att, T, l.o.K, l.o.K, acts);
             matmul(l.o, acts, T, o);
@@ -359,7 +361,7 @@ void register_decoder_step(py::module_& m) {
              "num_slots"_a)
         .def("add_layer", &DecoderStep::add_layer, "attn_norm"_a, "ffn_norm"_a, "post_attn_norm"_a,
              "post_ffn_norm"_a, "q_norm"_a, "k_norm"_a, "qkv_bias"_a, "qkv"_a, "o"_a, "gate_up"_a, "down"_a, "cos"_a, "sin"_a,
-             "rope_rows"_a, "rope_stride"_a, "rope_dim"_a, "window"_a)
+             "rope_rows"_a, "rope_stride"_a, "rope_dim"_a, "window"_a, "softcap"_a = 0.0)
         .def("set_cache", &DecoderStep::set_cache, "layer"_a, "k"_a, "v"_a, "k_scale"_a, "v_scale"_a)
         .def_property_readonly("num_layers", &DecoderStep::num_layers)
         .def("set_head", &DecoderStep::set_head, "norm"_a, "parts"_a)

@@ -84,6 +84,7 @@ int64_t kv_write_grain(int Hkv);  // tokens
 void paged_attention(const float* q, int64_t q_row_stride, int64_t q_head_stride, float* out, int64_t T, int H, int D,
                      const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
                      int cache_type, int Hkv, int64_t num_slots, const int32_t* cu_rows, const int32_t* start_pos,
-                     int S, const int32_t* block_tables, int64_t table_width, int block_size, float scale, int window);
+                     int S, const int32_t* block_tables, int64_t table_width, int block_size, float scale, int window,
+                     float softcap);
 
 }  // namespace tmk::entry

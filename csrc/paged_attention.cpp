@@ -118,7 +118,7 @@ void run_decode_item(const Problem& P, const WorkItem& it) {
     }
     tiles.for_each([&](int64_t, int64_t, int first, int last, int64_t row, bool new_segment, const TileAhead& ahead) {
         if (new_segment) close_segment(total, st, G, D);
-        attend_row(qp, st, G, CacheTile<TYPE, DIM>{&P.k, &P.v, row, D, &ahead}, first, last);
+        attend_row(qp, st, G, CacheTile<TYPE, DIM>{&P.k, &P.v, row, D, &ahead}, first, last, P.softcap);
     });
     finish_item(P, it, st, total, G, row0, head0);
 }
@@ -197,7 +197,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
         if (new_segment) close_segment(total, st, n, D);
 #if defined(TM_AVX512) || defined(TM_AVX2)
         if (it.num_rows == 1) {
-            attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D, &ahead}, first, last);
+            attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D, &ahead}, first, last, P.softcap);
             return;
         }
 #endif
@@ -209,7 +209,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
             const int64_t pos = pos0 + r;
             const int64_t a = std::max({ts, tiles.first_key(pos), tiles.lo}), e = std::min({te, pos, tiles.hi});
             if (a > e) continue;
-            attend_row(qp + r * G, st + r * G, G, tile, int(a - ts), int(e - ts));
+            attend_row(qp + r * G, st + r * G, G, tile, int(a - ts), int(e - ts), P.softcap);
         }
     });
     finish_item(P, it, st, total, n, row0, head0);
@@ -302,7 +302,7 @@ int rows_per_item(int G, int D) { return std::max(1, std::min(32, 16384 / (G * D
 void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, uintptr_t out, int64_t T, int H, int D,
                      uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scale, uintptr_t v_scale, int cache_type,
                      int Hkv, int64_t num_slots, uintptr_t cu_rows, uintptr_t start_pos, int S, uintptr_t block_tables,
-                     int64_t table_width, int block_size, double scale, int window) {
+                     int64_t table_width, int block_size, double scale, int window, double softcap) {
     if (D % 16 != 0 || D <= 0) throw std::invalid_argument("head_dim must be a positive multiple of 16");
     if (Hkv <= 0 || H % Hkv != 0) throw std::invalid_argument("query heads must be a multiple of kv heads");
     if (block_size <= 0 || num_slots % block_size != 0) throw std::invalid_argument("bad block_size");
@@ -312,7 +312,7 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
               CacheView{ptr<const void>(k_cache), cache_type == CACHE_I8 ? ptr<const float>(k_scale) : nullptr, num_slots, D, row_bytes},
               CacheView{ptr<const void>(v_cache), cache_type == CACHE_I8 ? ptr<const float>(v_scale) : nullptr, num_slots, D, row_bytes},
               ptr<const int32_t>(cu_rows), ptr<const int32_t>(start_pos), ptr<const int32_t>(block_tables), table_width,
-              block_size, window, float(scale), segment_blocks(block_size)};
+              block_size, window, float(scale), segment_blocks(block_size), float(softcap)};
 
     // Check every block the kernel will read before any thread starts (no throwing inside a parallel region).
     const int64_t num_blocks = num_slots / block_size;
@@ -407,11 +407,11 @@ void entry::paged_attention(const float* q, int64_t q_row_stride, int64_t q_head
                             int D, const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
                             int cache_type, int Hkv, int64_t num_slots, const int32_t* cu_rows,
                             const int32_t* start_pos, int S, const int32_t* block_tables, int64_t table_width,
-                            int block_size, float scale, int window) {
+                            int block_size, float scale, int window, float softcap) {
     tmk::paged_attention(uintptr_t(q), q_row_stride, q_head_stride, uintptr_t(out), T, H, D, uintptr_t(k_cache),
                          uintptr_t(v_cache), uintptr_t(k_scale), uintptr_t(v_scale), cache_type, Hkv, num_slots,
                          uintptr_t(cu_rows), uintptr_t(start_pos), S, uintptr_t(block_tables), table_width, block_size,
-                         scale, window);
+                         scale, window, softcap);
 }
 }  // namespace tmk
 
@@ -424,6 +424,6 @@ void register_paged_attention(py::module_& m) {
           py::arg("D"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
           py::arg("cache_type"), py::arg("Hkv"), py::arg("num_slots"), py::arg("cu_rows"), py::arg("start_pos"),
           py::arg("S"), py::arg("block_tables"), py::arg("table_width"), py::arg("block_size"), py::arg("scale"),
-          py::arg("window"));
+          py::arg("window"), py::arg("softcap") = 0.0);
     register_kv_write(m);
 }

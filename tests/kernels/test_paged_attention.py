@@ -363,7 +363,7 @@ def test_custom_ops_pass_opcheck():
     c = make_cache([20, 5], 64, torch.int8)
     q = torch.cat([c.q[0][10:20], c.q[1][4:5]])
     args = (q, *c.args(), torch.tensor([0, 10, 11], dtype=torch.int32), torch.tensor([10, 4], dtype=torch.int32),
-            c.tables, BS, c.scale, 0)
+            c.tables, BS, c.scale, 0, 0.5)
     torch.library.opcheck(paged_attention_op, args, test_utils=fast)
     k, v = torch.randn(2, 4, 3, 64).unbind(0)
     torch.library.opcheck(write_kv_op, (k, v, *[x.clone() for x in c.args()], torch.tensor([0, 7, 20, 33])), test_utils=fast)

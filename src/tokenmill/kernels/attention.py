@@ -5,7 +5,8 @@ A step's batch is a flat run of T query rows from S sequences: sequence s owns r
 cu_rows[s] .. cu_rows[s+1]-1 at positions start_pos[s], start_pos[s]+1, ... (a decode row is a
 chunk of one). A row at position p attends its own sequence's keys 0..p (with window > 0, only
 p-window+1..p), which the caller has already written to the cache; query head h reads kv head
-h // (H / Hkv). Keys are found through block_tables[s] (slot = block * block_size + offset).
+h // (H / Hkv). Keys are found through block_tables[s] (slot = block * block_size + offset). With
+softcap > 0 each scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
 
 The compiled kernel is batch invariant: a row's output is bitwise the same however rows are grouped
 into chunks and steps, and for any thread count (per variant; variants differ in the last bits).
@@ -49,7 +50,8 @@ def _dequantize(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor) -
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
                               v_scale: torch.Tensor, cu_rows: torch.Tensor, start_pos: torch.Tensor,
-                              block_tables: torch.Tensor, block_size: int, scale: float, window: int = 0) -> torch.Tensor:
+                              block_tables: torch.Tensor, block_size: int, scale: float, window: int = 0,
+                              softcap: float = 0.0) -> torch.Tensor:
     """Plain PyTorch, one sequence at a time, everything in float32 (the tests' oracle)."""
     t, h, d = q.shape
     h_kv = k_cache.shape[0]
@@ -68,6 +70,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v = _dequantize(v_cache, v_scale, slots)
         qs = q[r0:r1].float().view(r1 - r0, h_kv, g, d).permute(1, 0, 2, 3)      # [Hkv, n, G, D]
         scores = torch.einsum("hngd,hld->hngl", qs, k) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         qpos = torch.arange(first, last + 1)[:, None]
         visible = pos[None, :] <= qpos
         if window > 0:
@@ -79,7 +83,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _paged_attention_native(mod, q, k_cache, v_cache, k_scale, v_scale, cu_rows, start_pos, block_tables,
-                            block_size, scale, window):
+                            block_size, scale, window, softcap):
     t, h, d = q.shape
     cache_type = _cache_type(k_cache, v_cache, k_scale, v_scale)
     if q.dtype != torch.float32 or q.stride(2) != 1:
@@ -91,47 +95,48 @@ def _paged_attention_native(mod, q, k_cache, v_cache, k_scale, v_scale, cu_rows,
     mod.paged_attention(q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), t, h, d, k_cache.data_ptr(),
                         v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(), cache_type, h_kv, slots,
                         cu_rows.data_ptr(), start_pos.data_ptr(), start_pos.shape[0], block_tables.data_ptr(),
-                        block_tables.shape[1] if block_tables.dim() == 2 else 0, block_size, scale, window)
+                        block_tables.shape[1] if block_tables.dim() == 2 else 0, block_size, scale, window, softcap)
     return out
 
 
 def _paged_attention_impl(q, k_cache, v_cache, k_scale, v_scale, cu_rows, start_pos, block_tables, block_size, scale,
-                          window):
+                          window, softcap):
     mod = native.module()
     if mod is None:
         return paged_attention_reference(q, k_cache, v_cache, k_scale, v_scale, cu_rows, start_pos, block_tables,
-                                         block_size, scale, window)
+                                         block_size, scale, window, softcap)
     return _paged_attention_native(mod, q, k_cache, v_cache, k_scale, v_scale, cu_rows, start_pos, block_tables,
-                                   block_size, scale, window)
+                                   block_size, scale, window, softcap)
 
 
 # Named apart from model/attention.py's "tokenmill::paged_attention" (the step-level op it wraps today).
 @torch.library.custom_op("tokenmill::paged_attention_kernel", mutates_args=())
 def paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
                        v_scale: torch.Tensor, cu_rows: torch.Tensor, start_pos: torch.Tensor,
-                       block_tables: torch.Tensor, block_size: int, scale: float, window: int) -> torch.Tensor:
+                       block_tables: torch.Tensor, block_size: int, scale: float, window: int,
+                       softcap: float) -> torch.Tensor:
     return _paged_attention_impl(q, k_cache, v_cache, k_scale, v_scale, cu_rows, start_pos, block_tables, block_size,
-                                 scale, window)
+                                 scale, window, softcap)
 
 
 @paged_attention_op.register_fake
 def _paged_attention_shape(q, k_cache, v_cache, k_scale, v_scale, cu_rows, start_pos, block_tables, block_size, scale,
-                           window):
+                           window, softcap):
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
                     v_scale: torch.Tensor, cu_rows: torch.Tensor, start_pos: torch.Tensor, block_tables: torch.Tensor,
-                    block_size: int, scale: float, window: int = 0) -> torch.Tensor:
+                    block_size: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: float32 [T, H, D] (token and head strides free, D contiguous); k_cache/v_cache: [Hkv, slots, D]
     float32, bfloat16 or int8 (contiguous); k_scale/v_scale: float32 [Hkv, slots] for int8 caches, else
     empty; cu_rows: int32 [S+1]; start_pos: int32 [S]; block_tables: int32 [S, W] (entries past a
     sequence's last block are never read). D: a multiple of 16. Returns float32 [T, H, D]."""
     if torch.compiler.is_compiling():
         return paged_attention_op(q, k_cache, v_cache, k_scale, v_scale, cu_rows, start_pos, block_tables,
-                                  block_size, scale, window)
+                                  block_size, scale, window, softcap)
     return _paged_attention_impl(q, k_cache, v_cache, k_scale, v_scale, cu_rows, start_pos, block_tables, block_size,
-                                 scale, window)
+                                 scale, window, softcap)
 
 
 # ---- writing K/V -------------------------------------------------------------------------------

@@ -149,8 +149,13 @@ class GraphDecodeMeta:
         return cls(slot_mapping, slot_index, mask, lens)
 
 
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(scores / cap) (Gemma 2's attention scores and logits); scores as they are for cap 0."""
+    return torch.tanh(scores / cap).mul_(cap) if cap > 0 else scores
+
+
 def fused_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: GraphDecodeMeta,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D], written for inductor: the slot gather sits inside the two
     reductions, which inductor fuses into single loops over the cache, so no gathered copy of K/V is
     ever made (the eager path's gather copied ~8 MB per layer at 64 sequences). In eager mode this
@@ -160,7 +165,7 @@ def fused_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = d ** -0.5 if scale is None else scale
     qg = q.view(b, h_kv, h // h_kv, d).transpose(0, 1).float()                       # [Hkv, B, G, D]
     k = k_cache[:, meta.slot_index]                                                   # [Hkv, B, W, D]
-    scores = (qg.unsqueeze(3) * k.unsqueeze(2).float()).sum(-1) * scale               # [Hkv, B, G, W]
+    scores = soft_cap((qg.unsqueeze(3) * k.unsqueeze(2).float()).sum(-1) * scale, softcap)  # [Hkv, B, G, W]
     probs = torch.softmax(scores.masked_fill(~meta.mask, float("-inf")), dim=-1)
     v = v_cache[:, meta.slot_index]
     out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2)                      # [Hkv, B, G, D]
@@ -174,7 +179,7 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
-                     block_size: int, scale: float) -> torch.Tensor:
+                     block_size: int, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]."""
     b, h, d = q.shape
     h_kv = k_cache.shape[0]
@@ -184,7 +189,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # Scores in float32, as the compiled decode graph and flash SDPA compute them: a bf16 matmul's
     # output rounds them, which gave 4-5x the error at realistic sizes (and a decode row's result
     # would then depend on whether its step also held a prompt chunk).
-    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)).mul_(scale)  # [Hkv, B, G, L]
+    scores = soft_cap(torch.matmul(qg.float(), k.float().transpose(-1, -2)).mul_(scale), softcap)  # [Hkv, B, G, L]
     if g.mask is not None:
         scores.masked_fill_(~g.mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -205,7 +210,8 @@ def _keys_after_query(group: int) -> torch.Tensor:
     return torch.ones(PIECE, PIECE, dtype=torch.bool).triu_(1).repeat_interleave(group, 0)
 
 
-def causal_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+def causal_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
+                  softcap: float = 0.0) -> torch.Tensor:
     """Causal grouped-query attention of a chunk whose queries are the last q.shape[0] of the
     k.shape[1] keys: q [n, H, D] (the batch's token-major rows), k/v [Hkv, L, D]; writes and
     returns out [n, H, D].
@@ -230,30 +236,47 @@ def causal_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     for s in range(0, n, PIECE):
         e = min(n, s + PIECE)
         m, seen = e - s, past + e
-        scores = torch.matmul(rows[:, s * g:e * g], k[:, :seen].transpose(-1, -2))   # [Hkv, m * g, seen]
+        scores = soft_cap(torch.matmul(rows[:, s * g:e * g], k[:, :seen].transpose(-1, -2)), softcap)  # [Hkv, m * g, seen]
         scores[..., past + s:].masked_fill_(hidden[:m * g, :m], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out_rows[s:e] = torch.matmul(probs, v[:, :seen]).view(h_kv, m, g, d).transpose(0, 1)
     return out
 
 
+def capped_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                           softcap: float) -> torch.Tensor:
+    """One prefill chunk's attention with soft-capped scores, which SDPA cannot apply: q [H, n, D],
+    k/v [Hkv, L, D], mask [n, L] (True = attend) or None for plain causal over the last n keys.
+    Scores and softmax in float32, as SDPA's; returns [H, n, D] in q's dtype."""
+    h, n, d = q.shape
+    h_kv, length, _ = k.shape
+    qg = q.reshape(h_kv, h // h_kv, n, d).float()
+    scores = soft_cap(torch.matmul(qg, k.float().transpose(-1, -2).unsqueeze(1)) * scale, softcap)  # [Hkv, G, n, L]
+    if mask is None:
+        mask = torch.ones(n, length, dtype=torch.bool).tril_(length - n)
+    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v.unsqueeze(1)).reshape(h, n, d).to(q.dtype)
+
+
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None,
+                     softcap: float = 0.0) -> torch.Tensor:
     """Write this step's K/V [T, Hkv, D] into their slots, then paged_attention."""
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale, softcap)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None,
+                    softcap: float = 0.0) -> torch.Tensor:
     """q: [T, H, D]; k/v: this step's [T, Hkv, D], already written to the [Hkv, slots, D] caches.
-    Returns [T, H, D]."""
+    softcap > 0: scores soft-capped before the softmax (Gemma 2). Returns [T, H, D]."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty_like(q)
     d = meta.decode
     if d is not None:
-        out[d.rows] = decode_attention(q[d.rows], k_cache, v_cache, d, meta.block_size, scale)
+        out[d.rows] = decode_attention(q[d.rows], k_cache, v_cache, d, meta.block_size, scale, softcap)
     for p in meta.prefills:
         if p.block_ids is None:
             kp, vp = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
@@ -261,9 +284,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             kp = _gather_blocks(k_cache, p.block_ids, meta.block_size)[:, :p.num_kv]
             vp = _gather_blocks(v_cache, p.block_ids, meta.block_size)[:, :p.num_kv]
         if p.in_pieces:
-            causal_pieces(q[p.start:p.end], kp, vp, scale, out[p.start:p.end])
+            causal_pieces(q[p.start:p.end], kp, vp, scale, out[p.start:p.end], softcap)
             continue
         qp = q[p.start:p.end].transpose(0, 1)                                     # [H, q, D]
+        if softcap > 0:
+            out[p.start:p.end] = capped_chunk_attention(qp, kp, vp, p.mask, scale, softcap).transpose(0, 1)
+            continue
         # 4-D inputs: with 3-D ones and enable_gqa, CPU SDPA takes its math path (2.1x slower at
         # 512 tokens) instead of the flash kernel.
         op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], attn_mask=p.mask, is_causal=p.mask is None,
@@ -297,12 +323,13 @@ def unregister_step_meta(key: int) -> None:
 
 @torch.library.custom_op("tokenmill::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, key: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-    """window: a sliding-window layer's window, 0 for full attention."""
+                       v_cache: torch.Tensor, key: torch.Tensor, scale: float, window: int,
+                       softcap: float) -> torch.Tensor:
+    """window: a sliding-window layer's window, 0 for full attention; softcap: 0 for none."""
     meta = _STEP_METAS[int(key)]
-    return write_and_attend(q, k, v, k_cache, v_cache, meta.with_window(window) if window else meta, scale)
+    return write_and_attend(q, k, v, k_cache, v_cache, meta.with_window(window) if window else meta, scale, softcap)
 
 
 @paged_attention_op.register_fake
-def _paged_attention_shape(q, k, v, k_cache, v_cache, key, scale, window):
+def _paged_attention_shape(q, k, v, k_cache, v_cache, key, scale, window, softcap):
     return torch.empty_like(q)

@@ -161,15 +161,16 @@ class Attention(nn.Module):
     """Grouped-query attention over the paged cache. Options: `qk_norm_eps` adds RMSNorms over each q
     and k head before the rotary embedding (Gemma 3's, or with `qk_norm_weight_in_float32` False
     Qwen3's, which rounds before the weight as Llama's norm does); `window` makes it a sliding-window
-    layer (Gemma 3)."""
+    layer (Gemma 2 and 3); `softcap` soft-caps the scores, cap * tanh(s / cap) (Gemma 2; not on the GPU)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, scale: float | None = None,
                  qk_norm_eps: float | None = None, qk_norm_weight_in_float32: bool = True,
-                 window: int | None = None):
+                 window: int | None = None, softcap: float = 0.0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = scale
         self.window = window
+        self.softcap = softcap
         self.qkv_proj = Linear((n_heads + 2 * n_kv_heads) * head_dim, dim)
         self.o_proj = Linear(dim, n_heads * head_dim)
         norms = qk_norm_eps is not None
@@ -227,21 +228,21 @@ class Attention(nn.Module):
         k_cache, v_cache = cache.k, cache.v
         scale = self.score_scale
         if isinstance(meta, PagedBatch):
-            out = write_and_attend_native(q, k, v, cache, meta, scale, self.window or 0)
+            out = write_and_attend_native(q, k, v, cache, meta, scale, self.window or 0, self.softcap)
         elif isinstance(meta, GraphStepMeta):
-            out = paged_attention_op(q, k, v, k_cache, v_cache, meta.key, scale, self.window or 0)
+            out = paged_attention_op(q, k, v, k_cache, v_cache, meta.key, scale, self.window or 0, self.softcap)
         elif isinstance(meta, GraphDecodeMeta):
             # index_put_ rather than index_copy_: inductor lowers it to an in-place scatter.
             k_cache[:, meta.slot_mapping] = k.transpose(0, 1)
             v_cache[:, meta.slot_mapping] = v.transpose(0, 1)
             if self.window:
                 meta = meta.with_window(self.window)
-            out = fused_decode_attention(q, k_cache, v_cache, meta, self.scale)
+            out = fused_decode_attention(q, k_cache, v_cache, meta, self.scale, self.softcap)
         elif isinstance(meta, DeviceBatch):  # the GPU path (model/gpu/batch.py)
             out = write_and_attend_device(q, k, v, cache, meta, scale, self.window or 0)
         else:
             out = write_and_attend(q, k, v, k_cache, v_cache, meta.with_window(self.window) if self.window else meta,
-                                   self.scale)
+                                   self.scale, self.softcap)
         return self.o_proj(out.flatten(1))
 
 

@@ -99,7 +99,7 @@ class NativeStep:
             rope_rows = rope.cos.shape[0] if rope_rows is None else min(rope_rows, rope.cos.shape[0])
             step.add_layer(*(_addr(w) for w in weights), _addr(bias), *projections, rope.cos.data_ptr(),
                            rope.sin.data_ptr(), rope.cos.shape[0], rope.cos.stride(0), rope.cos.shape[1],
-                           attn.window or 0)
+                           attn.window or 0, attn.softcap)
             layer = kv.layer(i)
             step.set_cache(i, layer.k.data_ptr(), layer.v.data_ptr(), _addr(layer.k_scale), _addr(layer.v_scale))
         head = _parts(model.head_quantized)

@@ -44,11 +44,11 @@ class PagedBatch:
 
 
 def write_and_attend_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: PagedBatch,
-                            scale: float, window: int) -> torch.Tensor:
+                            scale: float, window: int, softcap: float = 0.0) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] (fp32): write this step's K/V, then attend. Returns [T, H, D]."""
     empty = torch.empty(0)
     k_scale = cache.k_scale if cache.k_scale is not None else empty
     v_scale = cache.v_scale if cache.v_scale is not None else empty
     native_attention.write_kv(k, v, cache.k, cache.v, k_scale, v_scale, batch.slot_mapping)
     return native_attention.paged_attention(q, cache.k, cache.v, k_scale, v_scale, batch.cu_rows, batch.start_pos,
-                                            batch.block_tables, batch.block_size, scale, window)
+                                            batch.block_tables, batch.block_size, scale, window, softcap)
