@@ -209,6 +209,18 @@ class TinyGemma3Spec:
     norm_eps: float = 1e-6
     weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32
     seed: int = 0
+    # Gemma 2 (write_tiny_gemma2): no q/k head norms; its score and logit caps, small enough here to bite
+    # (a tiny random model's scores and logits are well under the released models' 50 and 30).
+    arch: str = "gemma3"
+    attn_softcap: float = 0.5
+    final_softcap: float = 1.0
+
+
+def write_tiny_gemma2(path: Path | str, tokenizer: dict, spec: TinyGemma3Spec | None = None) -> Path:
+    """A tiny random Gemma 2 (layers alternate local and global, the first local)."""
+    from dataclasses import replace
+
+    return write_tiny_gemma3(path, tokenizer, replace(spec or TinyGemma3Spec(n_layers=4), arch="gemma2"))
 
 
 def write_tiny_gemma3(path: Path | str, tokenizer: dict, spec: TinyGemma3Spec | None = None) -> Path:
@@ -219,8 +231,9 @@ def write_tiny_gemma3(path: Path | str, tokenizer: dict, spec: TinyGemma3Spec | 
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     vocab = len(tokenizer["tokenizer.ggml.tokens"])
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_name("tiny-random-gemma3")
+    gemma2 = spec.arch == "gemma2"
+    w = gguf.GGUFWriter(str(path), spec.arch)
+    w.add_name(f"tiny-random-{spec.arch}")
     w.add_block_count(spec.n_layers)
     w.add_context_length(spec.context_length)
     w.add_embedding_length(spec.dim)
@@ -232,6 +245,9 @@ def write_tiny_gemma3(path: Path | str, tokenizer: dict, spec: TinyGemma3Spec | 
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(spec.norm_eps)
     w.add_sliding_window(spec.sliding_window)
+    if gemma2:
+        w.add_float32(f"{spec.arch}.attn_logit_softcapping", spec.attn_softcap)
+        w.add_float32(f"{spec.arch}.final_logit_softcapping", spec.final_softcap)
     w.add_file_type(int(spec.weight_type))
     add_metadata(w, tokenizer)
 
@@ -247,8 +263,9 @@ def write_tiny_gemma3(path: Path | str, tokenizer: dict, spec: TinyGemma3Spec | 
         p = f"blk.{i}."
         for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
             _add(w, p + name + ".weight", norm(spec.dim), f32)
-        _add(w, p + "attn_q_norm.weight", norm(hd), f32)
-        _add(w, p + "attn_k_norm.weight", norm(hd), f32)
+        if not gemma2:
+            _add(w, p + "attn_q_norm.weight", norm(hd), f32)
+            _add(w, p + "attn_k_norm.weight", norm(hd), f32)
         _add(w, p + "attn_q.weight", mat(spec.n_heads * hd, spec.dim), wt)
         _add(w, p + "attn_k.weight", mat(spec.n_kv_heads * hd, spec.dim), wt)
         _add(w, p + "attn_v.weight", mat(spec.n_kv_heads * hd, spec.dim), wt)

@@ -115,13 +115,15 @@ def test_a_context_shorter_than_the_warmup_batches_still_compiles(tmp_path):
     assert engine.runner.step_graph_steps >= 1
 
 
-def test_gemma3_graphs_match_eager_across_the_sliding_window(tmp_path):
-    """Gemma 3's local layers mask keys older than their window (8 keys here) inside both compiled
-    graphs too: prompts and outputs run well past it."""
-    from tiny_model import write_tiny_gemma3
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_gemma_graphs_match_eager_across_the_sliding_window(tmp_path, arch):
+    """Gemma's local layers mask keys older than their window (8 keys here) inside both compiled
+    graphs too: prompts and outputs run well past it; Gemma 2's scores are soft-capped there too."""
+    from tiny_model import write_tiny_gemma2, write_tiny_gemma3
     from tiny_spm import tiny_spm_metadata
 
-    loaded = load_model(write_tiny_gemma3(tmp_path / "gemma3.gguf", tiny_spm_metadata()), torch.float32)
+    write = write_tiny_gemma2 if arch == "gemma2" else write_tiny_gemma3
+    loaded = load_model(write(tmp_path / f"{arch}.gguf", tiny_spm_metadata()), torch.float32)
     vocab = loaded.config.vocab_size
     requests = [([(7 * i + n) % (vocab - 10) + 10 for i in range(n)],
                  SamplingParams(max_tokens=12 + n, temperature=0, ignore_eos=True)) for n in (3, 20)]

@@ -29,6 +29,7 @@ HEAD_DIM_MULTIPLE = 16
 # tensors do not fit its numbers is refused rather than loaded into uninitialised or mis-sized weights.
 _EXTRA_BLOCK_TENSORS: dict[str, dict[str, str]] = {
     "gemma3": {"attn_q_norm": "head", "attn_k_norm": "head", "post_attention_norm": "dim", "post_ffw_norm": "dim"},
+    "gemma2": {"post_attention_norm": "dim", "post_ffw_norm": "dim"},
     "qwen3": {"attn_q_norm": "head", "attn_k_norm": "head"},
     "qwen2": {"attn_q.bias": "q", "attn_k.bias": "kv", "attn_v.bias": "kv"},
 }
@@ -165,6 +166,13 @@ class ModelConfig:
             raise GGUFError(f"{p}context_length ({self.context_length}) x {p}rope.dimension_count ({self.rope_dim}) "
                             f"is {self.context_length * self.rope_dim}: the rotary tables are limited to "
                             f"{MAX_ROTARY_TABLE} values (e.g. 131072 positions at 256)")
+        window = self.extra.get("attention.sliding_window")  # Gemma's local layers (and Phi-3's, not run)
+        if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
+            raise fail("attention.sliding_window", window, "must be a whole number, 0 or more")
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's caps; 0 turns one off
+            cap = self.extra.get(key)
+            if cap is not None and not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap >= 0):
+                raise fail(key, cap, "must be a number, 0 or more")
         scaling = self.extra.get("rope.scaling.factor")
         if scaling is not None and not (isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0):
             raise fail("rope.scaling.factor", scaling, "must be a positive number")

@@ -18,7 +18,7 @@ from tokenmill.kernels.argmax import argmax_rows, excluding
 from tokenmill.kernels.head_argmax import GreedyHead, coarse_copy_bytes
 from tokenmill.kernels.qmatmul import QuantizedWeight
 from tokenmill.kvcache.storage import KVStorage, LayerKV
-from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta
+from tokenmill.model.attention import AttentionMetadata, GraphDecodeMeta, GraphStepMeta, soft_cap
 from tokenmill.model.gpu.batch import DeviceBatch
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, _param
 from tokenmill.model.linear import GGUFWeight, Linear, PackedWeight, dense_linear, pack_bf16
@@ -42,6 +42,8 @@ LOGITS_OUT_OF_CACHE = 8 << 20
 
 
 class DecoderLM(nn.Module):
+    RUNS_ON_GPU = True  # the GPU path has every kernel this architecture needs (else load_model refuses it there)
+
     def __init__(self, cfg: ModelConfig, norm: RMSNorm):
         super().__init__()
         self.config = cfg
@@ -54,6 +56,7 @@ class DecoderLM(nn.Module):
         self.head_quantized: QuantizedParts | None = None
         self.native_steps = NativeSteps()  # the whole layer stack in one native call, when it can run so
         self._greedy: tuple[QuantizedWeight, GreedyHead | None] | None = None  # greedy_tokens' head
+        self.final_softcap = 0.0  # > 0: logits soft-capped, cap * tanh(logit / cap) (Gemma 2)
 
     def pack_weights(self) -> None:
         """After loading: give every dense bf16 weight its oneDNN-packed form (see model/linear.py)."""
@@ -106,11 +109,16 @@ class DecoderLM(nn.Module):
         dtype (the head has already rounded them to it); the sampler widens them to float32."""
         native = self.native_steps.head_for(hidden)
         if native is not None:  # the layer stack ran natively: its norm and head in the same core, one call
-            return native.logits(hidden, indices)
-        h = self.final_hidden(hidden, indices)
-        if self.head_quantized is not None:
-            return self.head_quantized.matmul(h)
-        return dense_linear(h, self.lm_head, self.lm_head_packed)
+            logits = native.logits(hidden, indices)
+        else:
+            h = self.final_hidden(hidden, indices)
+            if self.head_quantized is not None:
+                logits = self.head_quantized.matmul(h)
+            else:
+                logits = dense_linear(h, self.lm_head, self.lm_head_packed)
+        if self.final_softcap > 0:
+            return soft_cap(logits.float(), self.final_softcap).to(logits.dtype)
+        return logits
 
     def greedy_tokens(self, hidden: torch.Tensor, indices: torch.Tensor | None = None,
                       exclude: tuple[int, ...] = ()) -> torch.Tensor:
@@ -132,7 +140,7 @@ class DecoderLM(nn.Module):
         """The head's GreedyHead when its bounded kernel runs here (one Q8_0 part on the CPU), made once
         per head weight (move_blocks replaces it), with the 6-bit copy where greedy_head_bytes says."""
         w = self._head_weight()
-        if w is None:
+        if w is None or self.final_softcap > 0:  # capped logits can tie where raw ones do not: argmax those
             return None
         if self._greedy is None or self._greedy[0] is not w:
             head = GreedyHead(w, coarse=self.greedy_head_bytes() > 0)
@@ -149,7 +157,7 @@ class DecoderLM(nn.Module):
         """What the greedy head keeps besides the weights: a 6-bit copy of a head that is most of the
         weights' bytes (kernels/head_argmax.py), counted from the load on, made at the first greedy step."""
         w = self._head_weight()
-        if w is None or w.qs.device.type != "cpu":
+        if w is None or w.qs.device.type != "cpu" or self.final_softcap > 0:
             return 0
         layers = sum(m.quantized.nbytes for m in self.modules() if isinstance(m, Linear) and m.quantized is not None)
         return coarse_copy_bytes(w.ggml_type, w.out_features, w.in_features, w.nbytes, w.nbytes + layers)

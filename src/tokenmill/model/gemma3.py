@@ -26,16 +26,15 @@ def _norm(dim: int, eps: float) -> RMSNorm:
 
 
 class Gemma3Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None):
+    def __init__(self, cfg: ModelConfig, window: int | None, scale: float | None, *, qk_norm: bool = True,
+                 softcap: float = 0.0):
+        """`qk_norm` and `softcap`: Gemma 3 norms each q and k head; Gemma 2 instead soft-caps the scores."""
         super().__init__()
         eps = cfg.norm_eps
         self.attn_norm, self.post_attn_norm = _norm(cfg.dim, eps), _norm(cfg.dim, eps)
         self.ffn_norm, self.post_ffn_norm = _norm(cfg.dim, eps), _norm(cfg.dim, eps)
-        # Scores scale by 1/sqrt(head_dim), except in the 27B (62 layers), whose query_pre_attn_scalar
-        # is dim / n_heads: llama.cpp tells it apart by its layer count too.
-        scale = (cfg.dim / cfg.n_heads) ** -0.5 if cfg.n_layers == 62 else None
-        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, scale=scale, qk_norm_eps=eps,
-                              window=window)
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, scale=scale,
+                              qk_norm_eps=eps if qk_norm else None, window=window, softcap=softcap)
         self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, activation="gelu_tanh")
 
     def forward(self, x, h, rope, meta, cache, next_norm: RMSNorm | None):
@@ -47,6 +46,12 @@ class Gemma3Block(nn.Module):
 class Gemma3Model(DecoderLM):
     BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
                      "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+    # What Gemma 2 (model/gemma2.py) sets otherwise: every how-many-th layer is global, the local
+    # layers' rotary base (None: the file's, as the global layers'), the 27B's layer count (its
+    # scores scale by dim / n_heads, its query_pre_attn_scalar: llama.cpp tells it apart the same way).
+    WINDOW_PATTERN = SLIDING_WINDOW_PATTERN
+    LOCAL_THETA: float | None = LOCAL_ROPE_THETA
+    LAYERS_OF_27B = 62
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, _norm(cfg.dim, cfg.norm_eps))
@@ -55,12 +60,17 @@ class Gemma3Model(DecoderLM):
         self.embed_scale = cfg.dim ** 0.5  # rounded to the model dtype once the weights are in
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length,
                                     linear_scaling=linear_rope_scaling(cfg))
-        self.local_rope = RotaryEmbedding(cfg.rope_dim, LOCAL_ROPE_THETA, cfg.context_length)
-        self.blocks = nn.ModuleList(Gemma3Block(cfg, None if self.is_global(i) else self.window)
+        self.local_rope = (self.rope if self.LOCAL_THETA is None
+                           else RotaryEmbedding(cfg.rope_dim, self.LOCAL_THETA, cfg.context_length))
+        scale = (cfg.dim / cfg.n_heads) ** -0.5 if cfg.n_layers == self.LAYERS_OF_27B else None
+        self.blocks = nn.ModuleList(self.make_block(cfg, None if self.is_global(i) else self.window, scale)
                                     for i in range(cfg.n_layers))
 
+    def make_block(self, cfg: ModelConfig, window: int | None, scale: float | None) -> Gemma3Block:
+        return Gemma3Block(cfg, window, scale)
+
     def is_global(self, layer: int) -> bool:
-        return self.window is None or (layer + 1) % SLIDING_WINDOW_PATTERN == 0
+        return self.window is None or (layer + 1) % self.WINDOW_PATTERN == 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
                 kv: KVStorage | None = None, *, k_caches: list[torch.Tensor] | None = None,
@@ -72,7 +82,8 @@ class Gemma3Model(DecoderLM):
             return self.native_steps.run(native_step, x, positions, meta)
         caches = self.layer_caches(kv, k_caches, v_caches)
         options = self.rope_options(meta, x)
-        ropes = {True: self.rope.at(positions, x.dtype, **options), False: self.local_rope.at(positions, x.dtype, **options)}
+        ropes = {True: self.rope.at(positions, x.dtype, **options)}
+        ropes[False] = ropes[True] if self.local_rope is self.rope else self.local_rope.at(positions, x.dtype, **options)
         h = self.blocks[0].attn_norm(x)
         for i, (block, cache) in enumerate(zip(self.blocks, caches)):
             next_norm = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else None
@@ -92,6 +103,8 @@ class Gemma3Model(DecoderLM):
 
     # qkv_in_model_order stays as is: Gemma's GGUF keeps Q/K rows in the half-split rotary order.
     def block_norms(self, block: Gemma3Block) -> dict[str, nn.Parameter]:
-        return {"attn_norm": block.attn_norm.weight, "post_attention_norm": block.post_attn_norm.weight,
-                "ffn_norm": block.ffn_norm.weight, "post_ffw_norm": block.post_ffn_norm.weight,
-                "attn_q_norm": block.attn.q_norm.weight, "attn_k_norm": block.attn.k_norm.weight}
+        norms = {"attn_norm": block.attn_norm.weight, "post_attention_norm": block.post_attn_norm.weight,
+                 "ffn_norm": block.ffn_norm.weight, "post_ffw_norm": block.post_ffn_norm.weight}
+        if block.attn.q_norm is not None:
+            norms.update(attn_q_norm=block.attn.q_norm.weight, attn_k_norm=block.attn.k_norm.weight)
+        return norms

@@ -16,13 +16,15 @@ from tokenmill.model.gpu.device import resolve_device
 from tokenmill.model.gpu.load import check_device_mode, device_weight, finish_on_device
 from tokenmill.model.linear import GGUFWeight, Int4Weight, onednn_bf16_available
 from tokenmill.model.quantized import RawTensor, pack_all, packed_together
+from tokenmill.model.gemma2 import Gemma2Model
 from tokenmill.model.gemma3 import Gemma3Model
 from tokenmill.model.llama import LlamaModel, SmolLM3Model
 from tokenmill.model.phi3 import Phi3Model
 from tokenmill.model.qwen import Qwen2Model, Qwen3Model
 
 ARCHITECTURES: dict[str, type] = {"llama": LlamaModel, "smollm3": SmolLM3Model, "gemma3": Gemma3Model,
-                                  "qwen2": Qwen2Model, "qwen3": Qwen3Model, "phi3": Phi3Model}
+                                  "qwen2": Qwen2Model, "qwen3": Qwen3Model, "phi3": Phi3Model,
+                                  "gemma2": Gemma2Model}
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 # Weight modes beyond a dense dtype: "gguf" keeps every weight in its GGUF blocks and runs them through
@@ -95,6 +97,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
         cfg = ModelConfig.from_gguf(g)
         with torch.device("cpu"):
             model = ARCHITECTURES[arch](cfg)
+        if on_device and not model.RUNS_ON_GPU:
+            raise ModelLoadError(f"{arch} models run on the CPU only (the GPU kernels lack what they need): "
+                                 "serve them with --device cpu")
         pending: dict = {}
         names = model.gguf_tensor_names()
         missing = [n for n in names if n not in g.tensors]
