@@ -224,9 +224,12 @@ inline void accumulate_block(RowState* st, const float (*p)[TILE], const bool* r
         for (int c = 0; c < C; ++c) vstore(st[n].acc + d + 16 * c, acc[n][c]);
 }
 
-// softcap > 0: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2's layers).
-template <int N, typename Tile>
-inline void attend_group(const float* const* q, RowState* st, const Tile& tile, int first, int last, float softcap) {
+// CAP: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2): a template
+// parameter, so the uncapped kernels carry nothing of it. Never inlined: gcc's choice moved with the
+// instantiations around it, and with every group inlined into its caller (a 9.5 KB decode item
+// instead of 3.2) SmolLM2's 64 x 1024 decode ran 8-10% slower (both builds in one process, alternated).
+template <int N, bool CAP, typename Tile>
+[[gnu::noinline]] void attend_group(const float* const* q, RowState* st, const Tile& tile, int first, int last, float softcap) {
     const int D = tile.dim();
     const float neg_inf = -std::numeric_limits<float>::infinity();
     V16 s[N], alpha[N];
@@ -234,8 +237,9 @@ inline void attend_group(const float* const* q, RowState* st, const Tile& tile, 
     bool rescale[N];
     alignas(64) float p[N][TILE];
     tile.template scores<N>(q, first, last, s);
+    if constexpr (CAP)
+        for (int n = 0; n < N; ++n) s[n] = vsoftcap(s[n], softcap);
     for (int n = 0; n < N; ++n) {
-        if (softcap > 0.0f) s[n] = vsoftcap(s[n], softcap);
         s[n] = vselect(first, last, s[n], vset1(neg_inf));
         const float tile_max = vmax_all(s[n]);
         V16 sums = vload(st[n].lane_sums);
@@ -258,17 +262,17 @@ inline void attend_group(const float* const* q, RowState* st, const Tile& tile, 
 }
 
 // The G heads of one row, in groups of at most MAX_GROUP (AVX2: SmolLM2's 3 in 2 + 1, Gemma's 4 in 2 + 2).
-template <typename Tile>
+template <bool CAP, typename Tile>
 inline void attend_row(const float* const* q, RowState* st, int G, const Tile& tile, int first, int last,
                        float softcap) {
     const Tile rest = tile.without_prefetch();
     for (int g = 0; g < G; g += MAX_GROUP) {
         const Tile& t = g == 0 ? tile : rest;
         switch (std::min(MAX_GROUP, G - g)) {
-            case 1: attend_group<1>(q + g, st + g, t, first, last, softcap); break;
-            case 2: attend_group<2>(q + g, st + g, t, first, last, softcap); break;
-            case 3: if constexpr (MAX_GROUP >= 3) attend_group<3>(q + g, st + g, t, first, last, softcap); break;
-            default: if constexpr (MAX_GROUP >= 4) attend_group<4>(q + g, st + g, t, first, last, softcap); break;
+            case 1: attend_group<1, CAP>(q + g, st + g, t, first, last, softcap); break;
+            case 2: attend_group<2, CAP>(q + g, st + g, t, first, last, softcap); break;
+            case 3: if constexpr (MAX_GROUP >= 3) attend_group<3, CAP>(q + g, st + g, t, first, last, softcap); break;
+            default: if constexpr (MAX_GROUP >= 4) attend_group<4, CAP>(q + g, st + g, t, first, last, softcap); break;
         }
     }
 }

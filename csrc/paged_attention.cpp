@@ -95,7 +95,7 @@ void fold_split_row(const Problem& P, const SplitRow& sr) {
 // (DIM; 0 = P.D). With the cache in L2, SmolLM2's shape ran 1.3x faster than in run_item's
 // general loop (this file in a standalone C++ harness, 1 thread, 64 x 1024 keys, f16).
 constexpr int DECODE_MAX_HEADS = 8, DECODE_MAX_D = 256;
-template <int TYPE, int DIM>
+template <int TYPE, int DIM, bool CAP>
 void run_decode_item(const Problem& P, const WorkItem& it) {
     const int D = DIM > 0 ? DIM : P.D, G = it.num_heads;
     const int64_t head0 = int64_t(it.kv_head) * P.G + it.first_head;
@@ -118,7 +118,7 @@ void run_decode_item(const Problem& P, const WorkItem& it) {
     }
     tiles.for_each([&](int64_t, int64_t, int first, int last, int64_t row, bool new_segment, const TileAhead& ahead) {
         if (new_segment) close_segment(total, st, G, D);
-        attend_row(qp, st, G, CacheTile<TYPE, DIM>{&P.k, &P.v, row, D, &ahead}, first, last, P.softcap);
+        attend_row<CAP>(qp, st, G, CacheTile<TYPE, DIM>{&P.k, &P.v, row, D, &ahead}, first, last, P.softcap);
     });
     finish_item(P, it, st, total, G, row0, head0);
 }
@@ -145,7 +145,7 @@ bool takes_decode_path(const Problem& P, const WorkItem& it) {
 }
 #endif
 
-template <int TYPE>
+template <int TYPE, bool CAP>
 void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
 #if defined(TM_AVX512) || defined(TM_AVX2)
     if (takes_decode_path(P, it)) {
@@ -153,9 +153,9 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
             WorkItem row = it;
             row.first_row = it.first_row + r;
             row.num_rows = 1;
-            if (P.D == 64) run_decode_item<TYPE, 64>(P, row);
-            else if (P.D == 256) run_decode_item<TYPE, 256>(P, row);
-            else run_decode_item<TYPE, 0>(P, row);
+            if (P.D == 64) run_decode_item<TYPE, 64, CAP>(P, row);
+            else if (P.D == 256) run_decode_item<TYPE, 256, CAP>(P, row);
+            else run_decode_item<TYPE, 0, CAP>(P, row);
         }
         return;
     }
@@ -197,7 +197,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
         if (new_segment) close_segment(total, st, n, D);
 #if defined(TM_AVX512) || defined(TM_AVX2)
         if (it.num_rows == 1) {
-            attend_row(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D, &ahead}, first, last, P.softcap);
+            attend_row<CAP>(qp, st, G, CacheTile<TYPE>{&P.k, &P.v, row, D, &ahead}, first, last, P.softcap);
             return;
         }
 #endif
@@ -209,7 +209,7 @@ void run_item(const Problem& P, const WorkItem& it, Scratch& sc) {
             const int64_t pos = pos0 + r;
             const int64_t a = std::max({ts, tiles.first_key(pos), tiles.lo}), e = std::min({te, pos, tiles.hi});
             if (a > e) continue;
-            attend_row(qp + r * G, st + r * G, G, tile, int(a - ts), int(e - ts), P.softcap);
+            attend_row<CAP>(qp + r * G, st + r * G, G, tile, int(a - ts), int(e - ts), P.softcap);
         }
     });
     finish_item(P, it, st, total, n, row0, head0);
@@ -369,10 +369,15 @@ void paged_attention(uintptr_t q, int64_t q_row_stride, int64_t q_head_stride, u
     std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
     auto run_one = [&](const WorkItem& it, Scratch& sc) {
-        if (cache_type == CACHE_F32) run_item<CACHE_F32>(P, it, sc);
-        else if (cache_type == CACHE_BF16) run_item<CACHE_BF16>(P, it, sc);
-        else if (cache_type == CACHE_F16) run_item<CACHE_F16>(P, it, sc);
-        else run_item<CACHE_I8>(P, it, sc);
+        if (P.softcap > 0.0f) {
+            if (cache_type == CACHE_F32) run_item<CACHE_F32, true>(P, it, sc);
+            else if (cache_type == CACHE_BF16) run_item<CACHE_BF16, true>(P, it, sc);
+            else if (cache_type == CACHE_F16) run_item<CACHE_F16, true>(P, it, sc);
+            else run_item<CACHE_I8, true>(P, it, sc);
+        } else if (cache_type == CACHE_F32) run_item<CACHE_F32, false>(P, it, sc);
+        else if (cache_type == CACHE_BF16) run_item<CACHE_BF16, false>(P, it, sc);
+        else if (cache_type == CACHE_F16) run_item<CACHE_F16, false>(P, it, sc);
+        else run_item<CACHE_I8, false>(P, it, sc);
     };
     const int64_t count = int64_t(items.size());
     const int threads = int(std::min<int64_t>(threads_wanted, count));
