@@ -42,8 +42,6 @@ LOGITS_OUT_OF_CACHE = 8 << 20
 
 
 class DecoderLM(nn.Module):
-    RUNS_ON_GPU = True  # the GPU path has every kernel this architecture needs (else load_model refuses it there)
-
     def __init__(self, cfg: ModelConfig, norm: RMSNorm):
         super().__init__()
         self.config = cfg

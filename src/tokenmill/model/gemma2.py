@@ -7,8 +7,8 @@ transformers hard-code.
 
 The logit cap keeps the greedy token (tanh is increasing) but changes every probability, so the
 logits a request sees, samples from or asks logprobs of are capped ones, on every path
-(DecoderLM.logits). The score cap runs in every CPU attention path; the GPU kernels have none, so a
-Gemma 2 file is refused there (load_model)."""
+(DecoderLM.logits). The score cap runs in every attention path: the native kernel (a template
+parameter, so other models' kernels carry nothing of it), PyTorch's, and the GPU's Triton kernels."""
 from __future__ import annotations
 
 from tokenmill.gguf.config import ModelConfig
@@ -25,7 +25,6 @@ class Gemma2Model(Gemma3Model):
     WINDOW_PATTERN = 2
     LOCAL_THETA = None
     LAYERS_OF_27B = 46
-    RUNS_ON_GPU = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

@@ -161,7 +161,7 @@ class Attention(nn.Module):
     """Grouped-query attention over the paged cache. Options: `qk_norm_eps` adds RMSNorms over each q
     and k head before the rotary embedding (Gemma 3's, or with `qk_norm_weight_in_float32` False
     Qwen3's, which rounds before the weight as Llama's norm does); `window` makes it a sliding-window
-    layer (Gemma 2 and 3); `softcap` soft-caps the scores, cap * tanh(s / cap) (Gemma 2; not on the GPU)."""
+    layer (Gemma 2 and 3); `softcap` soft-caps the scores, cap * tanh(s / cap) (Gemma 2)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, scale: float | None = None,
                  qk_norm_eps: float | None = None, qk_norm_weight_in_float32: bool = True,
@@ -196,7 +196,7 @@ class Attention(nn.Module):
                                                            self.q_norm.eps)
             gpu_ops.rope_kv_write(qkv, self.n_heads, rope.positions, rope.cos, rope.sin, head_norm, cache.k, cache.v,
                                   meta.slot_mapping)
-            out = attend_device(qkv[:, :self.n_heads], cache, meta, self.score_scale, self.window or 0)
+            out = attend_device(qkv[:, :self.n_heads], cache, meta, self.score_scale, self.window or 0, self.softcap)
             return self.o_proj(out.flatten(1))
         q, k, v = self.project_qkv(x, rope)
         return self.attend(q, k, v, meta, cache)
@@ -239,7 +239,7 @@ class Attention(nn.Module):
                 meta = meta.with_window(self.window)
             out = fused_decode_attention(q, k_cache, v_cache, meta, self.scale, self.softcap)
         elif isinstance(meta, DeviceBatch):  # the GPU path (model/gpu/batch.py)
-            out = write_and_attend_device(q, k, v, cache, meta, scale, self.window or 0)
+            out = write_and_attend_device(q, k, v, cache, meta, scale, self.window or 0, self.softcap)
         else:
             out = write_and_attend(q, k, v, k_cache, v_cache, meta.with_window(self.window) if self.window else meta,
                                    self.scale, self.softcap)

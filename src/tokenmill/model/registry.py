@@ -97,9 +97,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
         cfg = ModelConfig.from_gguf(g)
         with torch.device("cpu"):
             model = ARCHITECTURES[arch](cfg)
-        if on_device and not model.RUNS_ON_GPU:
-            raise ModelLoadError(f"{arch} models run on the CPU only (the GPU kernels lack what they need): "
-                                 "serve them with --device cpu")
         pending: dict = {}
         names = model.gguf_tensor_names()
         missing = [n for n in names if n not in g.tensors]

@@ -21,9 +21,9 @@ from tokenmill.kernels.gpu import activations, cache_write, decode_attention, no
 from tokenmill.kernels.gpu.ops import DECODE_PARTS
 
 TARGET = GPUTarget("cuda", 90, 32)
-FLOAT_ARGS = {"scale_log2", "pre_eps", "post_eps", "eps"}
-# (head_dim, query heads per kv head): SmolLM2-135M, Gemma 3 270M.
-MODELS = [(64, 3), (256, 4)]
+FLOAT_ARGS = {"scale_log2", "cap_log2", "pre_eps", "post_eps", "eps"}
+# (head_dim, query heads per kv head, soft-capped scores): SmolLM2-135M, Gemma 3 270M, Gemma 2 2B.
+MODELS = [(64, 3, False), (256, 4, False), (256, 2, True)]
 
 
 def resource_usage(cubin: bytes) -> str:
@@ -39,20 +39,21 @@ def build(kernel, pointers: dict[str, str], constants: dict, num_warps: int) -> 
     signature = {name: "constexpr" if name in constants else pointers.get(name, "fp32" if name in FLOAT_ARGS else "i32")
                  for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=TARGET, options={"num_warps": num_warps})
-    shown = {k: v for k, v in constants.items() if k.startswith(("BLOCK", "GROUP"))}
+    shown = {k: v for k, v in constants.items() if k.startswith(("BLOCK", "GROUP", "CAP"))}
     print(f"{kernel.__name__} {shown} warps={num_warps}: {resource_usage(compiled.asm['cubin'])} "
           f"shared={compiled.metadata.shared}", flush=True)
 
 
 def main() -> int:
     bf16 = "*bf16"
-    for head_dim, group in MODELS:
+    for head_dim, group, cap in MODELS:
         block_d, block_n, warps = decode_attention.decode_tiles(head_dim)
         parts = DECODE_PARTS
         build(decode_attention._decode_part_kernel,
               dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, table_ptr="*i32", lens_ptr="*i32", part_out_ptr="*fp32",
                    part_lse_ptr="*fp32"),
-              dict(PARTS=parts, GROUP=group, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="tf32"), warps)
+              dict(PARTS=parts, GROUP=group, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="tf32", CAP=cap),
+              warps)
         build(decode_attention._decode_merge_kernel,
               dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", lens_ptr="*i32", out_ptr=bf16),
               dict(PARTS=parts, BLOCK_N=block_n, BLOCK_D=block_d), decode_attention.merge_warps(block_d))
@@ -60,7 +61,7 @@ def main() -> int:
         build(prefill_attention._prefill_kernel,
               dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, out_ptr=bf16, table_ptr="*i32", cu_ptr="*i32",
                    lens_ptr="*i32"),
-              dict(GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="tf32"), warps)
+              dict(GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="tf32", CAP=cap), warps)
         build(cache_write._kv_write_kernel,
               dict(k_ptr=bf16, v_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16, slot_ptr="*i64"),
               dict(BLOCK_D=block_d), 4)

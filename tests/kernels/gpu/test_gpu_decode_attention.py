@@ -37,6 +37,21 @@ def test_float32_matches_the_reference(device, heads, kv_heads, head_dim, window
     torch.testing.assert_close(out, _reference(q, case, window), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window", [0, 6])
+def test_soft_capped_scores_match_the_reference(device, window):
+    """Gemma 2's cap, small enough to change every score (q scaled up so that scores pass it)."""
+    case = make_case([100, 13], 1, 16, 4, torch.float32, device=device, shared_blocks=2)
+    q = torch.randn(2, 2, 16, generator=torch.Generator().manual_seed(9)) * 4
+    with force("triton"):
+        out = paged_decode_attention(q.to(device), case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                     SCALE, window, 2, block_size=case.block_size, softcap=0.7).cpu()
+    want = paged_decode_attention_reference(q, case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
+                                            case.seq_lens.cpu(), SCALE, window, block_size=case.block_size,
+                                            softcap=0.7)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    assert (want - _reference(q, case, window)).abs().max() > 1e-2  # the cap is felt
+
+
 def test_bfloat16_matches_the_reference(device):
     case = make_case([40, 9], 2, 32, 16, torch.bfloat16, device=device)
     q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(8)).bfloat16()

@@ -1,5 +1,5 @@
-"""A tiny Llama, SmolLM3 (NoPE layers), Gemma 3, Qwen2 (q/k/v biases), Qwen3 (q/k head norms) and Phi-3
-(fused q/k/v and gate/up in the file) forward on the GPU path's metadata (DeviceBatch) on CPU tensors,
+"""A tiny Llama, SmolLM3 (NoPE layers), Gemma 3, Gemma 2 (soft-capped scores and logits), Qwen2 (q/k/v
+biases), Qwen3 (q/k head norms) and Phi-3 (fused q/k/v and gate/up in the file) forward on the GPU path's metadata (DeviceBatch) on CPU tensors,
 every device op on its Triton kernel (interpreted here, compiled on CUDA): the layer's norms with their
 residual steps, rotary embedding (with Gemma's head norms), gated activations, KV write and paged
 attention. Held to the same steps on the PyTorch references: two prompts' prefills, then decode steps
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine_helpers import random_ids
-from tiny_model import (TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma3, write_tiny_llama, write_tiny_phi3,
-                        write_tiny_qwen)
+from tiny_model import (TinyGemma3Spec, TinyLlamaSpec, write_tiny_gemma2, write_tiny_gemma3, write_tiny_llama,
+                        write_tiny_phi3, write_tiny_qwen)
 from tiny_spm import tiny_spm_metadata
 from tokenmill.kernels.gpu import force
 from tokenmill.kvcache.storage import KVStorage
@@ -45,7 +45,7 @@ def steps(model, mode: str, prompts: list[list[int]], decode_tokens: list[list[i
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "smollm3", "gemma3", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "smollm3", "gemma3", "qwen2", "qwen3", "phi3", "gemma2"])
 def test_the_kernels_compute_what_the_references_do(device, tmp_path, arch):
     if device != "cpu":
         pytest.skip("on CUDA, tests/engine/gpu runs the model's kernels end to end")
@@ -55,6 +55,8 @@ def test_the_kernels_compute_what_the_references_do(device, tmp_path, arch):
         path = write_tiny_qwen(tmp_path / "q.gguf", arch, TinyLlamaSpec(context_length=256, head_dim=32))
     elif arch == "phi3":
         path = write_tiny_phi3(tmp_path / "p.gguf", TinyLlamaSpec(context_length=256, tied_embeddings=False))
+    elif arch == "gemma2":
+        path = write_tiny_gemma2(tmp_path / "g.gguf", tiny_spm_metadata(), TinyGemma3Spec(n_layers=4, context_length=256))
     else:
         path = write_tiny_gemma3(tmp_path / "g.gguf", tiny_spm_metadata(), TinyGemma3Spec(context_length=256))
     model = load_model(path, torch.bfloat16).model

@@ -36,6 +36,23 @@ def test_float32_with_a_cached_prefix_matches_the_reference(device, kv_heads, wi
     torch.testing.assert_close(out, _reference(q, cu, case, window), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_soft_capped_scores_match_the_reference(device, window):
+    lens, q_lens = [24, 5], [18, 5]
+    case = make_case(lens, 1, 16, 4, torch.float32, device=device, shared_blocks=1)
+    q, cu = packed_queries(q_lens, 2, 16, torch.float32)
+    q = q * 4
+    with dispatch.force("triton"):
+        launch = dispatch.kernel_module("prefill_attention").paged_prefill_attention_triton
+        out = launch(q.to(device), case.k_cache, case.v_cache, case.block_tables, cu.to(device), case.seq_lens,
+                     SCALE, window, block_size=case.block_size, block_m=16, block_n=16, softcap=0.7).cpu()
+    want = paged_prefill_attention_reference(q, case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(), cu,
+                                             case.seq_lens.cpu(), SCALE, window, block_size=case.block_size,
+                                             softcap=0.7)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    assert (want - _reference(q, cu, case, window)).abs().max() > 1e-2  # the cap is felt
+
+
 def test_bfloat16_matches_the_reference(device):
     lens, q_lens = [37, 20], [21, 20]
     case = make_case(lens, 2, 32, 16, torch.bfloat16, device=device)

@@ -44,11 +44,19 @@ def _first_key(seq_len, window):
 
 
 @triton.jit
+def soft_cap_log2(s, cap_log2):
+    """Scores already in log2 units (scaled by LOG2E) soft-capped at cap_log2 = softcap * LOG2E: the same
+    as softcap * tanh(x / softcap) on the natural scores x, then scaled, written with exp for the
+    interpreter and every backend (an overflow gives exactly +-cap)."""
+    return cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / cap_log2) + 1.0))
+
+
+@triton.jit
 def _decode_part_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
                         scale_log2, stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
-                        stride_table, num_heads, head_dim, block_size, window,
+                        stride_table, num_heads, head_dim, block_size, window, cap_log2,
                         PARTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -80,6 +88,8 @@ def _decode_part_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, 
             k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            if CAP:
+                s = soft_cap_log2(s, cap_log2)
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp2(m - m_new)
@@ -140,7 +150,7 @@ def merge_warps(block_d: int) -> int:
 
 def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                   seq_lens: Tensor, scale: float, window: int, parts: int, *,
-                                  block_size: int) -> Tensor:
+                                  block_size: int, softcap: float = 0.0) -> Tensor:
     batch, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -154,8 +164,8 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), num_heads, head_dim, block_size, window,
-        PARTS=parts, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=dot_precision(q, k_cache, v_cache), num_warps=warps)
+        softcap * LOG2E, PARTS=parts, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=block_d, PRECISION=dot_precision(q, k_cache, v_cache), CAP=softcap > 0, num_warps=warps)
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_heads, head_dim, window,
         PARTS=parts, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=merge_warps(block_d))

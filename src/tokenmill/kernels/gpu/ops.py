@@ -77,10 +77,12 @@ def kv_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                           scale: float, window: int = 0, parts: int = DECODE_PARTS, *, block_size: int) -> Tensor:
+                           scale: float, window: int = 0, parts: int = DECODE_PARTS, *, block_size: int,
+                           softcap: float = 0.0) -> Tensor:
     """q [B, H, D], one token per sequence at position seq_lens[b] - 1 (its K/V already written);
     -> [B, H, D] in q's dtype. Rows with seq_lens 0 are zeros. A row's output does not depend on B.
-    parts: programs per sequence and kv head (a power of two; decode_attention.py), a test's knob."""
+    parts: programs per sequence and kv head (a power of two; decode_attention.py), a test's knob.
+    softcap > 0: scores soft-capped, softcap * tanh(s / softcap) (Gemma 2)."""
     block_tables = _check_attention(q, k_cache, v_cache, block_tables, q.shape[0], block_size, window)
     seq_lens = _check_index("seq_lens", seq_lens, 1)
     if seq_lens.shape[0] != q.shape[0] or parts < 1 or parts & (parts - 1):
@@ -88,11 +90,13 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
                          f"{tuple(seq_lens.shape)} and {parts}")
     impl = kernel_module("decode_attention").paged_decode_attention_triton if use_triton(q) else \
         references.paged_decode_attention_reference
-    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, window, parts, block_size=block_size)
+    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, window, parts, block_size=block_size,
+                softcap=softcap)
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_q_lens: Tensor,
-                            seq_lens: Tensor, scale: float, window: int = 0, *, block_size: int) -> Tensor:
+                            seq_lens: Tensor, scale: float, window: int = 0, *, block_size: int,
+                            softcap: float = 0.0) -> Tensor:
     """q [T, H, D], S sequences' new rows packed (cu_q_lens [S+1]); sequence s's rows are positions
     seq_lens[s] - q_len .. seq_lens[s] - 1 (their K/V already written); causal. -> [T, H, D]."""
     seq_lens = _check_index("seq_lens", seq_lens, 1)
@@ -102,7 +106,8 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
         raise ValueError(f"cu_q_lens must have {seq_lens.shape[0] + 1} entries, got {cu_q_lens.shape[0]}")
     impl = kernel_module("prefill_attention").paged_prefill_attention_triton if use_triton(q) else \
         references.paged_prefill_attention_reference
-    return impl(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale, window, block_size=block_size)
+    return impl(q, k_cache, v_cache, block_tables, cu_q_lens, seq_lens, scale, window, block_size=block_size,
+                softcap=softcap)
 
 
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:

@@ -19,15 +19,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tokenmill.kernels.gpu.decode_attention import LOG2E, dot_precision
+from tokenmill.kernels.gpu.decode_attention import LOG2E, dot_precision, soft_cap_log2
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, lens_ptr, scale_log2,
                     stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_ot, stride_oh,
-                    stride_table, num_seqs, head_dim, block_size, window,
+                    stride_table, num_seqs, head_dim, block_size, window, cap_log2,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, CAP: tl.constexpr):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -72,6 +72,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, lens_ptr, s
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if CAP:
+            s = soft_cap_log2(s, cap_log2)
         allowed = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
         allowed = allowed & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
         s = tl.where(allowed, s, float("-inf"))
@@ -103,7 +105,7 @@ def prefill_tiles(head_dim: int) -> tuple[int, int, int, int]:
 def paged_prefill_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                    cu_q_lens: Tensor, seq_lens: Tensor, scale: float, window: int = 0, *,
                                    block_size: int, block_m: int | None = None,
-                                   block_n: int | None = None) -> Tensor:
+                                   block_n: int | None = None, softcap: float = 0.0) -> Tensor:
     """block_m / block_n override the tile sizes (tests use small ones to cross tile edges)."""
     tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -116,6 +118,6 @@ def paged_prefill_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         q, k_cache, v_cache, out, block_tables, cu_q_lens, seq_lens, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), num_seqs, head_dim, block_size, window,
-        GROUP=num_heads // k_cache.shape[0], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=dot_precision(q, k_cache, v_cache), num_warps=warps)
+        softcap * LOG2E, GROUP=num_heads // k_cache.shape[0], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=dot_precision(q, k_cache, v_cache), CAP=softcap > 0, num_warps=warps)
     return out

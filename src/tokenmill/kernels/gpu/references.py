@@ -6,7 +6,8 @@ in the kernels.
 
 Conventions (docs: /work/notes/gpu_interface.md): a cache is [Hkv, num_slots, D], slot =
 block_id * block_size + offset; query head h reads kv head h // (H // Hkv); a query at position p
-attends keys 0..p, or with window > 0 only p-window+1..p."""
+attends keys 0..p, or with window > 0 only p-window+1..p; softcap > 0 turns each scaled score s into
+softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
 from __future__ import annotations
 
 import torch
@@ -29,12 +30,14 @@ def gather_keys(cache: Tensor, block_table: Tensor, positions: Tensor, block_siz
     return cache[:, slots].float()
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> Tensor:
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, softcap: float = 0.0) -> Tensor:
     """q [n, H, D] float32, k/v [Hkv, m, D] float32, allowed bool [n, m] -> [n, H, D] float32."""
     group = q.shape[1] // k.shape[0]
     k = k.repeat_interleave(group, dim=0)  # [H, m, D]
     v = v.repeat_interleave(group, dim=0)
     scores = torch.einsum("nhd,hmd->hnm", q, k) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hnm,hmd->nhd", torch.softmax(scores, dim=-1), v)
 
@@ -46,7 +49,7 @@ def _key_range(last_pos: int, window: int) -> int:
 
 def paged_decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                      seq_lens: Tensor, scale: float, window: int = 0, parts: int = 8, *,
-                                     block_size: int) -> Tensor:
+                                     block_size: int, softcap: float = 0.0) -> Tensor:
     """q [B, H, D]: row b is the token at position seq_lens[b] - 1; out [B, H, D] in q's dtype.
     parts only shapes the kernel's work; the reference attends all keys at once."""
     del parts
@@ -58,13 +61,13 @@ def paged_decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor
         k = gather_keys(k_cache, block_tables[b], positions, block_size)
         v = gather_keys(v_cache, block_tables[b], positions, block_size)
         allowed = torch.ones(1, len(positions), dtype=torch.bool, device=q.device)
-        out[b] = _attend(q[b:b + 1].float(), k, v, allowed, scale)[0]
+        out[b] = _attend(q[b:b + 1].float(), k, v, allowed, scale, softcap)[0]
     return out.to(q.dtype)
 
 
 def paged_prefill_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                       cu_q_lens: Tensor, seq_lens: Tensor, scale: float, window: int = 0, *,
-                                      block_size: int) -> Tensor:
+                                      block_size: int, softcap: float = 0.0) -> Tensor:
     """q [T, H, D]: sequence s's rows cu_q_lens[s]..cu_q_lens[s+1]-1 are its positions
     seq_lens[s] - q_len .. seq_lens[s] - 1; causal. out [T, H, D] in q's dtype."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -80,7 +83,7 @@ def paged_prefill_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tenso
             allowed &= k_pos[None, :] > q_pos[:, None] - window
         k = gather_keys(k_cache, block_tables[s], k_pos, block_size)
         v = gather_keys(v_cache, block_tables[s], k_pos, block_size)
-        out[r0:r1] = _attend(q[r0:r1].float(), k, v, allowed.to(q.device), scale)
+        out[r0:r1] = _attend(q[r0:r1].float(), k, v, allowed.to(q.device), scale, softcap)
     return out.to(q.dtype)
 
 

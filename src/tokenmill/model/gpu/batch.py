@@ -109,25 +109,27 @@ def upload(host: HostBatch, ids: Sequence[int], positions: Sequence[int], sample
 
 
 def write_and_attend_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, batch: DeviceBatch,
-                            scale: float, window: int) -> torch.Tensor:
+                            scale: float, window: int, softcap: float = 0.0) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D]: write this step's K/V, then attend over the paged cache.
-    window > 0: a sliding-window layer (Gemma 3's local layers). Returns [T, H, D]."""
+    window > 0: a sliding-window layer (Gemma's local layers); softcap > 0: Gemma 2's capped scores.
+    Returns [T, H, D]."""
     gpu_kernels.kv_write(k, v, cache.k, cache.v, batch.slot_mapping)
-    return attend_device(q, cache, batch, scale, window)
+    return attend_device(q, cache, batch, scale, window, softcap)
 
 
-def attend_device(q: torch.Tensor, cache: LayerKV, batch: DeviceBatch, scale: float, window: int) -> torch.Tensor:
+def attend_device(q: torch.Tensor, cache: LayerKV, batch: DeviceBatch, scale: float, window: int,
+                  softcap: float = 0.0) -> torch.Tensor:
     """write_and_attend_device's attention, for a step whose K/V are in the cache already (written
     with the rotary embedding: kernels.gpu.rope_kv_write)."""
     d, bs = batch.num_decodes, batch.block_size
     if batch.is_decode:
         return gpu_kernels.paged_decode_attention(q, cache.k, cache.v, batch.block_tables, batch.seq_lens, scale,
-                                                  window, block_size=bs)
+                                                  window, block_size=bs, softcap=softcap)
     prefill = gpu_kernels.paged_prefill_attention(q[d:], cache.k, cache.v, batch.block_tables[d:],
                                                   batch.prefill_cu_q_lens, batch.seq_lens[d:], scale, window,
-                                                  block_size=bs)
+                                                  block_size=bs, softcap=softcap)
     if not d:
         return prefill
     decode = gpu_kernels.paged_decode_attention(q[:d], cache.k, cache.v, batch.block_tables[:d], batch.seq_lens[:d],
-                                                scale, window, block_size=bs)
+                                                scale, window, block_size=bs, softcap=softcap)
     return torch.cat([decode, prefill])
