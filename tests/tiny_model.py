@@ -64,10 +64,12 @@ class TinyLlamaSpec:
     rope_freqs: tuple[float, ...] | None = None
     rope_scaling: tuple[str, float] | None = None
     # Phi-3's files: q, k, v in one tensor (attn_qkv), the gate above the up projection in one (ffn_up);
-    # the sliding-window key Phi-3-mini-4k's carry; LongRoPE's factor tensors (rope_factors_long.weight, ...).
+    # the sliding-window key Phi-3-mini-4k's carry; LongRoPE (Phi-3.5, Phi-4-mini): (long factors, short
+    # factors, original context, attention factor); rotary dims of a head (Phi-4-mini's 3/4; None: all).
     fused: bool = False
     sliding_window: int | None = None
-    rope_factor_tensors: tuple[str, ...] = ()
+    longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None
+    rope_dim: int | None = None
 
 
 def _add(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
@@ -104,7 +106,7 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     w.add_head_count_kv(spec.n_kv_heads)
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(spec.norm_eps)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(spec.rope_dim or head_dim)
     if spec.head_dim:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -113,6 +115,9 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
         w.add_rope_scaling_factor(spec.rope_scaling[1])
     if spec.sliding_window is not None:
         w.add_sliding_window(spec.sliding_window)
+    if spec.longrope is not None:
+        w.add_rope_scaling_orig_ctx_len(spec.longrope[2])
+        w.add_rope_scaling_attn_factors(spec.longrope[3])
     w.add_vocab_size(vocab)
     w.add_file_type(int(spec.weight_type) if spec.file_type is None else spec.file_type)
     if tokenizer is not None:
@@ -138,8 +143,9 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     _add(w, "token_embd.weight", mat(vocab, spec.dim), wt)
     if spec.rope_freqs is not None:
         _add(w, "rope_freqs.weight", np.array(spec.rope_freqs), gguf.GGMLQuantizationType.F32)
-    for name in spec.rope_factor_tensors:
-        _add(w, name, np.ones(head_dim // 2), gguf.GGMLQuantizationType.F32)
+    if spec.longrope is not None:
+        _add(w, "rope_factors_long.weight", np.array(spec.longrope[0]), gguf.GGMLQuantizationType.F32)
+        _add(w, "rope_factors_short.weight", np.array(spec.longrope[1]), gguf.GGMLQuantizationType.F32)
     for i in range(spec.n_layers):
         p = f"blk.{i}."
         _add(w, p + "attn_norm.weight", 1.0 + rng.normal(0, 0.05, spec.dim), gguf.GGMLQuantizationType.F32)

@@ -39,9 +39,12 @@ _EXTRA_BLOCK_TENSORS: dict[str, dict[str, str]] = {
 _FUSED_BLOCK_TENSORS: dict[str, dict[str, tuple[str, ...]]] = {
     "phi3": {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")},
 }
-# Tensors of a rotary scaling tokenmill does not run: LongRoPE's per-frequency factors (Phi-3's 128k
-# models, Phi-3.5, Phi-4-mini). A file holding them is refused rather than run without them.
-_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# LongRoPE's per-frequency factors (Phi-3's 128k models, Phi-3.5, Phi-4-mini: phi3 files), for contexts
+# beyond rope.scaling.original_context_length and within it. Noted in ModelConfig.extra as ROPE_FREQS
+# is; in another architecture's file they are refused rather than run without.
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+LONGROPE = "rope_factors"
+_LONGROPE_ARCHITECTURES = ("phi3",)
 
 
 # Llama 3.1+ files carry their rotary scaling as a tensor: a divisor per rotary frequency (llama.cpp's
@@ -109,6 +112,8 @@ class ModelConfig:
         extra = {k[len(p):]: v for k, v in metadata.items() if k.startswith(p)}
         if ROPE_FREQS in shapes:
             extra[ROPE_FREQS] = True
+        if arch in _LONGROPE_ARCHITECTURES and any(name in shapes for name in LONGROPE_TENSORS):
+            extra[LONGROPE] = True
         return cls(
             architecture=arch,
             name=str(metadata.get("general.name", Path(source).stem)),
@@ -176,10 +181,17 @@ class ModelConfig:
         scaling = self.extra.get("rope.scaling.factor")
         if scaling is not None and not (isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0):
             raise fail("rope.scaling.factor", scaling, "must be a positive number")
-        longrope = [name for name in _LONGROPE_TENSORS if name in shapes]
-        if longrope:
-            raise GGUFError(f"the file's rotary scaling (LongRoPE: {longrope[0]}, as in Phi-3's 128k models, "
-                            "Phi-3.5 and Phi-4-mini) is not supported")
+        longrope = [name for name in LONGROPE_TENSORS if name in shapes]
+        if longrope and not self.extra.get(LONGROPE):
+            raise GGUFError(f"the file's rotary scaling (LongRoPE: {longrope[0]}) is not supported for "
+                            f"{self.architecture}")
+        if self.extra.get(LONGROPE):
+            original = self.extra.get("rope.scaling.original_context_length")
+            if not (isinstance(original, int) and not isinstance(original, bool) and original > 0):
+                raise fail("rope.scaling.original_context_length", original, "LongRoPE needs it, a whole number above 0")
+            factor = self.extra.get("rope.scaling.attn_factor", 1.0)
+            if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+                raise fail("rope.scaling.attn_factor", factor, "must be a positive number")
         embd = shapes.get("token_embd.weight")
         if embd is not None and embd[-1] != self.dim:
             raise fail("embedding_length", self.dim, f"token_embd.weight has rows of {embd[-1]}")
@@ -202,6 +214,8 @@ class ModelConfig:
         shapes = {"token_embd.weight": (self.vocab_size, dim), "output_norm.weight": (dim,)}
         if self.extra.get(ROPE_FREQS):
             shapes[ROPE_FREQS] = (self.rope_dim // 2,)
+        if self.extra.get(LONGROPE):
+            shapes.update((name, (self.rope_dim // 2,)) for name in LONGROPE_TENSORS)
         if not self.tied_embeddings:
             shapes["output.weight"] = (self.vocab_size, dim)
         for i in range(self.n_layers):

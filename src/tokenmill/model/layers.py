@@ -68,6 +68,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rope_dim: int, theta: float, max_positions: int, *, linear_scaling: float = 1.0):
         super().__init__()
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)) / linear_scaling
+        self.magnitude = 1.0  # cos and sin scaled by it (LongRoPE's attention factor: set_longrope)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._build(max_positions)
@@ -76,7 +77,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), self.inv_freq)
         # Rounded to float32 before the halves are joined (the same values): the float64 copies of
         # the whole tables would cost twice what the tables do.
-        cos, sin = freqs.cos().float(), freqs.sin().float()
+        cos, sin = (freqs.cos() * self.magnitude).float(), (freqs.sin() * self.magnitude).float()
         del freqs
         self.cos = torch.cat([cos, cos], -1)
         # rotate_half(x) = cat(-x2, x1); the sign lives in the table so a swap of halves suffices.
@@ -99,6 +100,13 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self.inv_freq / factors.to(torch.float64)
         self._build(self.cos.shape[0])
 
+    def set_longrope(self, factors: torch.Tensor, magnitude: float) -> None:
+        """LongRoPE (Phi-3's 128k models, Phi-3.5, Phi-4-mini): each frequency divided by its factor, as
+        divide_frequencies, and the tables scaled by the attention factor (transformers' and llama.cpp's
+        attn_factor: every q.k then carries its square)."""
+        self.magnitude = float(magnitude)
+        self.divide_frequencies(factors)
+
     def at(self, positions: torch.Tensor, dtype: torch.dtype, *, check: bool = True, fused: bool = False) -> "Rope":
         """The rotation for these positions: gathered cos/sin rows, or (fused) the positions and the
         whole tables, which the native kernel indexes itself."""
@@ -110,7 +118,11 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, rope_dim]; cos/sin: [T, 1, rope_dim]."""
+        """x: [T, heads, head_dim]; cos/sin: [T, 1, rope_dim], rotating the first rope_dim dims (all of
+        them but in Phi-4-mini's partial rotation)."""
+        rope_dim = cos.shape[-1]
+        if rope_dim < x.shape[-1]:
+            return torch.cat([RotaryEmbedding.apply(x[..., :rope_dim], cos, sin), x[..., rope_dim:]], dim=-1)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 

@@ -3,13 +3,22 @@ q, k and v in one tensor (attn_qkv) and the gate above the up projection in one 
 layouts of tokenmill's fused projections, so each loads as a single part. Q/K rows are already in the
 half-split (NEOX) rotary order, as Qwen's.
 
-Two things of the file are not run, as neither llama.cpp nor transformers (loading the same GGUF)
-runs them: the sliding window (phi3.attention.sliding_window, 2047 in Phi-3-mini-4k; llama.cpp
-disables Phi's, its converters having written it for models that do not use it), so every layer
-attends to the whole context; and LongRoPE, whose factor tensors (the 128k models, Phi-3.5, Phi-4-mini)
-make ModelConfig refuse the file."""
+The file's sliding window is not run (phi3.attention.sliding_window, 2047 in Phi-3-mini-4k), as
+neither llama.cpp nor transformers loading the same GGUF runs it (llama.cpp disables Phi's, its
+converters having written it for models that do not use it): every layer attends to the whole context.
+
+LongRoPE (the 128k models, Phi-3.5, Phi-4-mini): per-frequency factors for contexts beyond
+rope.scaling.original_context_length and for those within it, and cos/sin scaled by
+rope.scaling.attn_factor. llama.cpp picks the factors once, by the context it runs with; transformers
+by each forward's length, which changes the keys' rotation mid-sequence. tokenmill picks once, as
+llama.cpp run at the file's context: the long factors where that context is beyond the original one
+(every such released model). Phi-4-mini rotates the first 3/4 of each head (rope.dimension_count)."""
 from __future__ import annotations
 
+import torch
+
+from tokenmill.gguf.config import LONGROPE, LONGROPE_TENSORS
+from tokenmill.gguf.reader import GGUFError
 from tokenmill.model.linear import GGUFWeight
 from tokenmill.model.llama import LlamaModel
 
@@ -17,7 +26,24 @@ from tokenmill.model.llama import LlamaModel
 class Phi3Model(LlamaModel):
     BLOCK_TENSORS = ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
 
+    def gguf_tensor_names(self) -> list[str]:
+        return super().gguf_tensor_names() + (list(LONGROPE_TENSORS) if self.config.extra.get(LONGROPE) else [])
+
+    def longrope_factors(self) -> str:
+        """Which of the file's LongRoPE factor tensors the model runs with (see the module's note)."""
+        extra = self.config.extra
+        long = self.config.context_length > extra["rope.scaling.original_context_length"]
+        return LONGROPE_TENSORS[0] if long else LONGROPE_TENSORS[1]
+
     def load_tensor(self, name: str, w: GGUFWeight, pending: dict[str, GGUFWeight]) -> None:
+        if name in LONGROPE_TENSORS:
+            if name == self.longrope_factors():
+                factors: torch.Tensor = w.dense
+                try:
+                    self.rope.set_longrope(factors, self.config.extra.get("rope.scaling.attn_factor", 1.0))
+                except ValueError as exc:
+                    raise GGUFError(str(exc)) from None
+            return
         if name.startswith("blk.") and name.endswith((".attn_qkv.weight", ".ffn_up.weight")):
             block = self.blocks[int(name.split(".")[1])]
             fused = block.attn.qkv_proj if ".attn_qkv." in name else block.mlp.gate_up_proj

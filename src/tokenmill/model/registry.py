@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tokenmill.gguf.config import ROPE_FREQS, ModelConfig
+from tokenmill.gguf.config import LONGROPE_TENSORS, ROPE_FREQS, ModelConfig
 from tokenmill.gguf.reader import GGUFError, GGUFFile, open_gguf
 from tokenmill.gguf.weights import check_supported, dequantize
 from tokenmill.kernels import huge_pages, native
@@ -107,7 +107,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", *, progress:
         with packed_together() as waiting:
             for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
                 info = g.tensors[name]
-                if name == ROPE_FREQS:  # rotary factors: exact, whatever the weights' dtype (the tables are float32)
+                if name in (ROPE_FREQS, *LONGROPE_TENSORS):  # rotary factors: exact, whatever the weights' dtype
                     weight = GGUFWeight(dense=dequantize(info, torch.float32))
                 else:
                     weight = device_weight(info, target) if on_device else _weight(info, mode, dtype, int4)

@@ -1,5 +1,6 @@
 """A tiny Llama, SmolLM3 (NoPE layers), Gemma 3, Gemma 2 (soft-capped scores and logits), Qwen2 (q/k/v
-biases), Qwen3 (q/k head norms) and Phi-3 (fused q/k/v and gate/up in the file) forward on the GPU path's metadata (DeviceBatch) on CPU tensors,
+biases), Qwen3 (q/k head norms) and Phi-3 (fused q/k/v and gate/up in the file; LongRoPE and partial
+rotation here) forward on the GPU path's metadata (DeviceBatch) on CPU tensors,
 every device op on its Triton kernel (interpreted here, compiled on CUDA): the layer's norms with their
 residual steps, rotary embedding (with Gemma's head norms), gated activations, KV write and paged
 attention. Held to the same steps on the PyTorch references: two prompts' prefills, then decode steps
@@ -54,7 +55,10 @@ def test_the_kernels_compute_what_the_references_do(device, tmp_path, arch):
     elif arch.startswith("qwen"):
         path = write_tiny_qwen(tmp_path / "q.gguf", arch, TinyLlamaSpec(context_length=256, head_dim=32))
     elif arch == "phi3":
-        path = write_tiny_phi3(tmp_path / "p.gguf", TinyLlamaSpec(context_length=256, tied_embeddings=False))
+        # with Phi-4-mini's LongRoPE and partial rotation (12 of 16 dims)
+        longrope = ((1.0, 1.5, 2.0, 3.0, 4.0, 6.0), (1.0, 1.0, 1.1, 1.2, 1.4, 1.6), 16, 1.19)
+        path = write_tiny_phi3(tmp_path / "p.gguf", TinyLlamaSpec(context_length=256, tied_embeddings=False,
+                                                                  longrope=longrope, rope_dim=12))
     elif arch == "gemma2":
         path = write_tiny_gemma2(tmp_path / "g.gguf", tiny_spm_metadata(), TinyGemma3Spec(n_layers=4, context_length=256))
     else:
