@@ -63,6 +63,7 @@ class TinyLlamaSpec:
     # Rotary scaling: Llama 3.1's per-frequency divisors (the rope_freqs tensor), or a scaling type and factor.
     rope_freqs: tuple[float, ...] | None = None
     rope_scaling: tuple[str, float] | None = None
+    rope_original_context: int | None = None  # rope.scaling.original_context_length (YaRN's)
     # Phi-3's files: q, k, v in one tensor (attn_qkv), the gate above the up projection in one (ffn_up);
     # the sliding-window key Phi-3-mini-4k's carry; LongRoPE (Phi-3.5, Phi-4-mini): (long factors, short
     # factors, original context, attention factor); rotary dims of a head (Phi-4-mini's 3/4; None: all).
@@ -113,6 +114,8 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     if spec.rope_scaling:
         w.add_string(gguf.Keys.Rope.SCALING_TYPE.format(arch=arch), spec.rope_scaling[0])
         w.add_rope_scaling_factor(spec.rope_scaling[1])
+    if spec.rope_original_context is not None:
+        w.add_rope_scaling_orig_ctx_len(spec.rope_original_context)
     if spec.sliding_window is not None:
         w.add_sliding_window(spec.sliding_window)
     if spec.longrope is not None:

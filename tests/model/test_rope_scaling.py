@@ -1,7 +1,8 @@
 """Rotary scaling in Llama files, against transformers with the same settings: Llama 3.1+'s "llama3"
 scaling, which GGUF files carry as a rope_freqs tensor (a divisor per frequency, as llama.cpp's converter
-writes it from the model's rope_scaling), and linear scaling (rope.scaling.type / factor). Types
-tokenmill does not implement (yarn, longrope) are refused, not ignored."""
+writes it from the model's rope_scaling), linear scaling (rope.scaling.type / factor) and YaRN (Qwen's
+long-context settings). Types tokenmill does not implement (longrope outside phi3 files, others) are
+refused, not ignored."""
 from __future__ import annotations
 
 import math
@@ -64,7 +65,34 @@ def test_linear_scaling_matches_transformers(tmp_path):
                                atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_yarn_matches_transformers(tmp_path, arch):
+    """A 200-token prompt in a context stretched 4x beyond the original 48: the ramp between beta_fast
+    and beta_slow falls inside the tiny model's 8 frequencies, and cos/sin carry 1 + 0.1 ln 4."""
+    from tiny_model import write_tiny_qwen
+
+    spec = TinyLlamaSpec(rope_scaling=("yarn", 4.0), rope_original_context=48)
+    path = write_tiny_qwen(tmp_path / "y.gguf", arch, spec) if arch == "qwen2" else write_tiny_llama(tmp_path / "y.gguf", spec)
+    model = load_model(path, torch.float32).model
+    assert model.rope.magnitude == pytest.approx(1 + 0.1 * math.log(4.0))
+    want = _reference(path, spec, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 48})
+    for dtype in (torch.float32, "gguf"):
+        got = prefill_logits(load_model(path, dtype).model, PROMPT, chunk=64, paged=dtype == "gguf")
+        torch.testing.assert_close(got, want, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=1e-3)
+    # Guard: linear scaling by the same factor is far off.
+    linear = load_model(write_tiny_llama(tmp_path / "lin.gguf", TinyLlamaSpec(rope_scaling=("linear", 4.0))),
+                        torch.float32).model
+    if arch == "llama":
+        assert (prefill_logits(linear, PROMPT) - want).abs().max() > 1e-2
+
+
+def test_yarn_needs_its_original_context(tmp_path):
+    path = write_tiny_llama(tmp_path / "y.gguf", TinyLlamaSpec(rope_scaling=("yarn", 4.0)))
+    with pytest.raises(ModelLoadError, match="original_context_length"):
+        load_model(path, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
 def test_scaling_types_not_implemented_are_refused(tmp_path, kind):
     path = write_tiny_llama(tmp_path / "y.gguf", TinyLlamaSpec(rope_scaling=(kind, 4.0)))
     with pytest.raises(ModelLoadError, match=f"rope scaling '{kind}' is not supported"):

@@ -14,7 +14,7 @@ from torch import nn
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.decoder import DecoderLM, StepMeta
-from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, linear_rope_scaling, residual_step
+from tokenmill.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, file_rotary, residual_step
 from tokenmill.model.linear import GGUFWeight
 
 SLIDING_WINDOW_PATTERN = 6  # layers 6, 12, ... (1-based) are global
@@ -58,8 +58,7 @@ class Gemma3Model(DecoderLM):
         window = cfg.extra.get("attention.sliding_window")
         self.window = int(window) if window else None
         self.embed_scale = cfg.dim ** 0.5  # rounded to the model dtype once the weights are in
-        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length,
-                                    linear_scaling=linear_rope_scaling(cfg))
+        self.rope = file_rotary(cfg)
         self.local_rope = (self.rope if self.LOCAL_THETA is None
                            else RotaryEmbedding(cfg.rope_dim, self.LOCAL_THETA, cfg.context_length))
         scale = (cfg.dim / cfg.n_heads) ** -0.5 if cfg.n_layers == self.LAYERS_OF_27B else None

@@ -3,13 +3,14 @@ cache, gated MLPs. Projections that read the same input are fused (QKV, gate+up)
 fewer, larger matmuls."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.gguf.config import ModelConfig
+from tokenmill.gguf.config import LONGROPE, ModelConfig
 from tokenmill.gguf.reader import GGUFError
 from tokenmill.kernels import fused, native
 from tokenmill.kernels import gpu as gpu_ops
@@ -67,6 +68,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope_dim: int, theta: float, max_positions: int, *, linear_scaling: float = 1.0):
         super().__init__()
+        self.theta = theta
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)) / linear_scaling
         self.magnitude = 1.0  # cos and sin scaled by it (LongRoPE's attention factor: set_longrope)
         self.register_buffer("cos", torch.empty(0), persistent=False)
@@ -100,6 +102,25 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self.inv_freq / factors.to(torch.float64)
         self._build(self.cos.shape[0])
 
+    def set_yarn(self, factor: float, original_positions: int, beta_fast: float, beta_slow: float,
+                 magnitude: float) -> None:
+        """YaRN (rope.scaling.type yarn: Qwen's long-context settings): each frequency between its own
+        (extrapolated) and the factor's interpolation, by a linear ramp over the dimensions between
+        beta_fast and beta_slow rotations in the original context (floored and ceiled, as llama.cpp's
+        corr_dims and transformers' truncate), and cos/sin scaled by magnitude * (1 + 0.1 ln factor)."""
+        n = self.inv_freq.numel()
+        dim, base_freq = 2 * n, self.inv_freq
+
+        def correction_dim(rotations: float) -> float:  # the dimension turning `rotations` times in the original context
+            return dim * math.log(original_positions / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        ramp = ((torch.arange(n, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+        self.inv_freq = base_freq / factor * ramp + base_freq * (1 - ramp)
+        self.magnitude = float(magnitude) * (1 + 0.1 * math.log(factor) if factor > 1 else 1.0)
+        self._build(self.cos.shape[0])
+
     def set_longrope(self, factors: torch.Tensor, magnitude: float) -> None:
         """LongRoPE (Phi-3's 128k models, Phi-3.5, Phi-4-mini): each frequency divided by its factor, as
         divide_frequencies, and the tables scaled by the attention factor (transformers' and llama.cpp's
@@ -127,17 +148,33 @@ class RotaryEmbedding(nn.Module):
         return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
 
-def linear_rope_scaling(cfg: ModelConfig) -> float:
-    """The file's rotary scaling as a divisor of the frequencies: llama.cpp's types are none, linear
-    (positions divided by the factor: long-context fine-tunes, Gemma 3's larger models), yarn and
-    longrope, which are not implemented here and so are refused rather than ignored. Llama 3.1's own
-    scaling comes as a tensor (rope_freqs: RotaryEmbedding.divide_frequencies), not a type."""
+def file_rotary(cfg: ModelConfig) -> RotaryEmbedding:
+    """The rotary embedding of the file's base and scaling (rope.scaling.type): none; linear (positions
+    divided by the factor: long-context fine-tunes, Gemma 3's larger models); yarn (Qwen's long-context
+    settings: RotaryEmbedding.set_yarn, with rope.scaling.original_context_length, the yarn_beta_*
+    keys and attn_factor as llama.cpp reads them). longrope is a phi3 file's (its factor tensors:
+    model/phi3.py); anything else is refused rather than ignored. Llama 3.1's own scaling comes as a
+    tensor (rope_freqs: RotaryEmbedding.divide_frequencies), not a type."""
     kind = cfg.extra.get("rope.scaling.type")
-    if kind in (None, "none"):
-        return 1.0
-    if kind != "linear":
-        raise GGUFError(f"{cfg.name}: rope scaling {kind!r} is not supported for {cfg.architecture} (only linear)")
-    return float(cfg.extra.get("rope.scaling.factor", 1.0))
+    factor = float(cfg.extra.get("rope.scaling.factor", 1.0))
+    if kind in ("longrope", "su") and cfg.extra.get(LONGROPE):  # the model applies the file's factors
+        kind = None
+    if kind not in (None, "none", "linear", "yarn"):
+        raise GGUFError(f"{cfg.name}: rope scaling {kind!r} is not supported for {cfg.architecture} "
+                        "(linear and yarn are)")
+    rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length,
+                           linear_scaling=factor if kind == "linear" else 1.0)
+    if kind == "yarn":
+        extra = cfg.extra
+        if float(extra.get("rope.scaling.yarn_ext_factor", 1.0)) != 1.0 or extra.get("rope.scaling.yarn_log_multiplier"):
+            raise GGUFError(f"{cfg.name}: YaRN with an ext_factor other than 1 or a log multiplier is not supported")
+        original = extra.get("rope.scaling.original_context_length")
+        if not (isinstance(original, int) and not isinstance(original, bool) and original > 0):
+            raise GGUFError(f"{cfg.name}: YaRN needs rope.scaling.original_context_length, a whole number above 0")
+        rope.set_yarn(factor, original, float(extra.get("rope.scaling.yarn_beta_fast", 32.0)),
+                      float(extra.get("rope.scaling.yarn_beta_slow", 1.0)),
+                      float(extra.get("rope.scaling.attn_factor", 1.0)))
+    return rope
 
 
 def residual_step(x: torch.Tensor, a: torch.Tensor, pre: "RMSNorm | None",

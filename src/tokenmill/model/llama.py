@@ -9,8 +9,8 @@ from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import GGUFError
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model.decoder import DecoderLM, Parts, StepMeta
-from tokenmill.model.layers import (Attention, GatedMLP, RMSNorm, RotaryEmbedding, interleaved_to_half_split,
-                                   linear_rope_scaling, residual_step)
+from tokenmill.model.layers import (Attention, GatedMLP, RMSNorm, RotaryEmbedding, file_rotary,
+                                   interleaved_to_half_split, residual_step)
 
 
 class LlamaBlock(nn.Module):
@@ -38,8 +38,7 @@ class LlamaModel(DecoderLM):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, RMSNorm(cfg.dim, cfg.norm_eps))
-        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length,
-                                    linear_scaling=linear_rope_scaling(cfg))
+        self.rope = file_rotary(cfg)
         self.blocks = nn.ModuleList(LlamaBlock(cfg, qk_norm=self.QK_NORM) for _ in range(cfg.n_layers))
         # The rotary tables the layers use, and which one each layer takes (one for Llama).
         self.rope_tables: list[RotaryEmbedding] = [self.rope]

@@ -17,7 +17,7 @@ from tokenmill.model.llama import LlamaBlock, LlamaModel
 
 class _NeoxLlama(LlamaModel):
     """A Llama whose file already holds Q/K rows in the half-split order (rope scaling as Llama's:
-    linear; YaRN, which Qwen's long-context settings use, is refused)."""
+    linear, or YaRN, which Qwen's long-context settings use: layers.file_rotary)."""
 
     def qkv_in_model_order(self, parts: Parts) -> Parts:
         return parts
