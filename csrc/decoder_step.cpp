@@ -170,6 +170,7 @@ public:
             clock.lap(O_PROJ);
             parallel_for(T, norm_grain, [&](int64_t b, int64_t e) {
                 if (l.post_attn_norm != nullptr) entry::rms_norm_rows(o, dim_, l.post_attn_norm, o, dim_, dim_, eps_, b, e);
+                scale_residual(o, b, e);
                 entry::add_rms_norm_rows(o, dim_, x, dim_, l.ffn_norm, h, dim_, dim_, eps_, b, e);
                 entry::quantize_row_range(h, dim_, dim_, acts, b, e);
             });
@@ -186,6 +187,7 @@ public:
             const Layer* next = i + 1 < layers_.size() ? &layers_[i + 1] : nullptr;
             parallel_for(T, norm_grain, [&](int64_t b, int64_t e) {
                 if (l.post_ffn_norm != nullptr) entry::rms_norm_rows(o, dim_, l.post_ffn_norm, o, dim_, dim_, eps_, b, e);
+                scale_residual(o, b, e);
                 if (next != nullptr) {
                     entry::add_rms_norm_rows(o, dim_, x, dim_, next->attn_norm, h, dim_, dim_, eps_, b, e);
                     entry::quantize_row_range(h, dim_, dim_, acts, b, e);
@@ -196,6 +198,10 @@ public:
             clock.lap(NORMS);
         }
     }
+
+    // Granite's residual multiplier: each block's output times it before it joins the residual stream
+    // (the per-op path's `a * scale`, one rounding, as here).
+    void set_residual_scale(double scale) { residual_scale_ = float(scale); }
 
     // The final norm and the output head (the model's logits), when both can run natively.
     void set_head(uintptr_t norm, const std::vector<PartSpec>& parts) {
@@ -336,6 +342,12 @@ private:
     float eps_;
     int activation_;
     float scale_;
+    float residual_scale_ = 1.0f;
+
+    void scale_residual(float* o, int64_t b, int64_t e) const {
+        if (residual_scale_ != 1.0f)
+            for (int64_t j = b * dim_; j < e * dim_; ++j) o[j] *= residual_scale_;
+    }
     int cache_type_;
     int64_t num_slots_;
     std::vector<Layer> layers_;
@@ -363,6 +375,7 @@ void register_decoder_step(py::module_& m) {
              "post_ffn_norm"_a, "q_norm"_a, "k_norm"_a, "qkv_bias"_a, "qkv"_a, "o"_a, "gate_up"_a, "down"_a, "cos"_a, "sin"_a,
              "rope_rows"_a, "rope_stride"_a, "rope_dim"_a, "window"_a, "softcap"_a = 0.0)
         .def("set_cache", &DecoderStep::set_cache, "layer"_a, "k"_a, "v"_a, "k_scale"_a, "v_scale"_a)
+        .def("set_residual_scale", &DecoderStep::set_residual_scale, "scale"_a)
         .def_property_readonly("num_layers", &DecoderStep::num_layers)
         .def("set_head", &DecoderStep::set_head, "norm"_a, "parts"_a)
         .def_property_readonly("has_head", &DecoderStep::has_head)

@@ -64,6 +64,8 @@ class TinyLlamaSpec:
     rope_freqs: tuple[float, ...] | None = None
     rope_scaling: tuple[str, float] | None = None
     rope_original_context: int | None = None  # rope.scaling.original_context_length (YaRN's)
+    # Float keys under the architecture's prefix (Granite's "embedding_scale", "attention.scale", ...).
+    arch_floats: tuple[tuple[str, float], ...] = ()
     # Phi-3's files: q, k, v in one tensor (attn_qkv), the gate above the up projection in one (ffn_up);
     # the sliding-window key Phi-3-mini-4k's carry; LongRoPE (Phi-3.5, Phi-4-mini): (long factors, short
     # factors, original context, attention factor); rotary dims of a head (Phi-4-mini's 3/4; None: all).
@@ -118,6 +120,8 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
         w.add_rope_scaling_orig_ctx_len(spec.rope_original_context)
     if spec.sliding_window is not None:
         w.add_sliding_window(spec.sliding_window)
+    for key, value in spec.arch_floats:
+        w.add_float32(f"{arch}.{key}", value)
     if spec.longrope is not None:
         w.add_rope_scaling_orig_ctx_len(spec.longrope[2])
         w.add_rope_scaling_attn_factors(spec.longrope[3])

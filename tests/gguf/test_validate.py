@@ -259,7 +259,7 @@ def test_the_loaders_tensor_names_are_the_ones_checked():
     # must agree, or a file could pass and still fail to load.
     from tokenmill.model.registry import ARCHITECTURES
 
-    assert set(ARCHITECTURES) == {"llama", "smollm3", "gemma3", "qwen2", "qwen3", "phi3", "gemma2"}
+    assert set(ARCHITECTURES) == {"llama", "smollm3", "gemma3", "qwen2", "qwen3", "phi3", "gemma2", "granite"}
     for arch, cls in ARCHITECTURES.items():
         for tied in (True, False):
             cfg = ModelConfig(arch, "t", vocab_size=8, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,

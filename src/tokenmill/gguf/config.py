@@ -174,6 +174,10 @@ class ModelConfig:
         window = self.extra.get("attention.sliding_window")  # Gemma's local layers (and Phi-3's, not run)
         if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
             raise fail("attention.sliding_window", window, "must be a whole number, 0 or more")
+        for key in ("embedding_scale", "residual_scale", "attention.scale", "logit_scale"):  # Granite's; 0: unset
+            value = self.extra.get(key)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise fail(key, value, "must be a number, 0 or more")
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's caps; 0 turns one off
             cap = self.extra.get(key)
             if cap is not None and not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap >= 0):

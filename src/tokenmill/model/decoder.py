@@ -55,6 +55,7 @@ class DecoderLM(nn.Module):
         self.native_steps = NativeSteps()  # the whole layer stack in one native call, when it can run so
         self._greedy: tuple[QuantizedWeight, GreedyHead | None] | None = None  # greedy_tokens' head
         self.final_softcap = 0.0  # > 0: logits soft-capped, cap * tanh(logit / cap) (Gemma 2)
+        self.logit_divisor = 1.0  # the logits divided by it (Granite's logit scale)
 
     def pack_weights(self) -> None:
         """After loading: give every dense bf16 weight its oneDNN-packed form (see model/linear.py)."""
@@ -114,9 +115,17 @@ class DecoderLM(nn.Module):
                 logits = self.head_quantized.matmul(h)
             else:
                 logits = dense_linear(h, self.lm_head, self.lm_head_packed)
+        if self.logit_divisor != 1.0:
+            logits = logits / self.logit_divisor
         if self.final_softcap > 0:
             return soft_cap(logits.float(), self.final_softcap).to(logits.dtype)
         return logits
+
+    def transforms_logits(self) -> bool:
+        """The head's output is not the logits as they stand (a cap or a divisor): greedy_tokens then
+        argmaxes the logits themselves (a transformed logit can tie where the raw ones do not), not
+        the bounded head kernel."""
+        return self.final_softcap > 0 or self.logit_divisor != 1.0
 
     def greedy_tokens(self, hidden: torch.Tensor, indices: torch.Tensor | None = None,
                       exclude: tuple[int, ...] = ()) -> torch.Tensor:
@@ -138,7 +147,7 @@ class DecoderLM(nn.Module):
         """The head's GreedyHead when its bounded kernel runs here (one Q8_0 part on the CPU), made once
         per head weight (move_blocks replaces it), with the 6-bit copy where greedy_head_bytes says."""
         w = self._head_weight()
-        if w is None or self.final_softcap > 0:  # capped logits can tie where raw ones do not: argmax those
+        if w is None or self.transforms_logits():
             return None
         if self._greedy is None or self._greedy[0] is not w:
             head = GreedyHead(w, coarse=self.greedy_head_bytes() > 0)
@@ -155,7 +164,7 @@ class DecoderLM(nn.Module):
         """What the greedy head keeps besides the weights: a 6-bit copy of a head that is most of the
         weights' bytes (kernels/head_argmax.py), counted from the load on, made at the first greedy step."""
         w = self._head_weight()
-        if w is None or w.qs.device.type != "cpu" or self.final_softcap > 0:
+        if w is None or w.qs.device.type != "cpu" or self.transforms_logits():
             return 0
         layers = sum(m.quantized.nbytes for m in self.modules() if isinstance(m, Linear) and m.quantized is not None)
         return coarse_copy_bytes(w.ggml_type, w.out_features, w.in_features, w.nbytes, w.nbytes + layers)

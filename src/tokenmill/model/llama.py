@@ -14,11 +14,15 @@ from tokenmill.model.layers import (Attention, GatedMLP, RMSNorm, RotaryEmbeddin
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, qk_norm: bool = False):
-        """`qk_norm`: RMSNorms over each q and k head (Qwen3's)."""
+    def __init__(self, cfg: ModelConfig, *, qk_norm: bool = False, scale: float | None = None,
+                 residual_scale: float = 1.0):
+        """`qk_norm`: RMSNorms over each q and k head (Qwen3's); `scale`: the scores' own scale, and
+        `residual_scale`: what attention's and the MLP's outputs are multiplied by before they join the
+        residual stream (Granite's attention and residual multipliers)."""
         super().__init__()
+        self.residual_scale = residual_scale
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, scale=scale,
                               qk_norm_eps=cfg.norm_eps if qk_norm else None, qk_norm_weight_in_float32=False)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.dim, cfg.ffn_dim, activation="silu")
@@ -27,8 +31,11 @@ class LlamaBlock(nn.Module):
         """One block on the residual stream x, given h = attn_norm(x) (the block before computed it with
         its residual add: one kernel on the GPU). Returns the new x and next_norm(x) (None without
         next_norm: the last block, whose final norm the head applies to the rows it needs)."""
-        x, h = residual_step(x, self.attn(h, rope, meta, cache), None, self.ffn_norm)
-        return residual_step(x, self.mlp(h), None, next_norm)
+        x, h = residual_step(x, self.scaled(self.attn(h, rope, meta, cache)), None, self.ffn_norm)
+        return residual_step(x, self.scaled(self.mlp(h)), None, next_norm)
+
+    def scaled(self, a: torch.Tensor) -> torch.Tensor:
+        return a if self.residual_scale == 1.0 else a * self.residual_scale
 
 
 class LlamaModel(DecoderLM):
@@ -39,7 +46,8 @@ class LlamaModel(DecoderLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, RMSNorm(cfg.dim, cfg.norm_eps))
         self.rope = file_rotary(cfg)
-        self.blocks = nn.ModuleList(LlamaBlock(cfg, qk_norm=self.QK_NORM) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(self.make_block(cfg) for _ in range(cfg.n_layers))
+        self.embed_scale = 1.0  # what the embeddings are multiplied by (Granite's embedding multiplier)
         # The rotary tables the layers use, and which one each layer takes (one for Llama).
         self.rope_tables: list[RotaryEmbedding] = [self.rope]
         self.rope_of_layer: list[int] = [0] * cfg.n_layers
@@ -50,6 +58,8 @@ class LlamaModel(DecoderLM):
         """Flat batch in, pre-norm hidden states out ([T, dim]); the caches (kv's, or the lists
         given) are written in place."""
         x = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         native_step = self.native_steps.get(self, meta, kv, x)
         if native_step is not None:
             return self.native_steps.run(native_step, x, positions, meta)
@@ -61,6 +71,9 @@ class LlamaModel(DecoderLM):
             next_norm = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else None
             x, h = block(x, h, ropes[self.rope_of_layer[i]], meta, cache, next_norm)
         return x
+
+    def make_block(self, cfg: ModelConfig) -> LlamaBlock:
+        return LlamaBlock(cfg, qk_norm=self.QK_NORM)
 
     def layer_rope(self, layer: int) -> RotaryEmbedding:
         return self.rope_tables[self.rope_of_layer[layer]]
@@ -97,3 +110,26 @@ class SmolLM3Model(LlamaModel):
         self.no_rope = RotaryEmbedding.unrotated(cfg.rope_dim, cfg.context_length)
         self.rope_tables = [self.rope, self.no_rope]
         self.rope_of_layer = [int((i + 1) % self.NO_ROPE_INTERVAL == 0) for i in range(cfg.n_layers)]
+
+
+class GraniteModel(LlamaModel):
+    """IBM Granite (3.x dense): Llama's decoder with four multipliers from the file, which llama.cpp and
+    transformers apply the same way: the embeddings times granite.embedding_scale, the scores scaled by
+    granite.attention.scale (not 1/sqrt(head_dim)), each block's attention and MLP output times
+    granite.residual_scale before it joins the residual stream, and the logits divided by
+    granite.logit_scale. A key the file leaves out (or sets to 0, llama.cpp's "unset") is the plain
+    Llama value."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.embed_scale = granite_scale(cfg, "embedding_scale")
+        self.logit_divisor = granite_scale(cfg, "logit_scale")
+
+    def make_block(self, cfg: ModelConfig) -> LlamaBlock:
+        scale = granite_scale(cfg, "attention.scale", None)
+        return LlamaBlock(cfg, scale=scale, residual_scale=granite_scale(cfg, "residual_scale"))
+
+
+def granite_scale(cfg: ModelConfig, key: str, unset: float | None = 1.0) -> float | None:
+    value = float(cfg.extra.get(key) or 0.0)
+    return value if value != 0.0 else unset

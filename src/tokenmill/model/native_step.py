@@ -102,6 +102,10 @@ class NativeStep:
                            attn.window or 0, attn.softcap)
             layer = kv.layer(i)
             step.set_cache(i, layer.k.data_ptr(), layer.v.data_ptr(), _addr(layer.k_scale), _addr(layer.v_scale))
+        residual_scales = {getattr(block, "residual_scale", 1.0) for block in model.blocks}
+        if len(residual_scales) != 1:
+            return None
+        step.set_residual_scale(residual_scales.pop())
         head = _parts(model.head_quantized)
         norm = model.norm.weight
         if head is not None and norm.dtype == torch.float32 and norm.is_contiguous() and model.norm.eps == first.attn_norm.eps:

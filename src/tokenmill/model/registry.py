@@ -18,13 +18,13 @@ from tokenmill.model.linear import GGUFWeight, Int4Weight, onednn_bf16_available
 from tokenmill.model.quantized import RawTensor, pack_all, packed_together
 from tokenmill.model.gemma2 import Gemma2Model
 from tokenmill.model.gemma3 import Gemma3Model
-from tokenmill.model.llama import LlamaModel, SmolLM3Model
+from tokenmill.model.llama import GraniteModel, LlamaModel, SmolLM3Model
 from tokenmill.model.phi3 import Phi3Model
 from tokenmill.model.qwen import Qwen2Model, Qwen3Model
 
 ARCHITECTURES: dict[str, type] = {"llama": LlamaModel, "smollm3": SmolLM3Model, "gemma3": Gemma3Model,
                                   "qwen2": Qwen2Model, "qwen3": Qwen3Model, "phi3": Phi3Model,
-                                  "gemma2": Gemma2Model}
+                                  "gemma2": Gemma2Model, "granite": GraniteModel}
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 # Weight modes beyond a dense dtype: "gguf" keeps every weight in its GGUF blocks and runs them through

@@ -1,4 +1,4 @@
-"""A tiny Llama, SmolLM3 (NoPE layers), Gemma 3, Gemma 2 (soft-capped scores and logits), Qwen2 (q/k/v
+"""A tiny Llama, SmolLM3 (NoPE layers), Granite (multipliers), Gemma 3, Gemma 2 (soft-capped scores and logits), Qwen2 (q/k/v
 biases), Qwen3 (q/k head norms) and Phi-3 (fused q/k/v and gate/up in the file; LongRoPE and partial
 rotation here) forward on the GPU path's metadata (DeviceBatch) on CPU tensors,
 every device op on its Triton kernel (interpreted here, compiled on CUDA): the layer's norms with their
@@ -46,12 +46,14 @@ def steps(model, mode: str, prompts: list[list[int]], decode_tokens: list[list[i
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "smollm3", "gemma3", "qwen2", "qwen3", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "smollm3", "gemma3", "qwen2", "qwen3", "phi3", "gemma2", "granite"])
 def test_the_kernels_compute_what_the_references_do(device, tmp_path, arch):
     if device != "cpu":
         pytest.skip("on CUDA, tests/engine/gpu runs the model's kernels end to end")
-    if arch in ("llama", "smollm3"):
-        path = write_tiny_llama(tmp_path / "t.gguf", TinyLlamaSpec(context_length=256, n_layers=4), arch=arch)
+    if arch in ("llama", "smollm3", "granite"):
+        floats = (("embedding_scale", 6.0), ("residual_scale", 0.3), ("attention.scale", 0.09), ("logit_scale", 4.0))
+        spec = TinyLlamaSpec(context_length=256, n_layers=4, arch_floats=floats if arch == "granite" else ())
+        path = write_tiny_llama(tmp_path / "t.gguf", spec, arch=arch)
     elif arch.startswith("qwen"):
         path = write_tiny_qwen(tmp_path / "q.gguf", arch, TinyLlamaSpec(context_length=256, head_dim=32))
     elif arch == "phi3":
