@@ -57,3 +57,17 @@ def random_ids(n: int, seed: int = 0) -> list[int]:
     """n token ids from the tiny vocabulary's non-special range, reproducible by seed."""
     rng = random.Random(seed)
     return [rng.randrange(3, 270) for _ in range(n)]
+
+
+def assert_greedy_alone_is_batched(loaded: LoadedModel, seed: int) -> None:
+    """Six prompts of 5 to 300 tokens, 8 greedy tokens each: the same tokens run one at a time as in
+    one batch (steps of 64 tokens), with the engine's defaults otherwise."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(6, 260, (n,), generator=g).tolist() for n in (5, 300, 17, 64, 120, 33)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    reqs = [(p, params) for p in prompts]
+    alone = run_one_at_a_time(make_engine(loaded, max_total_tokens=8192), reqs)
+    together = run_to_completion(make_engine(loaded, max_total_tokens=8192, n_batch=64, n_ubatch=64), reqs)
+    assert together == alone

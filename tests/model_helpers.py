@@ -78,3 +78,23 @@ def paged_steps(model, prompts: list[list[int]], block: int = BLOCK) -> list[tor
         hidden = model(torch.tensor(ids), torch.tensor(positions), meta, kv)
         out += [hidden.clone(), model.logits(hidden)]
     return out
+
+
+def assert_native_step_is_the_per_op_path(path, variant: str) -> None:
+    """A gguf-mode model of this file on this variant: the native step takes it, and two prompts'
+    prefill and decode steps (paged_steps) give bitwise the per-op path's hidden states and logits."""
+    from tokenmill.kernels import use_variant
+    from tokenmill.model import load_model, native_step
+
+    prompts = [torch.randint(6, 260, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 29)]
+    with use_variant(variant):
+        model = load_model(path, "gguf").model
+        cfg = model.config
+        kv = KVStorage(cfg.n_layers, 8, BLOCK, cfg.n_kv_heads, cfg.head_dim, torch.float16)
+        assert model.native_steps.get(model, PagedBatch.build([ChunkSpec([0], 0, 1)], BLOCK), kv,
+                                      torch.zeros(1)) is not None  # the native step takes this model
+        got = paged_steps(model, prompts)
+        with native_step.disabled():
+            want = paged_steps(model, prompts)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"output {i}: max |diff| {float((g - w).abs().max())}"

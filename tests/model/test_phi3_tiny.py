@@ -10,17 +10,14 @@ import gguf
 import pytest
 import torch
 
-from engine_helpers import make_engine, run_one_at_a_time, run_to_completion
-from model_helpers import BLOCK, greedy, hf_model, paged_steps, prefill_logits
+from engine_helpers import assert_greedy_alone_is_batched
+from model_helpers import assert_native_step_is_the_per_op_path, greedy, hf_model, prefill_logits
 from tiny_model import TinyLlamaSpec, write_tiny_llama, write_tiny_phi3
-from tokenmill.engine import SamplingParams
 from tokenmill.gguf.config import ModelConfig
 from tokenmill.gguf.reader import GGUFError, open_gguf
 from tokenmill.gguf.validate import InvalidGGUF, validate_gguf
-from tokenmill.kernels import native, use_variant
-from tokenmill.kvcache.storage import KVStorage
-from tokenmill.model import ARCHITECTURES, ChunkSpec, ModelLoadError, load_model, native_step
-from tokenmill.model.paged_batch import PagedBatch
+from tokenmill.kernels import native
+from tokenmill.model import ARCHITECTURES, ModelLoadError, load_model
 
 Q = gguf.GGMLQuantizationType
 PROMPT = torch.randint(6, 260, (40,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -163,30 +160,12 @@ def test_longrope_is_refused_where_it_cannot_run(tmp_path):
 @pytest.mark.skipif(not native.runnable_variants(), reason="native kernels not built")
 @pytest.mark.parametrize("variant", native.runnable_variants())
 def test_native_step_is_bitwise_the_per_op_path(tmp_path, variant):
-    path = write_tiny_phi3(tmp_path / "p.gguf", TinyLlamaSpec(tied_embeddings=False, weight_type=Q.Q8_0))
-    prompts = [torch.randint(6, 260, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 29)]
-    with use_variant(variant):
-        model = load_model(path, "gguf").model
-        cfg = model.config
-        kv = KVStorage(cfg.n_layers, 8, BLOCK, cfg.n_kv_heads, cfg.head_dim, torch.float16)
-        assert model.native_steps.get(model, PagedBatch.build([ChunkSpec([0], 0, 1)], BLOCK), kv,
-                                      torch.zeros(1)) is not None  # the native step takes this model
-        got = paged_steps(model, prompts)
-        with native_step.disabled():
-            want = paged_steps(model, prompts)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), f"output {i}: max |diff| {float((g - w).abs().max())}"
+    spec = TinyLlamaSpec(tied_embeddings=False, weight_type=Q.Q8_0)
+    assert_native_step_is_the_per_op_path(write_tiny_phi3(tmp_path / "p.gguf", spec), variant)
 
 
 @pytest.mark.skipif(not native.runnable_variants(), reason="native kernels not built")
 def test_engine_greedy_tokens_alone_and_batched(tmp_path):
     """The defaults a user gets (gguf weights, the native step, f16 KV): the same tokens alone and batched."""
     spec = TinyLlamaSpec(tied_embeddings=False, weight_type=Q.Q8_0, context_length=512)
-    loaded = load_model(write_tiny_phi3(tmp_path / "p.gguf", spec))
-    g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(6, 260, (n,), generator=g).tolist() for n in (5, 300, 17, 64, 120, 33)]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    reqs = [(p, params) for p in prompts]
-    alone = run_one_at_a_time(make_engine(loaded, max_total_tokens=8192), reqs)
-    together = run_to_completion(make_engine(loaded, max_total_tokens=8192, n_batch=64, n_ubatch=64), reqs)
-    assert together == alone
+    assert_greedy_alone_is_batched(load_model(write_tiny_phi3(tmp_path / "p.gguf", spec)), 6)
