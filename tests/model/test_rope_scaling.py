@@ -113,3 +113,11 @@ def test_validation_checks_the_rope_freqs_size(tmp_path):
     short = write_tiny_llama(tmp_path / "short.gguf", TinyLlamaSpec(rope_freqs=(1.0,) * 7))
     with pytest.raises(InvalidGGUF, match=r"rope_freqs.weight has shape \[7\].*make it \[8\]"):
         validate_gguf(short, ("llama",))
+
+
+@pytest.mark.parametrize("key,value", [("yarn_ext_factor", 0.5), ("yarn_attn_factor", 2.0), ("yarn_beta_fast", -1.0)])
+def test_yarn_variants_and_bad_numbers_are_refused(tmp_path, key, value):
+    spec = TinyLlamaSpec(rope_scaling=("yarn", 4.0), rope_original_context=48,
+                         arch_floats=((f"rope.scaling.{key}", value),))
+    with pytest.raises(ModelLoadError, match=f"rope.scaling.{key}"):
+        load_model(write_tiny_llama(tmp_path / "y.gguf", spec), torch.float32)

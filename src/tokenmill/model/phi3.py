@@ -1,4 +1,4 @@
-"""Phi-3 (mini and medium, their 4k-context models): Llama's decoder, stored fused. Its files keep
+"""Phi-3 (mini, medium), Phi-3.5-mini and Phi-4-mini: Llama's decoder, stored fused. Their files keep
 q, k and v in one tensor (attn_qkv) and the gate above the up projection in one (ffn_up): the very
 layouts of tokenmill's fused projections, so each loads as a single part. Q/K rows are already in the
 half-split (NEOX) rotary order, as Qwen's.
