@@ -45,6 +45,12 @@ _FUSED_BLOCK_TENSORS: dict[str, dict[str, tuple[str, ...]]] = {
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 LONGROPE = "rope_factors"
 _LONGROPE_ARCHITECTURES = ("phi3",)
+# Metadata numbers (under the architecture's prefix) checked where present: see ModelConfig.checked.
+_NON_NEGATIVE_KEYS = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale",
+                      "attn_logit_softcapping", "final_logit_softcapping")
+_POSITIVE_KEYS = ("rope.scaling.factor", "rope.scaling.attn_factor", "rope.scaling.yarn_beta_fast",
+                  "rope.scaling.yarn_beta_slow")
+_ANY_NUMBER_KEYS = ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_log_multiplier")
 
 
 # Llama 3.1+ files carry their rotary scaling as a tensor: a divisor per rotary frequency (llama.cpp's
@@ -174,28 +180,26 @@ class ModelConfig:
         window = self.extra.get("attention.sliding_window")  # Gemma's local layers (and Phi-3's, not run)
         if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
             raise fail("attention.sliding_window", window, "must be a whole number, 0 or more")
-        for key in ("embedding_scale", "residual_scale", "attention.scale", "logit_scale"):  # Granite's; 0: unset
-            value = self.extra.get(key)
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise fail(key, value, "must be a number, 0 or more")
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's caps; 0 turns one off
-            cap = self.extra.get(key)
-            if cap is not None and not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap >= 0):
-                raise fail(key, cap, "must be a number, 0 or more")
-        scaling = self.extra.get("rope.scaling.factor")
-        if scaling is not None and not (isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0):
-            raise fail("rope.scaling.factor", scaling, "must be a positive number")
+        # Numbers some architectures or scalings read, where the file has them: Granite's multipliers and
+        # Gemma 2's caps (0: unset / off), the rotary scalings' factors, YaRN's variant knobs (any number:
+        # model/layers.py refuses the ones it does not run).
+        for keys, least, why in ((_NON_NEGATIVE_KEYS, 0.0, "must be a number, 0 or more"),
+                                 (_POSITIVE_KEYS, None, "must be a positive number"),
+                                 (_ANY_NUMBER_KEYS, -math.inf, "must be a number")):
+            for key in keys:
+                value = self.extra.get(key)
+                if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
+                                              and (value > 0 if least is None else value >= least)):
+                    raise fail(key, value, why)
         longrope = [name for name in LONGROPE_TENSORS if name in shapes]
         if longrope and not self.extra.get(LONGROPE):
             raise GGUFError(f"the file's rotary scaling (LongRoPE: {longrope[0]}) is not supported for "
                             f"{self.architecture}")
-        if self.extra.get(LONGROPE):
-            original = self.extra.get("rope.scaling.original_context_length")
-            if not (isinstance(original, int) and not isinstance(original, bool) and original > 0):
-                raise fail("rope.scaling.original_context_length", original, "LongRoPE needs it, a whole number above 0")
-            factor = self.extra.get("rope.scaling.attn_factor", 1.0)
-            if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
-                raise fail("rope.scaling.attn_factor", factor, "must be a positive number")
+        original = self.extra.get("rope.scaling.original_context_length")
+        if original is None and (self.extra.get(LONGROPE) or self.extra.get("rope.scaling.type") == "yarn"):
+            raise fail("rope.scaling.original_context_length", original, "LongRoPE and YaRN need it")
+        if original is not None and not (isinstance(original, int) and not isinstance(original, bool) and original > 0):
+            raise fail("rope.scaling.original_context_length", original, "must be a whole number above 0")
         embd = shapes.get("token_embd.weight")
         if embd is not None and embd[-1] != self.dim:
             raise fail("embedding_length", self.dim, f"token_embd.weight has rows of {embd[-1]}")

@@ -164,26 +164,17 @@ def file_rotary(cfg: ModelConfig) -> RotaryEmbedding:
                         "(linear and yarn are)")
     rope = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.context_length,
                            linear_scaling=factor if kind == "linear" else 1.0)
-    if kind == "yarn":
-        original = cfg.extra.get("rope.scaling.original_context_length")
-        if not (isinstance(original, int) and not isinstance(original, bool) and original > 0):
-            raise GGUFError(f"{cfg.name}: YaRN needs rope.scaling.original_context_length, a whole number above 0")
+    if kind == "yarn":  # ModelConfig.checked has checked its numbers and that the original context is there
+        def number(key: str, default: float) -> float:
+            return float(cfg.extra.get(f"rope.scaling.{key}", default))
+
         # Variants of YaRN (gpt-oss's, DeepSeek's) that tokenmill does not run: refused, not run as plain YaRN.
         for key, plain in (("yarn_ext_factor", 1.0), ("yarn_attn_factor", 1.0), ("yarn_log_multiplier", 0.0)):
-            if _rope_number(cfg, key, plain) != plain:
+            if number(key, plain) != plain:
                 raise GGUFError(f"{cfg.name}: YaRN with rope.scaling.{key} other than {plain:g} is not supported")
-        rope.set_yarn(factor, original, _rope_number(cfg, "yarn_beta_fast", 32.0),
-                      _rope_number(cfg, "yarn_beta_slow", 1.0), _rope_number(cfg, "attn_factor", 1.0))
+        rope.set_yarn(factor, cfg.extra["rope.scaling.original_context_length"], number("yarn_beta_fast", 32.0),
+                      number("yarn_beta_slow", 1.0), number("attn_factor", 1.0))
     return rope
-
-
-def _rope_number(cfg: ModelConfig, key: str, default: float) -> float:
-    """rope.scaling.<key>: a finite positive number (0 where the default is 0), or the default."""
-    value = cfg.extra.get(f"rope.scaling.{key}", default)
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and (value > 0 or value == default == 0.0)):
-        raise GGUFError(f"{cfg.name}: rope.scaling.{key} must be a positive number")
-    return float(value)
 
 
 def residual_step(x: torch.Tensor, a: torch.Tensor, pre: "RMSNorm | None",

@@ -15,8 +15,6 @@ llama.cpp run at the file's context: the long factors where that context is beyo
 (every such released model). Phi-4-mini rotates the first 3/4 of each head (rope.dimension_count)."""
 from __future__ import annotations
 
-import torch
-
 from tokenmill.gguf.config import LONGROPE, LONGROPE_TENSORS
 from tokenmill.gguf.reader import GGUFError
 from tokenmill.model.linear import GGUFWeight
@@ -38,9 +36,8 @@ class Phi3Model(LlamaModel):
     def load_tensor(self, name: str, w: GGUFWeight, pending: dict[str, GGUFWeight]) -> None:
         if name in LONGROPE_TENSORS:
             if name == self.longrope_factors():
-                factors: torch.Tensor = w.dense
                 try:
-                    self.rope.set_longrope(factors, self.config.extra.get("rope.scaling.attn_factor", 1.0))
+                    self.rope.set_longrope(w.dense, self.config.extra.get("rope.scaling.attn_factor", 1.0))
                 except ValueError as exc:
                     raise GGUFError(str(exc)) from None
             return
