@@ -435,6 +435,37 @@ def test_no_lookup_where_no_match_could_pay():
     assert NgramProposer(SpecConfig(learn_step_costs=False)).propose(None, ids + [1], 0, 8)[1] == draft
 
 
+def test_a_step_where_no_sequence_could_pay_asks_none_of_them():
+    # The gate is could_pay at the best acceptance among the step's sequences and the cheapest row (an
+    # empty context): in a large batch under the prior no sequence is asked, so none looks up, counts a
+    # cooldown step or decays; one sequence whose record could pay is enough to ask them all.
+    from tokenmill.engine.speculative import Speculator
+    from tokenmill.engine.request import Sequence
+
+    cfg = SpecConfig(learn_step_costs=False)
+    spec = Speculator(cfg)
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3
+    seqs = [Sequence(i, f"r{i}", list(ids), SamplingParams(max_tokens=64, temperature=0), 4096) for i in range(16)]
+    drafts = spec.propose_all(seqs, num_rows=1)  # alone, the prior pays: each proposes the period's next tokens
+    assert set(drafts) == set(range(16)) and all(d and d == ids[:len(d)] for d in drafts.values())
+    state = seqs[0].spec
+    rate_before, indexed = state.rate.value, state.index.num_indexed
+    state.backoff.cooldown = 3
+    assert not spec.proposer.any_could_pay([s.spec for s in seqs], 16)
+    assert spec.propose_all(seqs, num_rows=16) == {}
+    assert (state.rate.value, state.index.num_indexed, state.backoff.cooldown) == (rate_before, indexed, 3)
+    # a sequence that accepted all it proposed lately could pay even in this batch: all are asked again
+    state.backoff.cooldown = 0
+    for _ in range(12):
+        spec.observe(seqs[1], 8, 8)
+    assert spec.proposer.any_could_pay([s.spec for s in seqs], 16)
+    drafts = spec.propose_all(seqs, num_rows=16)
+    assert set(drafts) == {s.seq_id for s in seqs} and state.backoff.cooldown == 0
+    # with no sequences, and for a new sequence (no state yet) alone, the prior decides
+    assert spec.propose_all([], 1) == {}
+    assert spec.proposer.any_could_pay([None], 1) and not spec.proposer.any_could_pay([None], 64)
+
+
 def test_step_costs_priced_between_records_match_a_fresh_pricing():
     # The multiples are kept across one-row steps and worked out again only when they can change (a step
     # of more rows, a row count forgotten): a model asked between every record prices each step as one

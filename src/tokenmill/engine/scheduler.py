@@ -119,8 +119,7 @@ class Scheduler:
         spec = self.speculator
         if spec is None:
             return {}
-        return spec.propose_all([(seq, spec.num_wanted(seq)) for seq in order if proposes(seq)],
-                                num_rows=len(self.running))
+        return spec.propose_all([seq for seq in order if proposes(seq)], num_rows=len(self.running))
 
     def _speculative_chunk(self, seq: Sequence, budget: int, draft: list[int]) -> ScheduledChunk | None:
         """A decoding sequence's chunk with the tokens it proposed (up to what the budget leaves), when

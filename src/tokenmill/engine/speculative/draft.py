@@ -23,7 +23,7 @@ import torch
 
 from tokenmill.engine.speculative.config import SpecConfig
 from tokenmill.engine.speculative.policy import AcceptanceRate, StepCosts, best_num_tokens
-from tokenmill.engine.speculative.proposer import BackOff, step_cost
+from tokenmill.engine.speculative.proposer import BackOff, any_could_pay, step_cost
 from tokenmill.kvcache import BlockManager
 from tokenmill.kvcache.storage import KVStorage
 from tokenmill.model import ChunkSpec
@@ -165,6 +165,12 @@ class DraftProposer:
     def new_state(self, num_shifted_tokens: int) -> DraftState:
         return DraftState(next(self._keys), num_shifted_tokens, AcceptanceRate(prior=self.cfg.prior_acceptance),
                           BackOff(next_cooldown=self.cfg.cooldown_steps))
+
+    def any_could_pay(self, states: list[DraftState | None], num_rows: int) -> bool:
+        """Whether a proposal of any of these sequences could pay in a step of num_rows rows, before the
+        draft's own cost (which only makes paying harder): proposer.any_could_pay."""
+        return any_could_pay(self.cfg, self.costs, num_rows,
+                             max((self.cfg.prior_acceptance if s is None else s.rate.value) for s in states))
 
     def propose_many(self, asks: list[tuple[DraftState | None, Sequence[int], int, int]],
                      num_rows: int = 1) -> list[tuple[DraftState, list[int]]]:

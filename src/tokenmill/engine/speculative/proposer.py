@@ -77,6 +77,17 @@ def step_cost(cfg: SpecConfig, costs: StepCosts, context_len: int, num_rows: int
     return row_cost(cfg, context_len)
 
 
+def any_could_pay(cfg: SpecConfig, costs: StepCosts, num_rows: int, *alphas: float) -> bool:
+    """Whether a proposal could pay in a step of num_rows rows for a sequence whose acceptance is judged
+    as the mean of alphas (each the best among the step's sequences), at the row cost of an empty
+    context: an optimistic could_pay for the whole step. Where it says no, the step asks no sequence to
+    propose, and nothing of theirs moves (no lookup, no cooldown step counted, no idle decay): a step
+    in which proposing was never an option says nothing about proposing."""
+    if step_cost(cfg, costs, 0, num_rows) is costs:  # learned costs: each sequence is priced itself
+        return True
+    return could_pay(sum(alphas) / len(alphas), num_rows, cfg.row_cost)
+
+
 @dataclass
 class SpecCounters:
     """Totals in vLLM's terms: drafts (verifications with at least one proposal), proposed tokens,
@@ -152,6 +163,12 @@ class NgramProposer:
         if not draft:
             state.rate.idle()
         return state, draft
+
+    def any_could_pay(self, states: list[SpecState | None], num_rows: int) -> bool:
+        """Whether a proposal of any of these sequences (their states; None: none yet) could pay in a
+        step of num_rows rows (see any_could_pay below); alpha as propose() judges it before its lookup."""
+        return any_could_pay(self.cfg, self.costs, num_rows, max(
+            (self.cfg.prior_acceptance if s is None else s.rate.value) for s in states), self._best_length_rate)
 
     def propose_many(self, asks: list[tuple[SpecState | None, list[int], int, int]],
                      num_rows: int = 1) -> list[tuple[SpecState, list[int]]]:
