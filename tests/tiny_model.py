@@ -73,6 +73,9 @@ class TinyLlamaSpec:
     sliding_window: int | None = None
     longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None
     rope_dim: int | None = None
+    # Tokens appended to the vocabulary as user-defined ones (Qwen3's "<think>" and "</think>"): one id
+    # each, whole in the text they stand for, as its added tokens are.
+    added_tokens: tuple[str, ...] = ()
 
 
 def _add(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
@@ -94,6 +97,7 @@ def write_tiny_llama(path: Path | str, spec: TinyLlamaSpec | None = None, *, arc
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     tokens, types, merges = tiny_vocab()
+    tokens, types = tokens + list(spec.added_tokens), types + [int(gguf.TokenType.USER_DEFINED)] * len(spec.added_tokens)
     if tokenizer is not None:
         tokens = tokenizer["tokenizer.ggml.tokens"]
     vocab = len(tokens)

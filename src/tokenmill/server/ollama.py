@@ -37,7 +37,7 @@ from tokenmill.server.ollama_params import FIELD_NAMES, OllamaOptions, parse_opt
 from tokenmill.server.streaming import ndjson_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, ollama_spec
 from tokenmill.server.ollama_tool_stream import OllamaCallStream
-from tokenmill.server.thinking import Thinking, model_thinks, reading_for
+from tokenmill.server.thinking import Thinking, after_thinking, grammar_can_wait, model_thinks, reading_for
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.server.validation import (
     get_bool,
@@ -188,8 +188,9 @@ async def _respond(request: Request, served: ServedModel, ids: list[int], opts: 
 def _think(body: dict, name: str, tok, *, constrained: bool) -> tuple[bool, dict]:
     """Ollama's `think`: (whether to read the answer's reasoning apart, the template variables that
     say so). A thinking model (its template writes think tags) thinks unless `think` is false, which
-    renders its template with `enable_thinking` false (Qwen3's switch), as does a grammar (`constrained`:
-    it holds from the first token, leaving no room to think); a model without the capability gets
+    renders its template with `enable_thinking` false (Qwen3's switch), as does a grammar that holds from
+    the first token (`constrained`: a regex or grammar of the client's, which leaves no room to think; a
+    JSON format waits for the reasoning instead, grammar_can_wait); a model without the capability gets
     Ollama's 400 for `think: true` rather than an answer that silently has no thinking. The levels
     ("high", ...) are gpt-oss's; a model here that thinks takes them as true."""
     think = body.get("think")
@@ -232,11 +233,15 @@ async def generate(request: Request) -> Response:
     system, raw = profiles.system_prompt(get_str(body, "system"), served.profile), bool(get_bool(body, "raw"))
     if template and not raw:  # Ollama's per-request template, in place of the model's
         tok = await off_loop(lambda: profiles.with_request_template(tok, template), len(template))
-    think, variables = _think(body, served.name, tok, constrained=constraint is not None)
+    waits = constraint is not None and grammar_can_wait(tok, constraint[0])
+    think, variables = _think(body, served.name, tok, constrained=constraint is not None and not waits)
     ids = context + await off_loop(lambda: render_prompt(tok, prompt, system=system, raw=raw, **variables),
                                    len(prompt))
     if not raw:  # a raw prompt is the client's own: its answer comes back as written
-        shape.thinking = reading_for(tok, ids, wanted=think, constrained=constraint is not None)
+        waits = waits and think
+        shape.thinking = reading_for(tok, ids, wanted=think, constrained=constraint is not None and not waits)
+        if waits:
+            constraint = after_thinking(tok, constraint[0], ids), constraint[1]
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "prompt")
 
@@ -257,13 +262,17 @@ async def chat(request: Request) -> Response:
     opts = parse_options(body, "/api/chat")
     constraint = ollama_spec(body)
     tok = profiles.tokenizer_for(served.engine.tokenizer, served.profile)
-    think, variables = _think(body, served.name, tok, constrained=constraint is not None)
+    waits = constraint is not None and grammar_can_wait(tok, constraint[0])
+    think, variables = _think(body, served.name, tok, constrained=constraint is not None and not waits)
     messages, tools = prepare_messages(tok, profiles.chat_messages(messages, served.profile), tool_use)
     prefill = ends_in_prefill(messages)
     ids = await off_loop(lambda: render_chat(tok, messages, tools=tools, continue_final_message=prefill,
                                              **variables), chars_in(messages))
     if not prefill:  # a continued answer is the client's own text going on: as written
-        shape.thinking = reading_for(tok, ids, wanted=think, constrained=constraint is not None)
+        waits = waits and think
+        shape.thinking = reading_for(tok, ids, wanted=think, constrained=constraint is not None and not waits)
+        if waits:
+            constraint = after_thinking(tok, constraint[0], ids), constraint[1]
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "messages")
 

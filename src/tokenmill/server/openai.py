@@ -28,7 +28,7 @@ from tokenmill.server.openai_params import (
 )
 from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, openai_spec
-from tokenmill.server.thinking import Thinking, reading_for
+from tokenmill.server.thinking import Thinking, after_thinking, grammar_can_wait, reading_for
 from tokenmill.server.tool_stream import Piece
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.server.validation import check_name_field, get_bool, get_int, get_model_name, get_str, read_json
@@ -138,11 +138,15 @@ async def prepare_chat(request: Request, body: dict, *, reasoning: bool = False)
     messages, tools = prepare_messages(tok, profiles.chat_messages(messages, served.profile), tool_use)
     ids = await off_loop(lambda: render_chat(tok, messages, tools=tools, **template),
                          chars_in(messages) + chars_in(template))
-    await add_constraint(opts.params, tok, constraint)
     thinking = None
     if reasoning and not template["continue_final_message"]:  # a continued message is the client's own text
-        thinking = reading_for(tok, ids, wanted=template.get("enable_thinking") is not False,
-                               constrained=constraint is not None)
+        wanted = template.get("enable_thinking") is not False
+        # A JSON format or forced tool call waits for the reasoning (vLLM with a reasoning parser).
+        waits = wanted and constraint is not None and grammar_can_wait(tok, constraint[0])
+        thinking = reading_for(tok, ids, wanted=wanted, constrained=constraint is not None and not waits)
+        if waits:
+            constraint = after_thinking(tok, constraint[0], ids), constraint[1]
+    await add_constraint(opts.params, tok, constraint)
     return ChatJob(served, opts, tok, tool_use, ids, thinking)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.structured import GrammarSpec
+from tokenmill.structured.grammar import ThinkingFirst
 from tokenmill.tokenizer import Tokenizer
 
 OPEN = "<think>"
@@ -135,8 +137,8 @@ def _partial_tag_length(text: str, tag: str) -> int:
 def reading_for(tokenizer: Tokenizer, prompt_ids: list[int], *, wanted: bool, constrained: bool) -> Thinking | None:
     """How to read a request's answer, None for as written: split when the model thinks and the request
     did not turn thinking off (`wanted`), or when its prompt left a block open anyway (a template that
-    always thinks). A grammar (`constrained`: structured output, forced tool calls) holds from the first
-    token: inside a block the prompt opened, what it makes is the answer, so that is not split; else the
+    always thinks). A grammar that holds from the first token (`constrained`: one that does not wait for
+    the reasoning, grammar_can_wait): inside a block the prompt opened, what it makes is the answer, so that is not split; else the
     text is split only if the grammar itself writes a block (a regex that does), as any text that does
     not open with the tag is all answer."""
     if not model_thinks(tokenizer):
@@ -145,3 +147,19 @@ def reading_for(tokenizer: Tokenizer, prompt_ids: list[int], *, wanted: bool, co
     if reading.starts_inside:
         return None if constrained else reading
     return reading if wanted else None
+
+
+def grammar_can_wait(tokenizer: Tokenizer, spec: GrammarSpec | None) -> bool:
+    """Whether a request's grammar can wait for the model's reasoning (ThinkingFirst) rather than hold
+    from the first token: a JSON format (Ollama's `format`, OpenAI's `response_format`, a forced tool
+    call), asked of a model that thinks, whose tags are text (a special token is outside every grammar's
+    text, so the block could not close). A client's regex, choice or grammar is the whole output (it may
+    write the block itself) and holds from the first token."""
+    return (spec is not None and spec.kind in ("json", "json_schema") and model_thinks(tokenizer)
+            and not any(tokenizer.is_special(i) for i in tokenizer.encode(OPEN + CLOSE, add_special_tokens=False)))
+
+
+def after_thinking(tokenizer: Tokenizer, spec: GrammarSpec, prompt_ids: list[int]) -> GrammarSpec:
+    """spec waiting for the think block: the one the prompt opened, or one the model may open."""
+    inside = Thinking.for_prompt(tokenizer, prompt_ids).starts_inside
+    return spec.after_thinking(ThinkingFirst(OPEN, CLOSE, inside))

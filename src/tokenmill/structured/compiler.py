@@ -6,6 +6,7 @@ library's own fuel limits bound the work; the timeout is the backstop a client g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import weakref
@@ -58,7 +59,8 @@ class GrammarCompiler:
 
 
 def _key(spec: GrammarSpec) -> str:
-    return json.dumps([spec.kind, spec.value], sort_keys=True)
+    thinking = None if spec.thinking is None else dataclasses.astuple(spec.thinking)
+    return json.dumps([spec.kind, spec.value, thinking], sort_keys=True)
 
 
 _compilers: "weakref.WeakKeyDictionary[Tokenizer, GrammarCompiler]" = weakref.WeakKeyDictionary()

@@ -5,6 +5,7 @@ own copy (`Constraint`, a deep copy costs about a microsecond while compiling co
 of ms), so n samples and repeated requests with the same schema compile once."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,14 +36,50 @@ class GrammarError(ValueError):
 
 
 @dataclass(frozen=True)
+class ThinkingFirst:
+    """A thinking model's reasoning before the grammar: the think block is free text, the grammar holds
+    from its close tag on (vLLM's structured output with a reasoning parser; Ollama's `format` with
+    `think`, which it gets by restarting the request when the thinking ends). Built as an llguidance
+    grammar of its own with the request's as a named part, so tags of several tokens work as well as
+    one-token ones, and a constrained sequence's masks, speculative rows and forks stay as they are.
+    The grammar cannot finish inside the block, so no end of sequence is allowed there: a request ends
+    with reasoning and no answer only by running out of tokens."""
+    open_tag: str   # "<think>"
+    close_tag: str  # "</think>"
+    inside: bool    # the prompt opened the block, so the output starts in it (else the model may open one)
+
+    def wrap(self, source: str) -> str:
+        """`source` (llguidance's text of one grammar, as a JSON schema compiles to) behind the block."""
+        top = json.loads(source)
+        grammars = top.get("grammars") or []
+        if len(grammars) != 1:  # parts of several refer to each other by index, which the wrapper would shift
+            raise GrammarError("only a single grammar can wait for the model's thinking")
+        # A few whitespace characters between the block and the answer (Qwen3 writes a blank line); free
+        # whitespace lets a small model write newlines until it runs out of tokens.
+        block = "think_text /[ \\t\\r\\n]{0,4}/"
+        start = f"{block} @answer" if self.inside else f"({json.dumps(self.open_tag)} {block})? @answer"
+        lark = f"start: {start}\nthink_text[stop={json.dumps(self.close_tag)}]: /(.|\\n)*/\n"
+        return json.dumps({**top, "grammars": [{"lark_grammar": lark}, {**grammars[0], "name": "answer"}]})
+
+
+@dataclass(frozen=True)
 class GrammarSpec:
     """kind: "json" (any JSON object), "json_schema" (value: a schema dict), "regex" (value: a
-    pattern), "choice" (value: a list of strings), "grammar" (value: Lark or llama.cpp GBNF text)."""
+    pattern), "choice" (value: a list of strings), "grammar" (value: Lark or llama.cpp GBNF text).
+    thinking: set when the grammar waits for a thinking model's reasoning (the JSON kinds only)."""
     kind: Kind
     value: Any = None
+    thinking: ThinkingFirst | None = None
+
+    def after_thinking(self, thinking: ThinkingFirst) -> "GrammarSpec":
+        return dataclasses.replace(self, thinking=thinking)
 
     def source(self) -> str:
         """The llguidance grammar text (raises GrammarError for what cannot even be converted)."""
+        inner = self._own_source()
+        return inner if self.thinking is None else self.thinking.wrap(inner)
+
+    def _own_source(self) -> str:
         if self.kind == "json":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if self.kind == "json_schema":
