@@ -76,6 +76,20 @@ def test_openai_json_comes_after_the_models_think_block(qwen3, seen):
     assert seen[-1].output_ids[0] != open_id and off.json()["choices"][0]["message"]["content"].startswith('{"a": ')
 
 
+def test_a_forced_tool_call_comes_after_the_think_block(qwen3, seen):
+    client, host = qwen3
+    open_id, close_id = _tags(host)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 5}}, "required": ["city"]}}}
+    body = {"model": model_name(host), "messages": HI, "max_tokens": 80, "temperature": 0, "tools": [weather],
+            "tool_choice": "required", "logit_bias": {str(open_id): 100, str(close_id): 100}}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert seen[-1].output_ids[0] == open_id and close_id in seen[-1].output_ids
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+
+
 def test_ollama_format_renders_the_template_thinking_unless_think_is_false(qwen3, seen):
     client, host = qwen3
     body = {"model": model_name(host), "messages": HI, "stream": False, "format": SCHEMA,
