@@ -18,15 +18,17 @@ def test_speculative_bench_tiny(tmp_path, capsys):
                                                                  context_length=2048))
     out = tmp_path / "spec.json"
     rc = main(["bench", "speculative", "--model", str(model), "--only", "code-typehints,story", "--max-tokens", "12",
-               "--repeats", "2", "--burst-repeats", "1", "--skip-llama-cpp", "--bound", "--json", str(out)])
+               "--repeats", "2", "--burst-repeats", "1", "--skip-llama-cpp", "--bound", "--predicted", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "grounded (geomean)" in printed and "burst of 16" in printed and "DIFFER" not in printed
+    assert "predicted" in printed
     r = json.loads(out.read_text())
     assert [x["name"] for x in r["results"]] == ["code-typehints", "story"]
     for x in r["results"]:
         assert x["same"] and x["off_tok_s"] > 0 and x["on_tok_s"] > 0 and len(x["runs"]["on"]) == 2
         assert 0 <= x["acceptance"] <= 1
+        assert x["predicted_tok_s"] > 0  # --predicted: each answer as its own prediction (the tokens the same)
     assert r["burst"]["same"] and r["burst"]["on_tok_s"] > 0
     # --bound: a step's cost for 1..k+1 rows, and each prompt's answer replayed at those costs.
     assert "what this machine allows" in printed and "perfect length" in printed

@@ -114,6 +114,33 @@ def test_request_options_turn_it_on_and_off(llama):
     assert e.stats.spec.num_drafts > 0 and e.stats.spec.accepted_per_position[1:] == []
 
 
+def test_a_predicted_output_is_looked_up_and_changes_no_token(llama):
+    # Penalties keep the tiny model's answer from repeating itself, so that prompt lookup alone finds
+    # almost nothing to propose; the prediction (OpenAI's predicted outputs) is the answer itself, its
+    # first half, noise, or the answer after noise: every answer is the same.
+    prompt, params = ids(40, 7), replace(GREEDY, presence_penalty=2.0, repeat_penalty=1.5)
+    answer = run(engine(llama, False), [(prompt, params)])[(0, 0)]["ids"]
+    assert len(set(answer)) == len(answer)
+    lookup = engine(llama, True, spec_ngram_min=2)
+    assert run(lookup, [(prompt, params)])[(0, 0)]["ids"] == answer
+    assert lookup.stats.spec.num_accepted_tokens == 0
+    for prediction, least_accepted in ((answer, 45), (answer[:30], 20), (ids(60, 8), 0), (ids(9, 9) + answer, 45)):
+        e = engine(llama, True, spec_ngram_min=2)
+        out = run(e, [(prompt, replace(params, prediction_ids=tuple(prediction)))])
+        assert out[(0, 0)]["ids"] == answer
+        assert e.stats.spec.num_accepted_tokens >= least_accepted
+        assert e.stats.num_steps < lookup.stats.num_steps or not least_accepted
+    # speculation off for the request: the prediction is not looked up
+    e = engine(llama, True)
+    run(e, [(prompt, replace(params, prediction_ids=tuple(answer), speculative=False))])
+    assert e.stats.spec.num_drafts == 0
+    with pytest.raises(ValueError, match="prediction"):
+        e.add_request(prompt, replace(params, prediction_ids=(1, 10**6)))
+    with pytest.raises(ValueError, match="prediction"):
+        e.add_request(prompt, replace(params, prediction_ids=[1, 2]))
+    assert_all_free(e)
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8, 13])
 def test_max_tokens_ends_a_run_of_accepted_tokens(llama, max_tokens):
     out, _ = same_with_and_without(llama, [(repetitive(3, period=4, times=8), replace(GREEDY, max_tokens=max_tokens))],

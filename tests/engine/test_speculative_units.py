@@ -72,6 +72,32 @@ def test_growing_index_agrees_with_the_definition_at_every_length(vocab, min_n, 
     assert grown.num_indexed == len(ids)
 
 
+def test_a_continuation_stops_at_the_separator_between_texts_looked_up_together():
+    # A predicted output before the context: [prediction..., SEPARATOR, context...]; a match in the
+    # prediction proposes what follows it there, up to its end, never the separator or past it.
+    from tokenmill.engine.speculative.ngram import SEPARATOR
+
+    prediction, context = [5, 6, 7, 8, 9], [1, 2, 5, 6]
+    ids = prediction + [SEPARATOR] + context
+    index = NgramIndex(2, 4)
+    assert index.propose(ids, 8) == [7, 8, 9]
+    assert NgramIndex(1, 4).propose([5, 6, SEPARATOR, 1, 6], 4) == []  # the prediction's last token: nothing after it
+
+
+def test_the_speculator_looks_up_a_prediction_before_the_context():
+    from tokenmill.engine.request import Sequence
+    from tokenmill.engine.speculative import Speculator
+    from tokenmill.engine.speculative.ngram import SEPARATOR
+
+    spec = Speculator(SpecConfig(learn_step_costs=False))
+    seq = Sequence(0, "r", [1, 2, 3], SamplingParams(max_tokens=16, temperature=0, prediction_ids=(2, 3, 40, 41, 42)), 4096)
+    assert spec._lookup_ids(seq) == [2, 3, 40, 41, 42, SEPARATOR, 1, 2, 3]
+    draft = spec.propose_all([seq], num_rows=1)[0]  # as many as the policy finds worth it, up to the separator
+    assert draft and draft == [40, 41, 42][:len(draft)]
+    spec.proposer.searches_prediction = False  # a draft model proposes from the context alone
+    assert spec._lookup_ids(seq) == [1, 2, 3]
+
+
 def test_find_says_how_long_the_match_is():
     index = NgramIndex(1, 4)
     ids = [1, 2, 3, 4, 9, 2, 3]

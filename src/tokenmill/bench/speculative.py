@@ -15,6 +15,9 @@ On a shared machine, other processes' load moves every figure: the repeats alter
 medians are compared; each run's process CPU time is reported too (tokens per CPU second), which
 contention moves less.
 
+--predicted adds a side: speculation on, with each prompt's own answer as the request's predicted output
+(OpenAI's `prediction`, looked up as the context is): what a right prediction adds to prompt lookup.
+
 --bound then says what this machine allows (tokenmill.bench.speculative_bound): what a step of 1 to k+1
 rows costs here, and each prompt's greedy answer replayed at those costs with the engine's policy and
 with proposals cut to exactly what the answer accepts, beside the measured ratio."""
@@ -53,6 +56,9 @@ def build_parser(prog: str = "tokenmill bench speculative") -> argparse.Argument
                    help="also time steps of 1..k+1 rows here and replay each prompt's greedy answer at those costs, "
                         "with the engine's policy and with each lookup's proposal cut to exactly what the answer "
                         "accepts (perfect length), beside the measured ratio")
+    p.add_argument("--predicted", action="store_true",
+                   help="also each prompt with its own answer as the request's predicted output (OpenAI's "
+                        "`prediction`): what a right prediction adds to prompt lookup")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p
 
@@ -74,12 +80,13 @@ class PromptResult:
     prompt_tokens: int
     off: list[Run] = field(default_factory=list)
     on: list[Run] = field(default_factory=list)
+    predicted: list[Run] = field(default_factory=list)  # on, with the answer as the predicted output
     llama_off: float | None = None
     llama_on: float | None = None
 
     @property
     def same(self) -> bool:
-        return all(r.tokens == self.off[0].tokens for r in self.off + self.on)
+        return all(r.tokens == self.off[0].tokens for r in self.off + self.on + self.predicted)
 
     def median(self, side: str, attr: str = "decode_tok_s") -> float:
         return statistics.median(getattr(r, attr) for r in getattr(self, side))
@@ -121,16 +128,16 @@ class Side:
     def encode_chat(self, text: str) -> list[int]:
         return encode_chat(self.tokenizer, text)
 
-    def _params(self, n: int, spec: bool):
+    def _params(self, n: int, spec: bool, prediction: tuple[int, ...] = ()):
         from tokenmill.engine import SamplingParams
 
-        return SamplingParams(max_tokens=n, temperature=0, speculative=spec)
+        return SamplingParams(max_tokens=n, temperature=0, speculative=spec, prediction_ids=prediction)
 
-    def once(self, ids: list[int], n: int, spec: bool) -> Run:
+    def once(self, ids: list[int], n: int, spec: bool, prediction: tuple[int, ...] = ()) -> Run:
         e = self.engine
         c = e.stats.spec
         before = (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
-        e.add_request(ids, self._params(n, spec))
+        e.add_request(ids, self._params(n, spec, prediction))
         out: list[int] = []
         first = first_cpu = None
         while e.has_unfinished():
@@ -216,6 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.repeats):
             for spec in ((False, True) if r % 2 == 0 else (True, False)):
                 (res.on if spec else res.off).append(side.once(ids, args.max_tokens, spec))
+            if args.predicted:
+                res.predicted.append(side.once(ids, args.max_tokens, True, tuple(res.off[0].tokens)))
         results.append(res)
         print(f"  {name}: {res.median('off'):.1f} -> {res.median('on'):.1f} tok/s", file=sys.stderr, flush=True)
     burst: dict[str, Any] | None = None
@@ -279,6 +288,9 @@ def report(r: dict[str, Any]) -> str:
              "", f"{'prompt':18}{'kind':9}{'prompt':>7}{'off':>8}{'on':>8}{'ratio':>7}{'cpu ratio':>10}"
              f"{'accept':>8}{'tok/ver':>8}{'llama.cpp off/on':>18}  same"]
     mismatches = []
+    predicted = [res for res in r["results"] if res.predicted]
+    if predicted:
+        lines[-1] += "  predicted"
     for res in r["results"]:
         off, on = res.median("off"), res.median("on")
         coff, con = res.median("off", "cpu_tok_s"), res.median("on", "cpu_tok_s")
@@ -286,7 +298,8 @@ def report(r: dict[str, Any]) -> str:
         llama = (f"{res.llama_off:.1f}/{res.llama_on:.1f} {res.llama_on / res.llama_off:.2f}x"
                  if res.llama_off else "n/a")
         lines.append(f"{res.name:18}{res.kind:9}{res.prompt_tokens:7d}{off:8.1f}{on:8.1f}{on / off:6.2f}x"
-                     f"{con / coff:9.2f}x{acc:8.0%}{per:8.2f}{llama:>18}  {'yes' if res.same else 'NO'}")
+                     f"{con / coff:9.2f}x{acc:8.0%}{per:8.2f}{llama:>18}  {'yes' if res.same else 'NO'}"
+                     + (f"{res.median('predicted') / off:10.2f}x" if res.predicted else ""))
         if not res.same:
             mismatches.append(res.name)
     for kind in ("grounded", "open"):
@@ -294,7 +307,9 @@ def report(r: dict[str, Any]) -> str:
         if rs:
             g = _geomean([x.median("on") / x.median("off") for x in rs])
             gc = _geomean([x.median("on", "cpu_tok_s") / x.median("off", "cpu_tok_s") for x in rs])
-            lines.append(f"{kind + ' (geomean)':34}{'':16}{g:6.2f}x{gc:9.2f}x")
+            lines.append(f"{kind + ' (geomean)':34}{'':16}{g:6.2f}x{gc:9.2f}x"
+                         + (f"{'':40}{_geomean([x.median('predicted') / x.median('off') for x in rs]):10.2f}x"
+                            if all(x.predicted for x in rs) else ""))
     if r["burst"]:
         b = r["burst"]
         lines.append(f"\nburst of {BURST} requests at once: output {b['off_tok_s']:.1f} -> {b['on_tok_s']:.1f} tok/s "
@@ -340,6 +355,7 @@ def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
                        "off_cpu_tok_s": x.median("off", "cpu_tok_s"), "on_cpu_tok_s": x.median("on", "cpu_tok_s"),
                        "acceptance": x.acceptance()[0], "tokens_per_verification": x.acceptance()[1],
                        "llama_cpp_off_tok_s": x.llama_off, "llama_cpp_on_tok_s": x.llama_on,
+                       "predicted_tok_s": x.median("predicted") if x.predicted else None,
                        "runs": {"off": [r.decode_tok_s for r in x.off], "on": [r.decode_tok_s for r in x.on]}}
                       for x in r["results"]]
     return out

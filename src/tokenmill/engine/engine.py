@@ -216,6 +216,9 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if params.prediction_ids and max(params.prediction_ids) >= vocab:
+            raise InvalidSamplingParams("prediction", f"prediction holds token id {max(params.prediction_ids)}, "
+                                        f"outside the vocabulary (0..{vocab - 1})")
         bad = next((t for t in params.logit_bias or () if t >= vocab), None)
         if bad is not None:
             raise InvalidSamplingParams("logit_bias", f"logit_bias names token id {bad}, outside the vocabulary "

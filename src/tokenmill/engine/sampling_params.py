@@ -65,6 +65,9 @@ class SamplingParams:
     # same either way, and so is a seeded request's.
     speculative: bool | None = None
     num_speculative_tokens: int | None = None
+    # OpenAI's predicted output (`prediction`): tokens the answer is expected to repeat, which prompt
+    # lookup searches as it searches the context (the answer is the model's either way).
+    prediction_ids: tuple[int, ...] = ()
     # OpenAI's logit_bias: token id -> a value added to that token's logit before sampling (after the
     # penalties, before the grammar mask), every step; greedy rows take the argmax of the biased logits.
     logit_bias: dict[int, float] | None = None
@@ -118,6 +121,11 @@ class SamplingParams:
             raise InvalidSamplingParams("speculative", f"speculative must be true or false, got {self.speculative!r}")
         if self.num_speculative_tokens is not None:
             _int("num_speculative_tokens", self.num_speculative_tokens, lo=0, hi=MAX_SPECULATIVE_TOKENS)
+        if not isinstance(self.prediction_ids, tuple):
+            raise InvalidSamplingParams("prediction", f"prediction_ids must be a tuple of token ids, got "
+                                                      f"{type(self.prediction_ids).__name__}")
+        for t in self.prediction_ids:
+            _int("prediction", t, lo=0)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidSamplingParams("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")

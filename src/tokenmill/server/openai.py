@@ -26,6 +26,7 @@ from tokenmill.server.openai_params import (
     template_options,
     truncate_prompt,
 )
+from tokenmill.server.predicted_outputs import prediction_ids, prediction_text, prediction_usage
 from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, openai_spec
 from tokenmill.server.thinking import Thinking, after_thinking, grammar_can_wait, reading_for
@@ -91,9 +92,15 @@ async def respond(request: Request, gens_factory, opts: OpenAIOptions, num_reque
     return JSONResponse(finish_body(gens, results))
 
 
-def _total_usage(gens: list[Generation], counts: list[int]) -> dict:
+def _total_usage(gens: list[Generation], counts: list[int], outputs: list[list[int]] | None = None) -> dict:
+    """The request's usage; with the choices' output ids (`outputs`) and a predicted output, how much of
+    the prediction they used (completion_tokens_details, as OpenAI reports it)."""
     # The prompt is counted once per prompt, as OpenAI bills n choices of one prompt.
-    return usage(sum(g.num_prompt_tokens for g in gens), sum(counts), sum(g.num_cached_tokens for g in gens))
+    out = usage(sum(g.num_prompt_tokens for g in gens), sum(counts), sum(g.num_cached_tokens for g in gens))
+    prediction = gens[0].params.prediction_ids if gens else ()
+    if prediction and outputs is not None:
+        out["completion_tokens_details"] = prediction_usage(prediction, outputs)
+    return out
 
 
 def _by_choice(gens: list[Generation]) -> list[Generation]:
@@ -147,6 +154,10 @@ async def prepare_chat(request: Request, body: dict, *, reasoning: bool = False)
         if waits:
             constraint = after_thinking(tok, constraint[0], ids), constraint[1]
     await add_constraint(opts.params, tok, constraint)
+    predicted = prediction_text(body)
+    if predicted:
+        limit = served.engine.max_model_len
+        opts.params.prediction_ids = await off_loop(lambda: prediction_ids(tok, predicted, limit), len(predicted))
     return ChatJob(served, opts, tok, tool_use, ids, thinking)
 
 
@@ -173,8 +184,10 @@ async def chat_completions(request: Request) -> Response:
         # a thinking model's, first through a split that sends its reasoning as reasoning_content.
         parsers = [tool_use.stream() for _ in range(num_choices)] if tool_use.active else None
         splits = [job.thinking.split() for _ in range(num_choices)] if job.thinking is not None else None
+        outputs: list[list[int]] = [[] for _ in range(num_choices)]  # for a prediction's usage
         async for i, d in all_deltas(gens):
             counts[i] += len(d.token_ids)
+            outputs[i] += d.token_ids
             lp = logprobs_of(d.token_ids, d.logprobs, d.top_logprobs)
             text, deltas = d.text, []
             if splits is not None:
@@ -194,7 +207,7 @@ async def chat_completions(request: Request) -> Response:
                 reason = "tool_calls" if called and d.finish_reason == "stop" else d.finish_reason
                 yield chunk(i, {}, reason=reason)
         if opts.include_usage:
-            yield env.wrap([], "chat.completion.chunk", _total_usage(gens, counts))
+            yield env.wrap([], "chat.completion.chunk", _total_usage(gens, counts, outputs))
 
     def finish_body(gens: list[Generation], results: list[Result]) -> dict:
         choices = []
@@ -202,7 +215,8 @@ async def chat_completions(request: Request) -> Response:
             message, reason = chat_message(tool_use, r, job.thinking)
             choices.append({"index": i, "message": message,
                             "logprobs": logprobs_of(r.token_ids, r.logprobs, r.top_logprobs), "finish_reason": reason})
-        return env.wrap(choices, usage=_total_usage(gens, [len(r.token_ids) for r in results]))
+        return env.wrap(choices, usage=_total_usage(gens, [len(r.token_ids) for r in results],
+                                                    [r.token_ids for r in results]))
 
     return await respond(request, lambda: generations(served, [ids], opts, "messages"), opts, opts.n,
                          stream_body, finish_body)

@@ -35,17 +35,18 @@ SAMPLING_FIELDS = {
     "speculative", "num_speculative_tokens",  # tokenmill's: speculative decoding per request
     *OPENAI_FIELDS,  # response_format, vLLM's guided_* and structured_outputs
 }
-# Accepted without effect: they change nothing about the text a model can produce here (`prediction`
-# only speeds up a known answer; `modalities` may only ask for text, see refuse_unsupported).
+# Accepted without effect: they change nothing about the text a model can produce here (`modalities`
+# may only ask for text, see refuse_unsupported).
 HARMLESS = {"user", "store", "metadata", "service_tier", "safety_identifier",
-            "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "prediction",
+            "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
             "modalities", "verbosity"}
 # Asked for, these would change what the client gets back in a way this server cannot honour (audio, a
 # legacy function call, a web search): a 400 naming the field, never a silently different answer.
 REFUSED_CHAT = {"audio", "functions", "function_call", "web_search_options"}
 CHAT_FIELDS = SAMPLING_FIELDS | HARMLESS | REFUSED_CHAT | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "reasoning_effort"}
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "reasoning_effort",
+    "prediction"}  # predicted outputs: server/predicted_outputs.py
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # Names chat_template_kwargs may not use: the renderer's own arguments, set by the request's own fields.
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}

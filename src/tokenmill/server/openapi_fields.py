@@ -155,8 +155,11 @@ FIELDS: dict[str, dict] = {
     **{k: described(v, "accepted; no effect") for k, v in {
         "store": BOOLEAN, "metadata": OBJECT, "service_tier": STRING, "safety_identifier": STRING,
         "prompt_cache_key": STRING, "verbosity": STRING,
-        "prompt_cache_retention": STRING, "prompt_cache_options": OBJECT, "prediction": OBJECT,
+        "prompt_cache_retention": STRING, "prompt_cache_options": OBJECT,
     }.items()},
+    "prediction": described(OBJECT, 'predicted output ({"type": "content", "content": text or text parts}): '
+                                     "looked up by speculative decoding; the answer is unchanged, the usage's "
+                                     "completion_tokens_details says how much of it was used"),
     "modalities": described(STRINGS, 'only "text": "audio" is a 400'),
     "reasoning_effort": described({"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]},
                                   '"none": a thinking model\'s template with enable_thinking false; '

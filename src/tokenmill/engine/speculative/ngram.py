@@ -20,6 +20,9 @@ import numpy as np
 
 # Occurrences few enough to follow one by one (NgramIndex.find).
 _FEW = 16
+# A token id no context holds: put between texts looked up together (a request's predicted output and
+# its context), no match spans it, and a continuation stops before it (continuation).
+SEPARATOR = -1
 
 
 @dataclass(frozen=True)
@@ -122,5 +125,8 @@ def continuation(token_ids: Sequence[int], match: Match, k: int) -> list[int]:
     n_ids = len(token_ids)
     out: list[int] = []
     for pos in range(start, start + k):
-        out.append(token_ids[pos] if pos < n_ids else out[pos - n_ids])
+        token = token_ids[pos] if pos < n_ids else out[pos - n_ids]
+        if token == SEPARATOR:  # the end of a text looked up before the context
+            break
+        out.append(token)
     return out

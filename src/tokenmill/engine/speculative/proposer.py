@@ -187,6 +187,7 @@ class NgramProposer:
         state.backoff.observe(self.cfg, num_accepted)
 
     nbytes = 0  # memory it holds besides each sequence's index (a draft model holds its weights and cache)
+    searches_prediction = True  # a request's predicted output is looked up too (Speculator._lookup_ids)
 
     def forget(self, state: SpecState) -> None:
         """The sequence is done or starts over: an n-gram index holds nothing outside itself."""

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.speculative.config import SpecConfig
+from tokenmill.engine.speculative.ngram import SEPARATOR
 from tokenmill.engine.speculative.proposer import NgramProposer, SpecCounters
 
 if TYPE_CHECKING:
@@ -63,13 +64,23 @@ class Speculator:
             return {}
         start = time.perf_counter()
         results = self.proposer.propose_many(
-            [(seq.spec, seq.all_token_ids, seq.num_shifted_tokens, cap) for seq, cap in asks], num_rows)
+            [(seq.spec, self._lookup_ids(seq), seq.num_shifted_tokens, cap) for seq, cap in asks], num_rows)
         self._propose_seconds += time.perf_counter() - start
         drafts = {}
         for (seq, _), (state, draft) in zip(asks, results):
             seq.spec = state
             drafts[seq.seq_id] = draft
         return drafts
+
+    def _lookup_ids(self, seq: "Sequence") -> list[int]:
+        """What a sequence's proposals come from: its context, after its request's predicted output (and
+        a separator no token matches, so that no match spans the two) when the proposer looks tokens up.
+        The list only grows, as the proposer's index needs."""
+        ids = seq.all_token_ids
+        prediction = seq.params.prediction_ids
+        if prediction and getattr(self.proposer, "searches_prediction", False):
+            return [*prediction, SEPARATOR, *ids]
+        return ids
 
     def observe_step(self, rows: int, model_seconds: float, step_seconds: float, has_prefill: bool = False) -> None:
         """After each step: its rows, the model's and sampler's time, and the whole step's, which teach
