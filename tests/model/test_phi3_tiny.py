@@ -133,6 +133,38 @@ def test_longrope_within_the_original_context_takes_the_short_factors(tmp_path):
                            PROMPT[:12]) - want).abs().max() > 1e-3  # the long factors would differ
 
 
+def test_longrope_follows_the_context_the_engine_runs_with(tmp_path):
+    # llama.cpp picks the factors by its n_ctx: an engine whose context (the KV cache's size here) is
+    # within the original one takes the short factors, as a file of that context does; back beyond it,
+    # the long ones. Through the engine, greedy tokens follow.
+    long_path = write_tiny_phi3(tmp_path / "long.gguf", _longrope_spec(weight_type=Q.Q8_0))
+    short_path = write_tiny_phi3(tmp_path / "short.gguf", _longrope_spec(context_length=16, weight_type=Q.Q8_0))
+    model = load_model(long_path, torch.float32).model
+    long_logits = prefill_logits(model, PROMPT[:12])
+    model.fit_context(16)
+    assert model.longrope_factors(16) == "rope_factors_short.weight" and model.rope.magnitude == pytest.approx(1.19)
+    short_logits = prefill_logits(load_model(short_path, torch.float32).model, PROMPT[:12])
+    torch.testing.assert_close(prefill_logits(model, PROMPT[:12]), short_logits, atol=0, rtol=0)
+    model.fit_context(256)
+    torch.testing.assert_close(prefill_logits(model, PROMPT[:12]), long_logits, atol=0, rtol=0)
+    assert (long_logits - short_logits).abs().max() > 1e-3
+    if native.runnable_variants():  # the defaults a user gets: gguf weights, the native step
+        from engine_helpers import make_engine
+        from tokenmill.engine import SamplingParams
+
+        def tokens(path, **cfg) -> list[int]:
+            e = make_engine(load_model(path), **cfg)
+            e.add_request(PROMPT[:8], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+            out = []
+            while e.has_unfinished():
+                out += [t for ev in e.step() for t in ev.token_ids]
+            return out
+
+        small = dict(max_total_tokens=16, block_size=16)
+        assert tokens(long_path, **small) == tokens(short_path, **small)
+        assert tokens(long_path, max_total_tokens=256) != tokens(long_path, **small)
+
+
 def test_longrope_is_refused_where_it_cannot_run(tmp_path):
     # In a Llama file the factors are refused, not ignored (at load and when pushed, naming no path).
     spec = _longrope_spec()

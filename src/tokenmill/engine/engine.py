@@ -127,6 +127,7 @@ class LLMEngine:
         # /v1/models, /api/ps and /props report (llama.cpp's n_ctx is the cache's size too).
         context = cfg.context_limit(mc.context_length)
         self.max_model_len = min(context, cfg.num_blocks * cfg.block_size)
+        loaded.model.fit_context(self.max_model_len)  # before the first step takes the rotary tables' addresses
         if self.max_model_len < context:
             log.warning("the KV cache holds %d tokens (kv_size or the memory left for it), less than the %d-token "
                         "context: a request's prompt and output get at most %d", self.max_model_len, context,

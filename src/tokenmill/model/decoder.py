@@ -57,6 +57,11 @@ class DecoderLM(nn.Module):
         self.final_softcap = 0.0  # > 0: logits soft-capped, cap * tanh(logit / cap) (Gemma 2)
         self.logit_divisor = 1.0  # the logits divided by it (Granite's logit scale)
 
+    def fit_context(self, context: int) -> None:
+        """The context the model will run with (the engine's: at most the file's, less where the KV cache is
+        smaller), told before its first step. An architecture whose rotary tables depend on it picks them
+        here (Phi-3's LongRoPE factors, as llama.cpp picks them by its n_ctx); the rest need nothing."""
+
     def pack_weights(self) -> None:
         """After loading: give every dense bf16 weight its oneDNN-packed form (see model/linear.py)."""
         for m in self.modules():

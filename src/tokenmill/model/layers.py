@@ -70,6 +70,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.theta = theta
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)) / linear_scaling
+        self._file_inv_freq = self.inv_freq  # before any per-frequency factors (set_longrope starts from it)
         self.magnitude = 1.0  # cos and sin scaled by it (LongRoPE's attention factor: set_longrope)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
@@ -81,9 +82,10 @@ class RotaryEmbedding(nn.Module):
         # the whole tables would cost twice what the tables do.
         cos, sin = (freqs.cos() * self.magnitude).float(), (freqs.sin() * self.magnitude).float()
         del freqs
-        self.cos = torch.cat([cos, cos], -1)
+        device = self.cos.device  # tables rebuilt after the model moved (to a GPU) stay where it is
+        self.cos = torch.cat([cos, cos], -1).to(device)
         # rotate_half(x) = cat(-x2, x1); the sign lives in the table so a swap of halves suffices.
-        self.sin = torch.cat([-sin, sin], -1)
+        self.sin = torch.cat([-sin, sin], -1).to(device)
 
     @classmethod
     def unrotated(cls, rope_dim: int, max_positions: int) -> "RotaryEmbedding":
@@ -124,8 +126,9 @@ class RotaryEmbedding(nn.Module):
     def set_longrope(self, factors: torch.Tensor, magnitude: float) -> None:
         """LongRoPE (Phi-3's 128k models, Phi-3.5, Phi-4-mini): each frequency divided by its factor, as
         divide_frequencies, and the tables scaled by the attention factor (transformers' and llama.cpp's
-        attn_factor: every q.k then carries its square)."""
+        attn_factor: every q.k then carries its square). Again with the other factors, it replaces the first."""
         self.magnitude = float(magnitude)
+        self.inv_freq = self._file_inv_freq
         self.divide_frequencies(factors)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype, *, check: bool = True, fused: bool = False) -> "Rope":
