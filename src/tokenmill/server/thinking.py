@@ -138,9 +138,9 @@ def reading_for(tokenizer: Tokenizer, prompt_ids: list[int], *, wanted: bool, co
     """How to read a request's answer, None for as written: split when the model thinks and the request
     did not turn thinking off (`wanted`), or when its prompt left a block open anyway (a template that
     always thinks). A grammar that holds from the first token (`constrained`: one that does not wait for
-    the reasoning, grammar_can_wait): inside a block the prompt opened, what it makes is the answer, so that is not split; else the
-    text is split only if the grammar itself writes a block (a regex that does), as any text that does
-    not open with the tag is all answer."""
+    the reasoning, see grammar_can_wait): inside a block the prompt opened, what it makes is the answer,
+    so that is not split; else the text is split only if the grammar itself writes a block (a regex that
+    does), as any text that does not open with the tag is all answer."""
     if not model_thinks(tokenizer):
         return None
     reading = Thinking.for_prompt(tokenizer, prompt_ids)

@@ -166,6 +166,8 @@ class DraftProposer:
         return DraftState(next(self._keys), num_shifted_tokens, AcceptanceRate(prior=self.cfg.prior_acceptance),
                           BackOff(next_cooldown=self.cfg.cooldown_steps))
 
+    searches_prediction = False  # a draft proposes from the context alone (Speculator._lookup_ids)
+
     def any_could_pay(self, states: list[DraftState | None], num_rows: int) -> bool:
         """Whether a proposal of any of these sequences could pay in a step of num_rows rows, before the
         draft's own cost (which only makes paying harder): proposer.any_could_pay."""

@@ -75,7 +75,9 @@ class Speculator:
     def _lookup_ids(self, seq: "Sequence") -> list[int]:
         """What a sequence's proposals come from: its context, after its request's predicted output (and
         a separator no token matches, so that no match spans the two) when the proposer looks tokens up.
-        The list only grows, as the proposer's index needs."""
+        The list only grows, as the proposer's index needs. (The prior cost model prices a row by this
+        list's length, a long prediction's too: in a large batch its proposals come out shorter, never
+        wrong.)"""
         ids = seq.all_token_ids
         prediction = seq.params.prediction_ids
         if prediction and getattr(self.proposer, "searches_prediction", False):
