@@ -107,7 +107,9 @@ class LocalChat:
         return params
 
     def stream(self, turn: Turn, params: SamplingParams) -> Iterator[str]:
-        from tokenmill.server.thinking import model_thinks, reading_for
+        from tokenmill.server.thinking import after_thinking, grammar_can_wait, model_thinks, reading_for
+        from tokenmill.structured.compiler import compiler_for
+        from tokenmill.structured.grammar import GrammarSpec
 
         params = self.params_for(turn, params)
         thinks = model_thinks(self.tokenizer) and not turn.raw
@@ -120,8 +122,14 @@ class LocalChat:
             variables = {"enable_thinking": False} if thinks and turn.think is False else {}
             ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(turn.messages(), add_generation_prompt=True,
                                                                            **variables), add_special_tokens=False)
+            # JSON waits for the reasoning, as a server's format does (server/thinking.py)
+            waits = (turn.format == "json" and turn.think is not False
+                     and grammar_can_wait(self.tokenizer, GrammarSpec("json")))
+            if waits:
+                params.constraint = compiler_for(self.tokenizer).compile_now(
+                    after_thinking(self.tokenizer, GrammarSpec("json"), ids))
             reading = reading_for(self.tokenizer, ids, wanted=turn.think is not False,
-                                  constrained=params.constraint is not None)
+                                  constrained=params.constraint is not None and not waits)
         split = reading.split() if reading is not None else None
         self.stats = None
         start = time.perf_counter()

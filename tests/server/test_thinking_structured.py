@@ -123,3 +123,15 @@ def test_a_block_the_prompt_opened_is_reasoning_until_the_model_closes_it(always
     off = client.post("/api/chat", json={**body, "think": False}).json()["message"]
     assert "thinking" not in off and off["content"].startswith("{")
     wait_idle(host)
+
+
+def test_run_in_process_thinks_before_its_json_too(tmp_path, nobody_listens, capsys):
+    # As a server's format: the model's reasoning first (this one never ends it), shown apart.
+    from tokenmill.cli import main
+
+    path = write_tiny_qwen(tmp_path / "r1.gguf", "qwen3", SPEC, chat_template=OPEN_THINK_TEMPLATE)
+    assert main(["run", str(path), "hi", "--max-tokens", "8", "--format", "json"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Thinking...\n") and "...done thinking." in out
+    assert main(["run", str(path), "hi", "--max-tokens", "8", "--format", "json", "--think=false"]) == 0
+    assert capsys.readouterr().out.lstrip().startswith("{")  # thinking off: the grammar from the first token
