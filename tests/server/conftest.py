@@ -1,12 +1,13 @@
 """Live servers for the HTTP tests: one tiny-model server shared by the session (cheap to load,
 enough for protocol behaviour), one with a longer context for tool listings, and a SmolLM2 one for
-the few real-model checks."""
+the few real-model checks; and tiny thinking Qwen3s, each module's own (its SPEC)."""
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from server_helpers import start_server, wait_idle
+from qwen_templates import OPEN_THINK_TEMPLATE, QWEN3_TEMPLATE
+from server_helpers import serve_tiny_qwen3, start_server, wait_idle
 from tokenmill.server.commands import bind_socket
 from tiny_model import TinyLlamaSpec, write_tiny_llama
 
@@ -104,3 +105,15 @@ def added(tiny, monkeypatch):
 
     monkeypatch.setattr(scheduler, "add", spy)
     return seqs
+
+
+@pytest.fixture(scope="module")
+def qwen3(request, tmp_path_factory):
+    """(client, host): a tiny Qwen3 of the module's SPEC with Qwen3's template (the model opens its block)."""
+    yield from serve_tiny_qwen3(tmp_path_factory.mktemp("qwen3"), QWEN3_TEMPLATE, request.module.SPEC)
+
+
+@pytest.fixture(scope="module")
+def always_thinks(request, tmp_path_factory):
+    """(client, host): the same with a template that opens the block in the prompt (DeepSeek-R1's kind)."""
+    yield from serve_tiny_qwen3(tmp_path_factory.mktemp("r1"), OPEN_THINK_TEMPLATE, request.module.SPEC)

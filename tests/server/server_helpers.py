@@ -159,3 +159,16 @@ def start_speculative_server(folder: Path) -> tuple[LiveServer, ModelHost]:
     live, host = start_server(str(path), dtype="gguf", spec_ngram_min=1, num_speculative_tokens=6)
     assert host.wait_ready(60), host.error
     return live, host
+
+
+def serve_tiny_qwen3(folder: Path, template: str, spec) -> Iterator[tuple[httpx.Client, ModelHost]]:
+    """(client, host) of a server of a tiny Qwen3 (`spec`: a TinyLlamaSpec) with this chat template, until
+    the generator closes: a module fixture's body."""
+    from tiny_model import write_tiny_qwen
+
+    path = write_tiny_qwen(folder / "tiny-qwen3.gguf", "qwen3", spec, chat_template=template)
+    server, host = start_server(str(path), dtype="auto", kv_size=4096)
+    assert host.wait_ready(60), host.error
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client, host
+    server.stop()

@@ -9,38 +9,17 @@ from __future__ import annotations
 import json
 
 import gguf
-import httpx
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from qwen_templates import OPEN_THINK_TEMPLATE, QWEN3_TEMPLATE
-from server_helpers import model_name, start_server, wait_idle
+from server_helpers import model_name, wait_idle
 from tiny_model import TinyLlamaSpec, write_tiny_qwen
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
 SPEC = TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q8_0, context_length=2048)
-
-
-def _serving(folder, template: str):
-    """(client, host) of a server of a tiny Qwen3 with this chat template, until the generator closes."""
-    path = write_tiny_qwen(folder / "tiny-qwen3.gguf", "qwen3", SPEC, chat_template=template)
-    server, host = start_server(str(path), dtype="auto", kv_size=4096)
-    assert host.wait_ready(60), host.error
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client, host
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    yield from _serving(tmp_path_factory.mktemp("qwen3"), QWEN3_TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def always_thinks(tmp_path_factory):
-    yield from _serving(tmp_path_factory.mktemp("r1"), OPEN_THINK_TEMPLATE)
 
 
 @pytest.fixture
