@@ -78,3 +78,13 @@ def test_a_malformed_prediction_is_a_400_naming_it(served, prediction, param):
     r = client.post("/v1/chat/completions", json=_body(host, prediction=prediction))
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert client.get("/health").status_code == 200
+
+
+def test_the_usage_counts_the_predictions_tokens_each_answer_holds():
+    from tokenmill.server.predicted_outputs import prediction_usage
+
+    # per choice: each predicted token counted as often as both hold it; the rest rejected; summed
+    assert prediction_usage((1, 2, 3, 3), [[3, 1, 9], [4]]) == {"accepted_prediction_tokens": 2,
+                                                                "rejected_prediction_tokens": 6}
+    assert prediction_usage((7,) * 8192, [[7] * 4096]) == {"accepted_prediction_tokens": 4096,
+                                                           "rejected_prediction_tokens": 4096}
