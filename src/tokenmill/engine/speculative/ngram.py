@@ -76,6 +76,8 @@ class NgramIndex:
             n += 1
         if not ends.size:
             return None
+        if n == self.max_n:  # all of them agree on max_n tokens (thousands, in a long repetitive text): the latest
+            return Match(int(ends[-1]) + 1, n) if n >= self.min_n else None
         # Each occurrence left agrees on n tokens: how far does it go, up to max_n? The longest wins,
         # the latest among equals (ends ascend).
         last = n_ids - 1
