@@ -37,7 +37,7 @@ from tokenmill.server.ollama_params import FIELD_NAMES, OllamaOptions, parse_opt
 from tokenmill.server.streaming import ndjson_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, ollama_spec
 from tokenmill.server.ollama_tool_stream import OllamaCallStream
-from tokenmill.server.thinking import Thinking, after_thinking, grammar_can_wait, model_thinks, reading_for
+from tokenmill.server.thinking import Thinking, grammar_can_wait, model_thinks, reading_and_grammar
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.server.validation import (
     get_bool,
@@ -238,10 +238,7 @@ async def generate(request: Request) -> Response:
     ids = context + await off_loop(lambda: render_prompt(tok, prompt, system=system, raw=raw, **variables),
                                    len(prompt))
     if not raw:  # a raw prompt is the client's own: its answer comes back as written
-        waits = waits and think
-        shape.thinking = reading_for(tok, ids, wanted=think, constrained=constraint is not None and not waits)
-        if waits:
-            constraint = after_thinking(tok, constraint[0], ids), constraint[1]
+        shape.thinking, constraint = reading_and_grammar(tok, ids, constraint, wanted=think, can_wait=waits)
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "prompt")
 
@@ -269,10 +266,7 @@ async def chat(request: Request) -> Response:
     ids = await off_loop(lambda: render_chat(tok, messages, tools=tools, continue_final_message=prefill,
                                              **variables), chars_in(messages))
     if not prefill:  # a continued answer is the client's own text going on: as written
-        waits = waits and think
-        shape.thinking = reading_for(tok, ids, wanted=think, constrained=constraint is not None and not waits)
-        if waits:
-            constraint = after_thinking(tok, constraint[0], ids), constraint[1]
+        shape.thinking, constraint = reading_and_grammar(tok, ids, constraint, wanted=think, can_wait=waits)
     await add_constraint(opts.params, tok, constraint)
     return await _respond(request, served, ids, opts, body, shape, timings, "messages")
 

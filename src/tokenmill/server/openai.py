@@ -29,7 +29,7 @@ from tokenmill.server.openai_params import (
 from tokenmill.server.predicted_outputs import prediction_ids, prediction_text, prediction_usage
 from tokenmill.server.streaming import sse_response, unless_disconnected
 from tokenmill.server.structured_params import add_constraint, openai_spec
-from tokenmill.server.thinking import Thinking, after_thinking, grammar_can_wait, reading_for
+from tokenmill.server.thinking import Thinking, grammar_can_wait, reading_and_grammar
 from tokenmill.server.tool_stream import Piece
 from tokenmill.server.tools import ToolUse, parse_tool_use, prepare_messages
 from tokenmill.server.validation import check_name_field, get_bool, get_int, get_model_name, get_str, read_json
@@ -147,12 +147,10 @@ async def prepare_chat(request: Request, body: dict, *, reasoning: bool = False)
                          chars_in(messages) + chars_in(template))
     thinking = None
     if reasoning and not template["continue_final_message"]:  # a continued message is the client's own text
-        wanted = template.get("enable_thinking") is not False
         # A JSON format or forced tool call waits for the reasoning (vLLM with a reasoning parser).
-        waits = wanted and constraint is not None and grammar_can_wait(tok, constraint[0])
-        thinking = reading_for(tok, ids, wanted=wanted, constrained=constraint is not None and not waits)
-        if waits:
-            constraint = after_thinking(tok, constraint[0], ids), constraint[1]
+        thinking, constraint = reading_and_grammar(
+            tok, ids, constraint, wanted=template.get("enable_thinking") is not False,
+            can_wait=constraint is not None and grammar_can_wait(tok, constraint[0]))
     await add_constraint(opts.params, tok, constraint)
     predicted = prediction_text(body)
     if predicted:

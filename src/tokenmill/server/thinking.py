@@ -159,6 +159,18 @@ def grammar_can_wait(tokenizer: Tokenizer, spec: GrammarSpec | None) -> bool:
             and not any(tokenizer.is_special(i) for i in tokenizer.encode(OPEN + CLOSE, add_special_tokens=False)))
 
 
+def reading_and_grammar(tokenizer: Tokenizer, prompt_ids: list[int], found: tuple[GrammarSpec, str] | None, *,
+                        wanted: bool, can_wait: bool) -> tuple[Thinking | None, tuple[GrammarSpec, str] | None]:
+    """A rendered request's reading (reading_for) and its grammar (`found`: spec and field), which waits for
+    the reasoning where it can (`can_wait`: grammar_can_wait, asked before rendering, as it decides the
+    template's thinking switch) and the request wants the model to think."""
+    waits = found is not None and can_wait and wanted
+    reading = reading_for(tokenizer, prompt_ids, wanted=wanted, constrained=found is not None and not waits)
+    if waits:
+        found = after_thinking(tokenizer, found[0], prompt_ids), found[1]
+    return reading, found
+
+
 def after_thinking(tokenizer: Tokenizer, spec: GrammarSpec, prompt_ids: list[int]) -> GrammarSpec:
     """spec waiting for the think block: the one the prompt opened, or one the model may open."""
     inside = Thinking.for_prompt(tokenizer, prompt_ids).starts_inside
