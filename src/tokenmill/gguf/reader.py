@@ -56,7 +56,7 @@ class TensorInfo:
 class GGUFFile:
     def __init__(self, path: Path, metadata: dict[str, Any], tensors: dict[str, TensorInfo], *,
                  version: int = 3, alignment: int = DEFAULT_ALIGNMENT, data_offset: int = 0,
-                 mapping: mmap.mmap | None = None):
+                 mapping: mmap.mmap | None = None, metadata_end: int = 0, byte_order: str = "<"):
         self.path = path
         self.mapping = mapping  # the file's read-only map, which the tensors' data views
         self.metadata = metadata
@@ -64,6 +64,8 @@ class GGUFFile:
         self.version = version
         self.alignment = alignment
         self.data_offset = data_offset
+        self.metadata_end = metadata_end  # where the tensor infos start (gguf/rewrite.py copies what is before)
+        self.byte_order = byte_order
 
     def release_pages(self) -> None:
         """Drop the pages of the file this process has read (the loader calls it once the weights
@@ -265,6 +267,7 @@ def _parse(path: Path, mm: np.ndarray, mapping: mmap.mmap | None = None) -> GGUF
             continue
         metadata[key] = value
 
+    metadata_end = p.pos
     infos: list[tuple[str, tuple[int, ...], int, int]] = []
     for i in range(tensor_count):
         name = p.string(f"name of tensor #{i}")
@@ -307,7 +310,7 @@ def _parse(path: Path, mm: np.ndarray, mapping: mmap.mmap | None = None) -> GGUF
             data = mm[start:start + n_bytes].reshape(byte_shape)
         tensors[name] = TensorInfo(name, shape, ggml_type, data)
     return GGUFFile(path, metadata, tensors, version=version, alignment=alignment, data_offset=data_offset,
-                    mapping=mapping)
+                    mapping=mapping, metadata_end=metadata_end, byte_order=endian)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:

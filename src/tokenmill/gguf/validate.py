@@ -87,6 +87,7 @@ class GGUFSummary:
     metadata_count: int
     data_offset: int
     file_size: int
+    kind: str = "model"  # or "adapter": a LoRA adapter (gguf/lora.py), which no request may load as a model
 
 
 class _Cursor:
@@ -358,10 +359,22 @@ def _validate(cur: _Cursor, architectures: Collection[str]) -> GGUFSummary:
             raise InvalidGGUF(f"tensor #{t.index}'s data (bytes {start}..{end}) runs past the end of the file "
                               f"({cur.size} bytes)")
     _tensor_types(tensors)
+    if metadata.get("general.type") == "adapter":
+        _adapter(metadata, tensors)
+        return GGUFSummary(architecture, version, tensor_count, kv_count, data_offset, cur.size, "adapter")
     shapes = {t.name: t.shape for t in tensors}
     _hyperparameters(architecture, metadata, shapes)
     _tokenizer(architecture, metadata, shapes)
     return GGUFSummary(architecture, version, tensor_count, kv_count, data_offset, cur.size)
+
+
+def _adapter(metadata: dict, tensors: list[_Tensor]) -> None:
+    """A LoRA adapter's own structure (gguf/lora.py checks it against a base when a model is made)."""
+    if metadata.get("adapter.type") != "lora":
+        raise InvalidGGUF("an adapter whose adapter.type is not 'lora'")
+    for t in tensors:
+        if len(t.shape) != 2 or not t.name.endswith((".lora_a", ".lora_b")):
+            raise InvalidGGUF(f"adapter tensor #{t.index} is not a matrix named <tensor>.lora_a or <tensor>.lora_b")
 
 
 def _tensor_types(tensors: list[_Tensor]) -> None:
