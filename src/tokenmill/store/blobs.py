@@ -58,7 +58,7 @@ class BlobTooLargeError(BlobError):
 
 
 class InvalidBlobError(BlobError):
-    """The blob is not a GGUF model tokenmill can load."""
+    """The blob is not a GGUF model (or LoRA adapter) tokenmill can use, or not the kind asked for."""
 
 
 def is_digest(text: object) -> bool:
@@ -180,12 +180,27 @@ class BlobUpload:
 
 def model_blob(hexdigest: str) -> Path:
     """The held blob `hexdigest` if it is a valid GGUF model (checked once, then remembered)."""
+    return _checked_blob(hexdigest, "model")
+
+
+def adapter_blob(hexdigest: str) -> Path:
+    """The held blob `hexdigest` if it is a valid LoRA adapter (gguf/lora.py; checked once, then remembered)."""
+    return _checked_blob(hexdigest, "adapter")
+
+
+def _checked_blob(hexdigest: str, kind: str) -> Path:
     path = blob_path(hexdigest)
     if not path.is_file():
         raise BlobNotFoundError(f"blob {digest_ref(hexdigest)} not found; push it first (POST /api/blobs/"
                                 f"{digest_ref(hexdigest)})")
-    if "gguf" not in read_manifest(path):  # copied in by hand, or changed since it was checked
-        update_manifest(path, gguf=_validate(path, None))
+    info = read_manifest(path).get("gguf")
+    if info is None:  # copied in by hand, or changed since it was checked
+        info = _validate(path, None)
+        update_manifest(path, gguf=info)
+    held = info.get("kind", "model")  # manifests written before adapters were all models'
+    if held != kind:
+        what = {"model": "a model", "adapter": "a LoRA adapter"}
+        raise InvalidBlobError(f"blob {digest_ref(hexdigest)} is {what.get(held, held)}, not {what[kind]}")
     return path
 
 
@@ -193,18 +208,25 @@ def model_blob(hexdigest: str) -> Path:
 file_digest = sha256_file
 
 
-def import_file(path: Path, digest: str | None = None, max_bytes: int | None = None) -> str:
-    """Copy a local GGUF file into the blobs (the in-process `create` with `FROM ./file.gguf`, as
-    Ollama's create copies it): its hex digest (`digest`, if the caller hashed it already). A file
-    already held is not copied again."""
+def import_file(path: Path, digest: str | None = None, max_bytes: int | None = None, kind: str = "model") -> str:
+    """Copy a local GGUF file into the blobs (the in-process `create` with `FROM ./file.gguf` or
+    `ADAPTER ./lora.gguf`, as Ollama's create copies it): its hex digest (`digest`, if the caller hashed
+    it already). A file already held is not copied again. kind: "model" or "adapter"."""
     digest = digest or file_digest(path)
     if has_blob(digest):
-        model_blob(digest)
+        _checked_blob(digest, kind)
         return digest
     with path.open("rb") as f, BlobUpload(digest, max_bytes) as upload:
         while chunk := f.read(CHUNK):
             upload.write(chunk)
-        return upload.commit()
+        digest = upload.commit()
+    try:
+        _checked_blob(digest, kind)
+    except InvalidBlobError:  # a model given as an adapter, or the other way: not kept for nothing
+        with blob_lock():
+            remove_blob(digest)
+        raise
+    return digest
 
 
 def remove_blob(hexdigest: str) -> bool:

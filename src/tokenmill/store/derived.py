@@ -49,17 +49,28 @@ class DerivedModel:
     base: str          # the GGUF-backed model's name, a blob's `sha256:<hex>` (or, in older records, a path)
     profile: Profile
     created_at: float
+    # With LoRA adapters (blob digests, in the order applied), `base` is the blob they were merged into
+    # (store/adapters.py) and `adapted_from` the model they were merged into it from.
+    adapters: tuple[str, ...] = ()
+    adapted_from: str | None = None
 
     def to_json(self) -> dict:
         p = asdict(self.profile)
         p["messages"] = list(self.profile.messages)
-        return {"name": self.name, "from": self.base, **p, "created_at": self.created_at}
+        extra = {"adapters": list(self.adapters), "adapted_from": self.adapted_from} if self.adapters else {}
+        return {"name": self.name, "from": self.base, **p, **extra, "created_at": self.created_at}
 
     @classmethod
     def from_json(cls, d: dict) -> "DerivedModel":
         profile = Profile(d.get("system"), d.get("template"), dict(d.get("parameters") or {}),
                           tuple(d.get("messages") or ()))
-        return cls(d["name"], d["from"], profile, float(d.get("created_at", 0.0)))
+        return cls(d["name"], d["from"], profile, float(d.get("created_at", 0.0)),
+                   tuple(d.get("adapters") or ()), d.get("adapted_from"))
+
+    @property
+    def blobs(self) -> tuple[str, ...]:
+        """The digests of the blobs the model uses: its base's, if a blob, and its adapters'."""
+        return ((self.base,) if is_digest(self.base) else ()) + self.adapters
 
 
 def derived_dir() -> Path:
@@ -96,9 +107,10 @@ def list_derived() -> list[DerivedModel]:
     return out
 
 
-def save_derived(name: str, base: str, profile: Profile) -> DerivedModel:
+def save_derived(name: str, base: str, profile: Profile, adapters: tuple[str, ...] = ()) -> DerivedModel:
     """Create or replace `name`. `base` is an installed model's name, a blob digest, or a derived
-    model (whose fields are inherited); never a path: a file becomes a blob first (blobs.import_file)."""
+    model (whose fields are inherited); never a path: a file becomes a blob first (blobs.import_file).
+    `adapters` (LoRA adapters' blob digests) are merged into the base's weights, as a blob of its own."""
     name = check_name(name)
     # Names compare case-insensitively, files on disk do not: SmolLM2-...gguf is taken by smollm2-...
     if find_spec(name) is not None or any(p.stem.lower() == name for p in models_dir().glob("*.gguf")):
@@ -107,8 +119,10 @@ def save_derived(name: str, base: str, profile: Profile) -> DerivedModel:
         raise StoreError(f"{name!r} is a blob digest, not a model name; choose another name")
     with blob_lock():  # the blob checked here stays until the record that uses it is written
         parent = find_derived(base)
+        held, source = (), base
         if parent is not None:
             base, profile = parent.base, parent.profile.merged(profile)
+            held, source = parent.adapters, parent.adapted_from or parent.base
         elif is_digest(base):
             base = digest_ref(parse_digest(base))
             model_blob(parse_digest(base))  # raises for a blob not held or not a valid GGUF
@@ -118,7 +132,15 @@ def save_derived(name: str, base: str, profile: Profile) -> DerivedModel:
             resolve_model(base)  # raises for a base that is not installed
         if normalize_name(base) == name:
             raise StoreError(f"model {name!r} cannot be derived from itself")
-        return _write_record(DerivedModel(name, base, profile, time.time()))
+        if adapters:
+            from tokenmill.store.adapters import merged_blob  # the GGUF and torch machinery, only when asked
+
+            adapters = tuple(digest_ref(parse_digest(a)) for a in adapters)
+            base_path = model_blob(parse_digest(base)) if is_digest(base) else resolve_model(base)
+            base = digest_ref(merged_blob(base_path, adapters))
+            held += adapters
+        return _write_record(DerivedModel(name, base, profile, time.time(), held,
+                                          source if held else None))
 
 
 def _write_record(record: DerivedModel) -> DerivedModel:

@@ -119,6 +119,8 @@ def delete_model(name: str) -> DeletedModel:
     if derived is not None:  # not resolved first: a model whose blob is gone can still be removed
         delete_derived(derived.name)
         removed = remove_unused_blob(derived.base)
+        for adapter in derived.adapters:
+            remove_unused_blob(adapter)
         return DeletedModel(derived.name, True, blob_path(parse_digest(derived.base)) if removed else None)
     resolved = resolve_named(name)
     if resolved.path.parent.resolve() != models_dir().resolve():
@@ -135,12 +137,13 @@ def delete_model(name: str) -> DeletedModel:
 
 
 def remove_unused_blob(base: str) -> bool:
-    """Remove the blob `base` names if no model is made from it any more (as Ollama prunes layers)."""
+    """Remove the blob `base` names if no model is made from it (or adapted by it) any more, as Ollama
+    prunes layers."""
     if not is_digest(base):
         return False
     digest = parse_digest(base)
     with blob_lock():
-        if any(is_digest(d.base) and parse_digest(d.base) == digest for d in list_derived()):
+        if any(parse_digest(b) == digest for d in list_derived() for b in d.blobs if is_digest(b)):
             return False
         removed = remove_blob(digest)
         remove_stale_uploads()
