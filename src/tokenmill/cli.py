@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cp", help="give a model another name")
     p.add_argument("source")
     p.add_argument("destination")
-    p = sub.add_parser("create", help="create a model from a Modelfile (FROM, PARAMETER, SYSTEM, TEMPLATE, MESSAGE)")
+    p = sub.add_parser("create", help="create a model from a Modelfile (FROM, ADAPTER, PARAMETER, SYSTEM, "
+                                      "TEMPLATE, MESSAGE)")
     p.add_argument("model")
     p.add_argument("-f", "--file", default="Modelfile", help="the Modelfile (default ./Modelfile)")
 

@@ -121,7 +121,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     then /api/create gets the blob's digest in `files`. Without a server the file becomes a blob of
     the local store, and the model is made in-process from the same request, checked the same way
     (before anything is pushed or copied)."""
-    from tokenmill.store.blobs import digest_ref, file_digest
+    from tokenmill.store.blobs import digest_ref, file_digest, is_digest
     from tokenmill.store.local import looks_like_path
     from tokenmill.store.modelfile import parse_modelfile
 
@@ -138,28 +138,48 @@ def cmd_create(args: argparse.Namespace) -> int:
         body["files"] = {local.name: digest_ref(file_digest(local))}
     else:
         body["from"] = parsed.base
-    create_model(body, text, local)
+    # ADAPTER lines name files here (pushed as blobs, as FROM's) or blobs already held.
+    named: dict[str, str] = {}
+    adapter_files: dict[str, Path] = {}
+    for i, adapter in enumerate(parsed.adapters):
+        if is_digest(adapter):
+            named[f"adapter-{i + 1}.gguf"] = adapter
+        else:
+            path = _local_file(adapter, modelfile.parent, "ADAPTER")
+            digest = digest_ref(file_digest(path))
+            named[f"{i + 1}-{path.name}"] = digest
+            adapter_files[digest] = path
+    if named:
+        body["adapters"] = named
+    create_model(body, text, local, adapter_files=adapter_files)
     print("success")
     return 0
 
 
-def create_model(body: dict, modelfile_text: str = "", local: Path | None = None, server: str | None = None) -> None:
+def create_model(body: dict, modelfile_text: str = "", local: Path | None = None, server: str | None = None,
+                 adapter_files: dict[str, Path] | None = None) -> None:
     """Make the model an /api/create body describes: through the server when one answers (the file
-    FROM names, `local`, pushed first as a blob), else on the local store, checked the same way
-    before anything is sent or copied (errors naming the Modelfile's lines, given its text)."""
+    FROM names, `local`, and the adapters' `adapter_files` by digest, pushed first as blobs), else on
+    the local store, checked the same way before anything is sent or copied (errors naming the
+    Modelfile's lines, given its text)."""
     from tokenmill.store.blobs import import_file
     from tokenmill.store.derived import save_derived
 
-    base_model, profile = _checked(body, modelfile_text)
+    made = _checked(body, modelfile_text)  # the request's checks, before anything is pushed
+    adapter_files = adapter_files or {}
     server = server or server_url()
     if answers(server):
         if local is not None:
             _push(server, body["files"][local.name], local)
+        for digest, path in adapter_files.items():
+            _push(server, digest, path)
         call(server, "POST", "/api/create", body)
         return
     if local is not None:
-        import_file(local, base_model.removeprefix("sha256:"))
-    save_derived(body["model"], base_model, profile)
+        import_file(local, made.base.removeprefix("sha256:"))
+    for digest, path in adapter_files.items():
+        import_file(path, digest.removeprefix("sha256:"), kind="adapter")
+    save_derived(body["model"], made.base, made.profile, made.adapters)
 
 
 def _read_modelfile(path: Path) -> str:
@@ -177,19 +197,19 @@ def _read_modelfile(path: Path) -> str:
         raise ServerError(f"cannot read the Modelfile {path}: {exc.strerror or exc}") from None
 
 
-def _local_file(base: str, folder: Path) -> Path:
+def _local_file(base: str, folder: Path, directive: str = "FROM") -> Path:
     path = Path(base).expanduser()
     path = path if path.is_absolute() else folder / path
     if not path.is_file():
-        raise ServerError(f"FROM {base}: no such file")
+        raise ServerError(f"{directive} {base}: no such file")
     # Checked here, before it is pushed to a server (or copied into the store) only to be refused there.
     try:
         with path.open("rb") as f:
             magic = f.read(4)
     except OSError as exc:
-        raise ServerError(f"FROM {base}: {exc.strerror or exc}") from None
+        raise ServerError(f"{directive} {base}: {exc.strerror or exc}") from None
     if magic != b"GGUF":
-        raise ServerError(f"FROM {base}: not a GGUF file")
+        raise ServerError(f"{directive} {base}: not a GGUF file")
     return path
 
 

@@ -180,7 +180,7 @@ def test_create_refuses_what_it_cannot_do(served, own_model):
     data = own_model.read_bytes()
     digest = sha(data)
     cases = [({"from": "tiny-a", "quantize": "q4_K_M"}, "quantize"),
-             ({"from": "tiny-a", "adapters": {"a.gguf": digest}}, "adapters"),
+             ({"from": "tiny-a", "adapters": {"a.gguf": digest}}, "not found"),  # an adapter not pushed
              ({"files": {"mine.gguf": digest}}, "not found"),  # not pushed
              ({"files": {"mine.gguf": "/etc/passwd"}}, "digest"),
              ({"files": {"a.gguf": digest, "b.gguf": digest}}, "one"),

@@ -1,8 +1,11 @@
 """/api/create's body, in either of Ollama's forms: a `modelfile` text (older clients) or the fields
 newer clients send (`from` or `files`, `system`, `template`, `parameters`, `messages`), turned into
-the base (a model name, or the digest of a pushed GGUF blob) and the derived model's profile,
-checked before anything is stored. A model is made from a name or a blob, never from a path."""
+the base (a model name, or the digest of a pushed GGUF blob), its LoRA adapters (pushed blobs too)
+and the derived model's profile, checked before anything is stored. A model is made from a name or a
+blob, never from a path."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tokenmill.server.client_json import check_value
 from tokenmill.server.errors import APIError, bad_request
@@ -15,17 +18,24 @@ from tokenmill.store.modelfile import IGNORED_PARAMETER_TYPES, PARAMETER_TYPES, 
 from tokenmill.tokenizer import ChatTemplateError
 from tokenmill.tokenizer.chat_template import ChatTemplate
 
+MAX_ADAPTERS = 8  # llama.cpp takes any number; a few is what a merged model needs
 CREATE_FIELDS = {"model", "name", "modelfile", "from", "system", "template", "parameters", "messages", "stream",
                  "quantize", "license", "files", "adapters", "path"}
 _ROLES = ("system", "user", "assistant")
 
 
-def create_request(body: dict) -> tuple[str, Profile]:
+@dataclass(frozen=True)
+class CreateRequest:
+    base: str
+    profile: Profile
+    adapters: tuple[str, ...] = ()  # blob digests, in the order they are merged
+
+
+def create_request(body: dict) -> CreateRequest:
     if body.get("quantize"):
         raise bad_request("quantize is not supported: tokenmill serves a GGUF's weights as they are; quantize "
                           "the file first (llama.cpp's llama-quantize), then push it", "quantize")
-    if body.get("adapters"):
-        raise bad_request("adapters are not supported: tokenmill does not apply LoRA adapters", "adapters")
+    adapters = _adapters(body)
     text = get_str(body, "modelfile")
     blob = _blob(body)
     if blob is not None and (text or body.get("from")):
@@ -40,6 +50,7 @@ def create_request(body: dict) -> tuple[str, Profile]:
         # Its quoted values are JSON strings, which may spell a lone surrogate: never stored.
         check_value({"SYSTEM": profile.system, "TEMPLATE": profile.template, "PARAMETER": profile.parameters,
                      "MESSAGE": list(profile.messages)}, "modelfile")
+        adapters = _modelfile_adapters(parsed.adapters) + adapters
     else:
         base = blob or get_model_name(body, "from", required=True, reference=True)
         profile = Profile(get_str(body, "system"), get_str(body, "template"), _parameters(body),
@@ -50,7 +61,32 @@ def create_request(body: dict) -> tuple[str, Profile]:
             ChatTemplate(jinja_template(profile.template))
         except ChatTemplateError as exc:
             raise bad_request(f"template: {exc}", "template") from None
-    return base, profile
+    return CreateRequest(base, profile, adapters)
+
+
+def _adapters(body: dict) -> tuple[str, ...]:
+    """The LoRA adapters' digests `adapters` names ({"name.gguf": "sha256:<hex>"}, as Ollama's clients send
+    them after pushing each file), in the order given."""
+    value = body.get("adapters")
+    if value is None or value == {}:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request("adapters must be an object: {\"<name>.gguf\": \"sha256:<digest>\"}", "adapters")
+    if len(value) > MAX_ADAPTERS:
+        raise bad_request(f"adapters: at most {MAX_ADAPTERS} adapters; got {len(value)}", "adapters")
+    if not all(is_digest(d) for d in value.values()):
+        raise bad_request("adapters: each value is the blob's digest, sha256:<64 hex digits>", "adapters")
+    return tuple(digest_ref(parse_digest(d)) for d in value.values())
+
+
+def _modelfile_adapters(adapters: tuple[str, ...]) -> tuple[str, ...]:
+    # Over HTTP, ADAPTER names a pushed blob (the CLI pushes a file it names first), never a server file.
+    if len(adapters) > MAX_ADAPTERS:
+        raise bad_request(f"modelfile: at most {MAX_ADAPTERS} ADAPTER lines; got {len(adapters)}", "modelfile")
+    if not all(is_digest(a) for a in adapters):
+        raise bad_request("modelfile: ADAPTER names a pushed blob (sha256:<64 hex digits>), not a file on the "
+                          "server", "modelfile")
+    return tuple(digest_ref(parse_digest(a)) for a in adapters)
 
 
 def _check_parameters(parameters: dict, *, modelfile: bool) -> None:

@@ -192,7 +192,9 @@ def modelfile_text(e: ModelEntry) -> str:
     if e.derived is None:  # its name, not its file: a client is not told where the server keeps models
         return f"# tokenmill serves this GGUF directly\nFROM {e.name}\n"
     p = e.derived.profile
-    out = [f"FROM {e.derived.base}"]
+    d = e.derived
+    # With adapters, the model they were merged into and the adapters' blobs (the merged blob is theirs).
+    out = [f"FROM {d.adapted_from}", *(f"ADAPTER {a}" for a in d.adapters)] if d.adapters else [f"FROM {d.base}"]
     out += [f"PARAMETER {k} {json.dumps(v) if isinstance(v, str) else v}" for k, v in _parameter_lines(p)]
     if p.system:
         out.append(f'SYSTEM """{p.system}"""')

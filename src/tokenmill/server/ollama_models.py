@@ -145,13 +145,13 @@ async def create(request: Request) -> Response:
     warn_unknown(body, CREATE_FIELDS, "/api/create")
     name = model_field(body)
     try:
-        base, profile = await run_in_threadpool(create_request, body)  # compiles a TEMPLATE: off the loop
-        await run_in_threadpool(save_derived, name, base, profile)
+        made = await run_in_threadpool(create_request, body)  # compiles a TEMPLATE: off the loop
+        # Merging adapters reads and writes the whole model (seconds): off the loop too.
+        await run_in_threadpool(save_derived, name, made.base, made.profile, made.adapters)
     except UnknownModelError as exc:
         raise APIError(404, f"base model not found: {exc}", param="from") from None
     except StoreError as exc:
-        raise APIError(400, str(exc), param="files" if body.get("files") else "modelfile" if body.get("modelfile")
-                       else "from") from None
+        raise APIError(400, str(exc), param=_create_param(body, exc)) from None
     statuses = [{"status": "using existing layers"}, {"status": "writing manifest"}, {"status": "success"}]
     if get_bool(body, "stream", True):
         async def events():
@@ -159,6 +159,13 @@ async def create(request: Request) -> Response:
                 yield s
         return ndjson_response(events())
     return JSONResponse(statuses[-1])
+
+
+def _create_param(body: dict, exc: StoreError) -> str:
+    """The field a refused create's error is about."""
+    if body.get("adapters") and "adapter" in str(exc):
+        return "adapters"
+    return "files" if body.get("files") else "modelfile" if body.get("modelfile") else "from"
 
 
 async def pull(request: Request) -> Response:

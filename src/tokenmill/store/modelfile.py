@@ -1,7 +1,8 @@
 """Modelfile-lite: the Ollama Modelfile directives that need no new weights. FROM names the base
 model; PARAMETER sets a default option (repeatable for `stop`); SYSTEM, TEMPLATE and MESSAGE set the
-system prompt, the chat template and leading messages. Values may be quoted, or span lines inside
-triple quotes. ADAPTER, LICENSE and REQUIRES are not supported and say so."""
+system prompt, the chat template and leading messages; ADAPTER (repeatable) a LoRA adapter merged into
+the base's weights (store/adapters.py). Values may be quoted, or span lines inside triple quotes.
+LICENSE and REQUIRES are not supported and say so."""
 from __future__ import annotations
 
 import json
@@ -40,6 +41,7 @@ class ModelfileError(StoreError):
 class Modelfile:
     base: str
     profile: Profile
+    adapters: tuple[str, ...] = ()  # as written: a file (the CLI pushes it) or a blob digest
 
 
 def _lines(text: str):
@@ -109,13 +111,14 @@ def _typed(where: str, name: str, kind: type, value: str) -> int | float:
 
 
 def parse_modelfile(text: str) -> Modelfile:
-    base, system, template, params, messages = None, None, None, {}, []
+    base, system, template, params, messages, adapters = None, None, None, {}, [], []
     for number, line in _lines(text):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         m = _DIRECTIVE.match(line)
         if m is None:
-            raise ModelfileError(f"line {number}: expected a directive (FROM, PARAMETER, SYSTEM, TEMPLATE, MESSAGE)")
+            raise ModelfileError(f"line {number}: expected a directive (FROM, ADAPTER, PARAMETER, SYSTEM, TEMPLATE, "
+                                 "MESSAGE)")
         directive, rest = m.group(1).upper(), m.group(2)
         if directive == "FROM":
             base = _unquote(rest)
@@ -130,10 +133,15 @@ def parse_modelfile(text: str) -> Modelfile:
             if role.lower() not in _ROLES:
                 raise ModelfileError(f"line {number}: MESSAGE role must be one of {', '.join(_ROLES)}, got {role!r}")
             messages.append({"role": role.lower(), "content": _unquote(content).strip()})
-        elif directive in ("ADAPTER", "LICENSE", "REQUIRES"):
+        elif directive == "ADAPTER":
+            adapter = _unquote(rest)
+            if not adapter:
+                raise ModelfileError(f"line {number}: ADAPTER needs a file or a blob digest")
+            adapters.append(adapter)
+        elif directive in ("LICENSE", "REQUIRES"):
             raise ModelfileError(f"line {number}: {directive} is not supported by tokenmill")
         else:
             raise ModelfileError(f"line {number}: unknown directive {directive}")
     if not base:
         raise ModelfileError("a Modelfile needs a FROM line naming the base model")
-    return Modelfile(base, Profile(system, template, params, tuple(messages)))
+    return Modelfile(base, Profile(system, template, params, tuple(messages)), tuple(adapters))
