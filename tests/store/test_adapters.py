@@ -29,7 +29,8 @@ def files(home, tmp_path):
 
 
 def _blobs() -> list[str]:
-    return sorted(p.name for p in blobs_dir().iterdir() if p.name.startswith("sha256-") and not p.name.endswith(".json"))
+    return sorted(p.name for p in blobs_dir().iterdir()
+                  if p.name.startswith("sha256-") and not p.name.endswith(".json"))
 
 
 def test_a_model_with_an_adapter_resolves_to_the_merged_weights(files, tmp_path):

@@ -6,9 +6,10 @@ import argparse
 import sys
 import time
 
+from tokenmill.store.blobs import blob_path, is_digest, parse_digest
 from tokenmill.store.catalog import StoreError, lookup
 from tokenmill.store.derived import list_derived, normalize_name
-from tokenmill.store.local import installed_path, list_models, models_dir
+from tokenmill.store.local import describe, installed_path, list_models, models_dir
 from tokenmill.store.pull import pull
 
 
@@ -58,6 +59,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         by_name[normalize_name(m.name)] = by_name[m.path.stem.lower()] = m
     for d in list_derived():  # made by `create` or `cp`: the base model's weights under another name
         base = by_name.get(normalize_name(d.base))
+        if base is None and is_digest(d.base) and blob_path(parse_digest(d.base)).is_file():
+            base = describe(blob_path(parse_digest(d.base)))  # made from a file, or with adapters merged in
         if base is not None:
             rows.append(row(d.name, base))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
