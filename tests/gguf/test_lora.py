@@ -129,3 +129,24 @@ def test_norm_adapters_are_skipped_as_llama_cpp_skips_them(tmp_path):
                       "blk.0.attn_norm.weight.lora_b": np.ones((1, 1), np.float32)})
     adapter = read_adapter(open_gguf(tmp_path / "a.gguf"))
     assert [p.base for p in adapter.pairs] == ["blk.0.attn_q.weight"]
+
+
+@pytest.mark.parametrize("wtype", [Q.F32, Q.Q8_0])
+def test_a_gemma3_adapter_matches_transformers_on_the_updated_weights(tmp_path, wtype):
+    """Gemma 3's names and shapes (one KV head of 256, the gated FFN), across its local and global layers."""
+    from tiny_model import TinyGemma3Spec, write_tiny_gemma3
+    from tiny_spm import tiny_spm_metadata
+
+    base = write_tiny_gemma3(tmp_path / "base.gguf", tiny_spm_metadata(), TinyGemma3Spec(weight_type=wtype))
+    targets = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.5.attn_v.weight", "blk.5.attn_output.weight",
+               "blk.6.ffn_gate.weight", "blk.6.ffn_down.weight")
+    updates = write_lora(tmp_path / "a.gguf", base, targets, rank=8, alpha=16.0, size=0.3)
+    merged = merged_file(tmp_path, base, tmp_path / "a.gguf")
+    prompt = list(range(6, 46))  # longer than the local layers' window of 8
+    with torch.inference_mode():
+        expected = hf_model(write_updated(tmp_path / "ref.gguf", base, updates))(torch.tensor([prompt])).logits[0, -1]
+    scale = expected.abs().max().item()
+    got = prefill_logits(load_model(merged, "auto").model, prompt)
+    assert (got - expected).abs().max().item() <= (1e-4 if wtype == Q.F32 else 0.05) * scale
+    unadapted = prefill_logits(load_model(base, "auto").model, prompt)
+    assert (unadapted - expected).abs().max().item() > 0.2 * scale
