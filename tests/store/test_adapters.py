@@ -112,3 +112,15 @@ def test_importing_a_file_as_the_wrong_kind_keeps_nothing(files):
     with pytest.raises(InvalidBlobError, match="is a LoRA adapter, not a model"):
         import_file(lora)
     assert _blobs() == []
+
+
+def test_a_model_made_again_under_its_name_leaves_no_unused_blobs(files, tmp_path):
+    base, lora, _ = files
+    write_lora(tmp_path / "other.gguf", base, ("blk.1.ffn_down.weight",), seed=9)
+    a, b = import_file(lora, kind="adapter"), import_file(tmp_path / "other.gguf", kind="adapter")
+    first = save_derived("tuned", "tiny-a", Profile(), (f"sha256:{a}",))
+    second = save_derived("tuned", "tiny-a", Profile(), (f"sha256:{b}",))
+    assert first.base != second.base
+    assert _blobs() == sorted(f"sha256-{d.removeprefix('sha256:')}" for d in (second.base, f"sha256:{b}"))
+    save_derived("tuned", "tiny-a", Profile(system="plain again"))
+    assert _blobs() == [] and resolve_named("tuned").path == base

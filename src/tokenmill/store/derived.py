@@ -12,7 +12,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.store.blobs import blob_lock, digest_ref, is_digest, model_blob, parse_digest
+from tokenmill.store.blobs import (
+    blob_lock,
+    digest_ref,
+    is_digest,
+    model_blob,
+    parse_digest,
+    remove_blob,
+    remove_stale_uploads,
+)
 from tokenmill.store.catalog import StoreError, find_spec
 from tokenmill.store.local import looks_like_path, models_dir, resolve_model
 from tokenmill.store.model_name import check_model_name
@@ -117,6 +125,7 @@ def save_derived(name: str, base: str, profile: Profile, adapters: tuple[str, ..
         raise StoreError(f"{name!r} is the name of an installed model file; choose another name")
     if is_digest(name):  # `from: sha256:<hex>` means the blob; a model of that name could never be named
         raise StoreError(f"{name!r} is a blob digest, not a model name; choose another name")
+    replaced = find_derived(name)
     with blob_lock():  # the blob checked here stays until the record that uses it is written
         parent = find_derived(base)
         held, source = (), base
@@ -139,8 +148,11 @@ def save_derived(name: str, base: str, profile: Profile, adapters: tuple[str, ..
             base_path = model_blob(parse_digest(base)) if is_digest(base) else resolve_model(base)
             base = digest_ref(merged_blob(base_path, adapters))
             held += adapters
-        return _write_record(DerivedModel(name, base, profile, time.time(), held,
-                                          source if held else None))
+        record = _write_record(DerivedModel(name, base, profile, time.time(), held, source if held else None))
+    # A model made again under its name may leave blobs no model uses (its old merged weights).
+    for digest in set(replaced.blobs if replaced is not None else ()) - set(record.blobs):
+        remove_unused_blob(digest)
+    return record
 
 
 def _write_record(record: DerivedModel) -> DerivedModel:
@@ -150,6 +162,20 @@ def _write_record(record: DerivedModel) -> DerivedModel:
     tmp.write_text(json.dumps(record.to_json(), indent=2))
     os.replace(tmp, path)  # a crash mid-write never leaves half a record
     return record
+
+
+def remove_unused_blob(base: str) -> bool:
+    """Remove the blob `base` names if no model is made from it (or adapted by it) any more, as Ollama
+    prunes layers."""
+    if not is_digest(base):
+        return False
+    digest = parse_digest(base)
+    with blob_lock():
+        if any(parse_digest(b) == digest for d in list_derived() for b in d.blobs if is_digest(b)):
+            return False
+        removed = remove_blob(digest)
+        remove_stale_uploads()
+    return removed
 
 
 def delete_derived(name: str) -> bool:

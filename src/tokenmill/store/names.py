@@ -21,8 +21,6 @@ from tokenmill.store.blobs import (
     is_digest,
     model_blob,
     parse_digest,
-    remove_blob,
-    remove_stale_uploads,
 )
 from tokenmill.store.catalog import StoreError, UnknownModelError, spec_for_filename
 from tokenmill.store.derived import (
@@ -33,7 +31,7 @@ from tokenmill.store.derived import (
     dependents,
     find_derived,
     normalize_name,
-    list_derived,
+    remove_unused_blob,
     save_derived,
 )
 from tokenmill.store.local import looks_like_path, manifest_path, models_dir, resolve_model
@@ -134,20 +132,6 @@ def delete_model(name: str) -> DeletedModel:
         resolved.path.unlink()
         manifest_path(resolved.path).unlink(missing_ok=True)
     return DeletedModel(resolved.name, False, resolved.path)
-
-
-def remove_unused_blob(base: str) -> bool:
-    """Remove the blob `base` names if no model is made from it (or adapted by it) any more, as Ollama
-    prunes layers."""
-    if not is_digest(base):
-        return False
-    digest = parse_digest(base)
-    with blob_lock():
-        if any(parse_digest(b) == digest for d in list_derived() for b in d.blobs if is_digest(b)):
-            return False
-        removed = remove_blob(digest)
-        remove_stale_uploads()
-    return removed
 
 
 def copy_model(source: str, destination: str) -> ResolvedModel:
