@@ -88,6 +88,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("origins", str, "", "extra CORS origins allowed to call the API, comma-separated, `*` wildcards "
            "(as OLLAMA_ORIGINS); localhost origins are always allowed", ("--origins",), env=("OLLAMA_ORIGINS",),
            group="server"),
+    Option("lora_modules", str, "", "LoRA adapters served as models, as vLLM's --lora-modules: NAME=FILE, "
+           "comma-separated; each becomes model NAME, the served model with that adapter merged in (as `create` "
+           "with ADAPTER makes it, kept in the store)", ("--lora-modules",), group="server"),
     Option("header_timeout", float, 10.0, "seconds a new connection gets to send its request headers; slower "
            "ones are closed (slowloris)", ("--header-timeout",), lo=0.1, group="server"),
     Option("body_timeout", float, 30.0, "seconds a request gets to send its whole body once its headers are in; "
@@ -179,6 +182,7 @@ class Config:
     log_level: str = "info"
     api_key: str = ""
     origins: str = ""
+    lora_modules: str = ""
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024

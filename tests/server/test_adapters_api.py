@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
+import httpx
 import pytest
 
 from test_blobs import assert_clean_error, leftovers, served  # noqa: F401 (served: a fixture, tiny-a's server)
@@ -122,4 +123,57 @@ def test_cli_create_without_a_server_imports_the_adapter(store, adapter, nobody_
     [row] = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("local-tuned ")]
     assert row[3:5] == ["llama", "F32"], row
     assert main(["rm", "local-tuned"]) == 0
+    assert leftovers(store) == []
+
+
+def test_serve_lora_modules_serves_each_adapter_as_a_model(store, adapter, tmp_path):
+    """vLLM's --lora-modules NAME=FILE: the served model with the adapter merged in, under NAME."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from test_serve import free_port
+
+    lora, reference = adapter
+    port = free_port()
+    env = {**os.environ, "TOKENMILL_COMPILE": "false", "TOKENMILL_KV_SIZE": "2048"}
+    cmd = [sys.executable, "-c", "import sys; from tokenmill.cli import main; sys.exit(main(sys.argv[1:]))",
+           "serve", "tiny-a", "--port", str(port), "--lora-modules", f"tuned={lora}"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if c.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+                time.sleep(0.1)
+            assert "tuned" in {m["id"] for m in c.get("/v1/models").json()["data"]}
+            r = c.post("/api/generate", json={"model": "tuned", "prompt": PROMPT, "raw": True, "stream": False,
+                                              "options": {"temperature": 0, "num_predict": 6, "repeat_penalty": 1}})
+            r = r.json()
+            prompt_ids = r["context"][:-r["eval_count"]]
+            assert r["context"][len(prompt_ids):] == greedy_of(reference, prompt_ids, r["eval_count"])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("modules,words", [("tuned", "is not NAME=FILE"), ("tuned=", "is not NAME=FILE"),
+                                           ("tuned=/no/such.gguf", "no such file"),
+                                           ("tuned={base}", "is a model, not a LoRA adapter")])
+def test_serve_refuses_lora_modules_it_cannot_make(store, modules, words, capsys):
+    import argparse
+
+    from test_serve import free_port
+    from tokenmill.server.commands import cmd_serve
+
+    modules = modules.format(base=store / "tiny-b.gguf")
+    code = cmd_serve(argparse.Namespace(model="tiny-a", host="127.0.0.1", port=free_port(), lora_modules=modules))
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1 and words in err and "--lora-modules" in err, err
     assert leftovers(store) == []

@@ -105,6 +105,44 @@ def check_draft(settings: Config) -> str | None:
     return None
 
 
+def make_lora_models(settings: Config) -> str | None:
+    """Make each --lora-modules NAME=FILE the model NAME: the served model with the adapter merged in,
+    as `create` with ADAPTER makes it (the files are the operator's, named at startup); why not, or None.
+    The base is pulled first if it is a known model not yet installed."""
+    if not settings.lora_modules.strip():
+        return None
+    from pathlib import Path
+
+    from tokenmill.store import ModelNotInstalledError, StoreError, resolve_model
+    from tokenmill.store.blobs import digest_ref, import_file
+    from tokenmill.store.derived import Profile, save_derived
+    from tokenmill.store.local import looks_like_path
+    from tokenmill.store.pull import pull
+
+    where = settings.source("lora_modules")
+    base = settings.model
+    try:
+        if looks_like_path(base):  # a file is made a blob, as `create` makes one of FROM ./file.gguf
+            base = digest_ref(import_file(resolve_model(base)))
+        else:
+            try:
+                resolve_model(base)
+            except ModelNotInstalledError:
+                pull(base)
+        for entry in settings.lora_modules.split(","):
+            name, sep, file = (part.strip() for part in entry.partition("="))
+            if not sep or not name or not file:
+                return f"{where}: {entry.strip()!r} is not NAME=FILE"
+            path = Path(file).expanduser()
+            if not path.is_file():
+                return f"{where}: {name}: no such file {file}"
+            save_derived(name, base, Profile(), (digest_ref(import_file(path, kind="adapter")),))
+            log.info("LoRA module %s: %s with %s merged in", name, settings.model, file)
+    except StoreError as exc:
+        return f"{where}: {exc}"
+    return None
+
+
 def check_tls(settings: Config) -> str | None:
     """Why the TLS settings cannot serve HTTPS, or None: both files or neither, each a readable PEM
     the server can load (checked before listening, not on the first connection)."""
@@ -197,7 +235,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    unusable = check_device(settings) or check_draft(settings) or check_tls(settings)
+    unusable = (check_device(settings) or check_draft(settings) or check_tls(settings)
+                or make_lora_models(settings))
     if unusable:
         print(f"error: {unusable}", file=sys.stderr)
         return 1
