@@ -177,3 +177,20 @@ def test_serve_refuses_lora_modules_it_cannot_make(store, modules, words, capsys
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1 and words in err and "--lora-modules" in err, err
     assert leftovers(store) == []
+
+
+def test_a_restart_with_the_same_lora_modules_does_not_merge_again(store, adapter, monkeypatch):
+    import argparse
+
+    from tokenmill.config import load_config
+    from tokenmill.server.commands import make_lora_models
+    from tokenmill.store.derived import find_derived
+
+    lora, _ = adapter
+    settings = load_config(argparse.Namespace(model="tiny-a", lora_modules=f"tuned={lora}"))
+    assert make_lora_models(settings) is None
+    first = find_derived("tuned")
+    assert make_lora_models(settings) is None
+    assert find_derived("tuned") == first  # the same record, not made again
+    monkeypatch.setattr("tokenmill.store.adapters.merged_blob", lambda *a: pytest.fail("merged again"))
+    assert make_lora_models(settings) is None

@@ -115,7 +115,7 @@ def make_lora_models(settings: Config) -> str | None:
 
     from tokenmill.store import ModelNotInstalledError, StoreError, resolve_model
     from tokenmill.store.blobs import digest_ref, import_file
-    from tokenmill.store.derived import Profile, save_derived
+    from tokenmill.store.derived import Profile, find_derived, save_derived
     from tokenmill.store.local import looks_like_path
     from tokenmill.store.pull import pull
 
@@ -136,7 +136,11 @@ def make_lora_models(settings: Config) -> str | None:
             path = Path(file).expanduser()
             if not path.is_file():
                 return f"{where}: {name}: no such file {file}"
-            save_derived(name, base, Profile(), (digest_ref(import_file(path, kind="adapter")),))
+            adapter = digest_ref(import_file(path, kind="adapter"))
+            made = find_derived(name)
+            if made is not None and (made.adapted_from, made.adapters) == (base, (adapter,)):
+                continue  # made by an earlier start from the same files: not merged again
+            save_derived(name, base, Profile(), (adapter,))
             log.info("LoRA module %s: %s with %s merged in", name, settings.model, file)
     except StoreError as exc:
         return f"{where}: {exc}"
