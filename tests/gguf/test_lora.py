@@ -150,3 +150,25 @@ def test_a_gemma3_adapter_matches_transformers_on_the_updated_weights(tmp_path, 
     assert (got - expected).abs().max().item() <= (1e-4 if wtype == Q.F32 else 0.05) * scale
     unadapted = prefill_logits(load_model(base, "auto").model, prompt)
     assert (unadapted - expected).abs().max().item() > 0.2 * scale
+
+
+@pytest.mark.real_model
+def test_merging_into_gemma3s_k_quant_and_q5_blocks_rounds_only_as_q8_0_does(gemma3_path, tmp_path):
+    """Gemma 3 270M's own block types (Q4_K, Q6_K, Q5_0, Q8_0), which the tiny models cannot have: each
+    merged weight is the dequantized base plus the update, within Q8_0's rounding of its block."""
+    g = open_gguf(gemma3_path)
+    targets = ("blk.0.attn_output.weight", "blk.0.ffn_down.weight", "blk.1.ffn_down.weight", "blk.0.attn_q.weight",
+               "blk.0.attn_v.weight")
+    assert {g.tensors[t].ggml_type for t in targets} == {Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0}
+    updates = write_lora(tmp_path / "a.gguf", gemma3_path, targets, rank=8, alpha=16.0, size=0.02)  # ~3 steps
+    merged = merge(g, [read_adapter(open_gguf(tmp_path / "a.gguf"))])
+    from tokenmill.gguf.weights import dequantize
+
+    for name, update in updates.items():
+        assert merged[name].ggml_type == Q.Q8_0
+        want = dequantize(g.tensors[name], torch.float64).numpy() + update
+        got = gguf.quants.dequantize(merged[name].data, Q.Q8_0).astype(np.float64)
+        blocks = np.abs(want).reshape(want.shape[0], -1, 32).max(axis=2, keepdims=True)
+        err = np.abs(got - want).reshape(blocks.shape[0], -1, 32)
+        # Half a Q8_0 step of its block, and the f16 rounding of the step the values were rounded with.
+        assert (err <= blocks / 127 * 0.6 + 1e-6).all(), name
