@@ -41,8 +41,10 @@ def write_updated(path: Path | str, base: Path | str, updates: dict[str, np.ndar
     import torch
 
     g = open_gguf(base)
-    replaced = {name: MergedTensor(Q.F32, (dequantize(g.tensors[name], torch.float64).numpy() + u).astype(np.float32))
-                for name, u in updates.items()}
+    replaced = {}
+    for name, u in updates.items():
+        w = (dequantize(g.tensors[name], torch.float64).numpy() + u).astype(np.float32)
+        replaced[name] = MergedTensor(Q.F32, w.shape, lambda w=w: w)
     with open(path, "wb") as f:
         write_replaced(g, replaced, f.write)
     return Path(path)

@@ -167,7 +167,7 @@ def test_merging_into_gemma3s_k_quant_and_q5_blocks_rounds_only_as_q8_0_does(gem
     for name, update in updates.items():
         assert merged[name].ggml_type == Q.Q8_0
         want = dequantize(g.tensors[name], torch.float64).numpy() + update
-        got = gguf.quants.dequantize(merged[name].data, Q.Q8_0).astype(np.float64)
+        got = gguf.quants.dequantize(merged[name].make(), Q.Q8_0).astype(np.float64)
         blocks = np.abs(want).reshape(want.shape[0], -1, 32).max(axis=2, keepdims=True)
         err = np.abs(got - want).reshape(blocks.shape[0], -1, 32)
         # Half a Q8_0 step of its block, and the f16 rounding of the step the values were rounded with.

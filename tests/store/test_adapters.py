@@ -124,3 +124,18 @@ def test_a_model_made_again_under_its_name_leaves_no_unused_blobs(files, tmp_pat
     assert _blobs() == sorted(f"sha256-{d.removeprefix('sha256:')}" for d in (second.base, f"sha256:{b}"))
     save_derived("tuned", "tiny-a", Profile(system="plain again"))
     assert _blobs() == [] and resolve_named("tuned").path == base
+
+
+def test_an_update_that_is_not_finite_is_refused_mid_write_and_leaves_nothing(files, tmp_path):
+    base, _, _ = files
+    a = np.ones((2, 64), np.float32)
+    b = np.full((64, 2), np.float32(3e38))  # finite in the file; B @ A overflows to inf
+    pairs = {"blk.1.ffn_down.weight.lora_a": np.ones((2, 128), np.float32),  # another pair, a finite one
+             "blk.1.ffn_down.weight.lora_b": np.ones((64, 2), np.float32),
+             "blk.0.attn_q.weight.lora_a": a, "blk.0.attn_q.weight.lora_b": b}
+    write_lora(tmp_path / "huge.gguf", base, targets=(), extra=pairs)
+    adapter = import_file(tmp_path / "huge.gguf", kind="adapter")
+    with pytest.raises(StoreError, match="blk.0.attn_q.weight: the adapter's update is not finite"):
+        save_derived("x", "tiny-a", Profile(), (f"sha256:{adapter}",))
+    assert find_derived("x") is None and _blobs() == [f"sha256-{adapter}"]
+    assert not any(p.name.startswith(".upload-") for p in blobs_dir().iterdir())

@@ -14,6 +14,9 @@ Q8_0 model has. The price is the bytes: an adapted 4-bit model decodes slower th
 Every check names tensors, never the files' paths."""
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
@@ -121,27 +124,53 @@ def check_fits(adapter: LoraAdapter, base: GGUFFile) -> None:
 
 @dataclass(frozen=True)
 class MergedTensor:
+    """A tensor that replaces a base's: its type and shape known at once, its data made when asked (as the
+    rewrite reaches it), so a merge holds one tensor's floats at a time, not every adapted weight's."""
     ggml_type: Q
-    data: np.ndarray   # the bytes (or float elements) as a GGUF stores them, rows first
+    shape: tuple[int, ...]
+    make: Callable[[], np.ndarray]   # the bytes (or float elements) as a GGUF stores them, rows first
+
+    @property
+    def nbytes(self) -> int:
+        block, size = gguf.GGML_QUANT_SIZES[self.ggml_type]
+        return math.prod(self.shape) // block * size
 
 
 def merge(base: GGUFFile, adapters: list[LoraAdapter]) -> dict[str, MergedTensor]:
-    """The adapted tensors of `base` with every adapter's B @ A added (in order, each at its scale),
-    by name; the base's other tensors are unchanged. Each adapter must have passed check_fits."""
-    deltas: dict[str, torch.Tensor] = {}
+    """The adapted tensors of `base`, by name, each the dequantized weight with every adapter's B @ A
+    added (in order, each at its scale); the base's other tensors are unchanged. Each adapter must have
+    passed check_fits. Made lazily: AdapterError (an update that is not finite) comes from `make`."""
+    uses: dict[str, list[tuple[float, LoraPair]]] = {}
     for adapter in adapters:
         for p in adapter.pairs:
-            a, b = dequantize(p.a, torch.float32), dequantize(p.b, torch.float32)
-            delta = (b @ a).mul_(adapter.scale(p.rank))
-            if not torch.isfinite(delta).all():
-                raise AdapterError(f"{p.base}: the adapter's update is not finite")
-            deltas[p.base] = deltas[p.base].add_(delta) if p.base in deltas else delta
+            uses.setdefault(p.base, []).append((adapter.scale(p.rank), p))
     out = {}
-    for name, delta in deltas.items():
+    for name, pairs in uses.items():
         info = base.tensors[name]
-        merged = dequantize(info, torch.float32).add_(delta).numpy()
-        out[name] = _stored(merged, info.ggml_type)
+        kind = _stored_type(info.ggml_type, info.shape[1])
+        out[name] = MergedTensor(kind, info.shape, functools.partial(_merged, info, pairs, kind))
     return out
+
+
+def _stored_type(base_type: Q, inputs: int) -> Q:
+    if base_type in _FLOAT_TYPES:
+        return base_type
+    return Q.F32 if inputs % 32 else Q.Q8_0  # Q8_0 takes rows in blocks of 32
+
+
+def _merged(info: TensorInfo, pairs: list[tuple[float, LoraPair]], kind: Q) -> np.ndarray:
+    w = dequantize(info, torch.float32)
+    for scale, p in pairs:
+        delta = (dequantize(p.b, torch.float32) @ dequantize(p.a, torch.float32)).mul_(scale)
+        if not torch.isfinite(delta).all():
+            raise AdapterError(f"{p.base}: the adapter's update is not finite")
+        w.add_(delta)
+    merged = w.numpy()
+    if kind == Q.F16:
+        if not np.abs(merged).max(initial=0.0) < 65504:
+            raise AdapterError(f"{info.name}: the adapted weights overflow its F16 type")
+        return merged.astype(np.float16)
+    return merged if kind == Q.F32 else quants.quantize(merged, Q.Q8_0)
 
 
 def write_adapter(path, architecture: str, pairs: dict[str, tuple[np.ndarray, np.ndarray]],
@@ -163,13 +192,3 @@ def write_adapter(path, architecture: str, pairs: dict[str, tuple[np.ndarray, np
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-
-
-def _stored(w: np.ndarray, base_type: Q) -> MergedTensor:
-    if base_type == Q.F32:
-        return MergedTensor(Q.F32, np.ascontiguousarray(w, dtype=np.float32))
-    if base_type == Q.F16 and np.abs(w).max(initial=0.0) < 65504:  # else F32: an F16 would overflow
-        return MergedTensor(Q.F16, np.ascontiguousarray(w.astype(np.float16)))
-    if w.shape[1] % 32:  # Q8_0 takes rows in blocks of 32
-        return MergedTensor(Q.F32, np.ascontiguousarray(w, dtype=np.float32))
-    return MergedTensor(Q.Q8_0, quants.quantize(np.ascontiguousarray(w, dtype=np.float32), Q.Q8_0))

@@ -23,22 +23,25 @@ def write_replaced(base: GGUFFile, replaced: Mapping[str, MergedTensor], write: 
     if unknown:
         raise GGUFError(f"no tensor {sorted(unknown)[0]!r} to replace")
     align = base.alignment
-    parts: list[np.ndarray] = []
     infos = bytearray()
     offset = 0
     for name, t in base.tensors.items():
         new = replaced.get(name)
-        ggml_type, data = (new.ggml_type, new.data) if new is not None else (t.ggml_type, t.data)
-        data = np.ascontiguousarray(data)
+        if new is not None and tuple(new.shape) != tuple(t.shape):
+            raise GGUFError(f"tensor {name!r} is {tuple(t.shape)}; its replacement is {tuple(new.shape)}")
+        ggml_type, nbytes = (new.ggml_type, new.nbytes) if new is not None else (t.ggml_type, t.data.nbytes)
         key = name.encode("utf-8")
         dims = tuple(reversed(t.shape))
         infos += struct.pack("<Q", len(key)) + key + struct.pack("<I", len(dims))
         infos += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", int(ggml_type), offset)
-        parts.append(data)
-        offset += -(-data.nbytes // align) * align
+        offset += -(-nbytes // align) * align
     head = bytes(base.mapping[:base.metadata_end]) + bytes(infos)
     write(head + bytes(-len(head) % align))
-    for data in parts:
+    for name, t in base.tensors.items():  # a replaced tensor's data is made here, one at a time
+        new = replaced.get(name)
+        data = np.ascontiguousarray(new.make() if new is not None else t.data)
+        if new is not None and data.nbytes != new.nbytes:
+            raise GGUFError(f"tensor {name!r}: {data.nbytes} bytes made, {new.nbytes} announced")
         flat = memoryview(data.reshape(-1).view(np.uint8))
         for start in range(0, len(flat), _CHUNK):
             write(flat[start:start + _CHUNK].tobytes())

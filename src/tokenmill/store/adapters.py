@@ -27,12 +27,11 @@ def merged_blob(base_path: Path, adapter_digests: Sequence[str]) -> str:
             raise InvalidBlobError(f"{label} cannot be applied: {exc}") from None
         adapters.append(adapter)
     try:
-        merged = merge(base, adapters)
-    except GGUFError as exc:
+        with BlobUpload() as upload:  # the merged tensors are made as they are written
+            write_replaced(base, merge(base, adapters), upload.write)
+            return upload.commit()
+    except GGUFError as exc:  # an update that is not finite: the upload is dropped, nothing kept
         raise InvalidBlobError(f"the adapters cannot be applied: {exc}") from None
-    with BlobUpload() as upload:
-        write_replaced(base, merged, upload.write)
-        return upload.commit()
 
 
 def _open(path: Path, label: str):
