@@ -34,16 +34,16 @@ def choose_chat(args) -> LocalChat | RemoteChat:
 
     explicit = getattr(args, "server", None)
     base = server_url(explicit)
+    given = {"num_predict": getattr(args, "max_tokens", None), "temperature": getattr(args, "temperature", None)}
+    given = {k: v for k, v in given.items() if v is not None}  # the flags given: over a created model's PARAMETERs
     if explicit or (not looks_like_path(args.model) and answers(base)):
         print(f"using the server at {base}", file=sys.stderr)
-        given = {"num_predict": getattr(args, "max_tokens", None), "temperature": getattr(args, "temperature", None)}
-        return RemoteChat(base, args.model, {k: v for k, v in given.items() if v is not None},
-                          keep_alive=getattr(args, "keepalive", None))
+        return RemoteChat(base, args.model, given, keep_alive=getattr(args, "keepalive", None))
     reason = "a .gguf path" if looks_like_path(args.model) else f"no server answers at {base}"
     print(f"running {args.model} in-process ({reason})", file=sys.stderr)
     if getattr(args, "keepalive", None) is not None:
         print("(--keepalive is for a server: this process holds the model until it exits)", file=sys.stderr)
-    return LocalChat(args.model, args.dtype)
+    return LocalChat(args.model, args.dtype, options=given)
 
 
 def _opened(args, model: str | None = None):

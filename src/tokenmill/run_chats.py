@@ -77,13 +77,28 @@ def _duration(seconds: float) -> str:
 
 
 class LocalChat:
-    def __init__(self, model: str, dtype: str, progress: bool = True):
+    """The engine in this process. A created model (`create`, `cp`) runs with its weights (a blob, or
+    its base's file) and its profile as a server applies it: PARAMETERs under the options given
+    (`options`: the run's own flags, Ollama's names), SYSTEM and MESSAGEs opening the conversation,
+    TEMPLATE rendering it."""
+
+    def __init__(self, model: str, dtype: str, progress: bool = True, options: dict | None = None):
+        from tokenmill.server.profiles import tokenizer_for
         from tokenmill.store import ensure_model
+        from tokenmill.store.derived import Profile, find_derived
+        from tokenmill.store.names import resolve_named
 
         self.model = model
-        self.engine = LLMEngine.from_path(ensure_model(model, progress=progress), EngineConfig(dtype=dtype),
-                                          progress=progress)
-        self.tokenizer = self.engine.tokenizer
+        if find_derived(model) is not None:
+            resolved = resolve_named(model)
+            path, self.profile = resolved.path, resolved.profile
+        else:
+            path, self.profile = ensure_model(model, progress=progress), Profile()
+        self.engine = LLMEngine.from_path(path, EngineConfig(dtype=dtype), progress=progress)
+        self.tokenizer = tokenizer_for(self.engine.tokenizer, self.profile)
+        # The profile's PARAMETERs this path takes, under the run's own flags.
+        defaults = {k: v for k, v in self.profile.parameters.items() if k in _LOCAL_OPTIONS}
+        self.options = {**defaults, **(options or {})}
         self.stats: Stats | None = None
 
     @staticmethod
@@ -95,8 +110,9 @@ class LocalChat:
         unknown = sorted(set(turn.options) - set(_LOCAL_OPTIONS))
         if unknown:
             raise ValueError(f"{', '.join(unknown)}: only a server uses {'it' if len(unknown) == 1 else 'them'}")
-        params = replace(params, **{_LOCAL_OPTIONS[k]: v for k, v in turn.options.items()})
-        if "num_predict" in turn.options and turn.options["num_predict"] < 0:
+        options = {**self.options, **turn.options}
+        params = replace(params, **{_LOCAL_OPTIONS[k]: v for k, v in options.items()})
+        if "num_predict" in options and options["num_predict"] < 0:
             params.max_tokens = None  # Ollama's -1 and -2: until the model stops or the context is full
         if turn.format == "json":
             from tokenmill.structured.compiler import compiler_for
@@ -107,6 +123,7 @@ class LocalChat:
         return params
 
     def stream(self, turn: Turn, params: SamplingParams) -> Iterator[str]:
+        from tokenmill.server.profiles import chat_messages
         from tokenmill.server.thinking import after_thinking, grammar_can_wait, model_thinks, reading_for
         from tokenmill.structured.compiler import compiler_for
         from tokenmill.structured.grammar import GrammarSpec
@@ -120,7 +137,8 @@ class LocalChat:
             ids = self.tokenizer.encode(turn.prompt)
         else:
             variables = {"enable_thinking": False} if thinks and turn.think is False else {}
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(turn.messages(), add_generation_prompt=True,
+            messages = chat_messages(turn.messages(), self.profile)
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                                            **variables), add_special_tokens=False)
             # JSON waits for the reasoning, as a server's format does (server/thinking.py)
             waits = (turn.format == "json" and turn.think is not False

@@ -194,3 +194,25 @@ def test_a_restart_with_the_same_lora_modules_does_not_merge_again(store, adapte
     assert find_derived("tuned") == first  # the same record, not made again
     monkeypatch.setattr("tokenmill.store.adapters.merged_blob", lambda *a: pytest.fail("merged again"))
     assert make_lora_models(settings) is None
+
+
+def test_run_in_process_takes_a_created_models_weights_and_profile(store, adapter, nobody_listens, capsys):
+    """`tokenmill run NAME` without a server: the adapted weights, SYSTEM opening the conversation and
+    PARAMETERs under the run's own flags (it said "unknown model" for any created model)."""
+    lora, _ = adapter
+    (lora.parent / "Modelfile").write_text(f"FROM tiny-a\nADAPTER {lora}\nSYSTEM \"\"\"Answer in French.\"\"\"\n"
+                                           "PARAMETER num_predict 3\nPARAMETER temperature 0\n")
+    assert main(["create", "local-tuned", "-f", str(lora.parent / "Modelfile")]) == 0
+    capsys.readouterr()
+
+    def run(*argv: str) -> dict[str, int]:
+        assert main(["run", *argv, "--verbose"]) == 0
+        err = capsys.readouterr().err
+        counts = {line.split(":")[0].strip(): int(line.split(":")[1].split()[0]) for line in err.splitlines()
+                  if line.startswith(("prompt eval count", "eval count"))}
+        assert "in-process" in err and len(counts) == 2, err
+        return counts
+
+    tuned, plain = run("local-tuned", "hello"), run("tiny-a", "hello", "--max-tokens", "3")
+    assert tuned["eval count"] == 3 and tuned["prompt eval count"] > plain["prompt eval count"]  # its SYSTEM
+    assert run("local-tuned", "hello", "--max-tokens", "2")["eval count"] == 2  # a flag over its PARAMETER
