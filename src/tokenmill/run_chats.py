@@ -84,17 +84,12 @@ class LocalChat:
 
     def __init__(self, model: str, dtype: str, progress: bool = True, options: dict | None = None):
         from tokenmill.server.profiles import tokenizer_for
-        from tokenmill.store import ensure_model
-        from tokenmill.store.derived import Profile, find_derived
-        from tokenmill.store.names import resolve_named
+        from tokenmill.store.names import resolve_local
 
         self.model = model
-        if find_derived(model) is not None:
-            resolved = resolve_named(model)
-            path, self.profile = resolved.path, resolved.profile
-        else:
-            path, self.profile = ensure_model(model, progress=progress), Profile()
-        self.engine = LLMEngine.from_path(path, EngineConfig(dtype=dtype), progress=progress)
+        resolved = resolve_local(model, progress=progress)
+        self.profile = resolved.profile
+        self.engine = LLMEngine.from_path(resolved.path, EngineConfig(dtype=dtype), progress=progress)
         self.tokenizer = tokenizer_for(self.engine.tokenizer, self.profile)
         # The profile's PARAMETERs this path takes, under the run's own flags.
         defaults = {k: v for k, v in self.profile.parameters.items() if k in _LOCAL_OPTIONS}

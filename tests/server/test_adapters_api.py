@@ -216,3 +216,13 @@ def test_run_in_process_takes_a_created_models_weights_and_profile(store, adapte
     tuned, plain = run("local-tuned", "hello"), run("tiny-a", "hello", "--max-tokens", "3")
     assert tuned["eval count"] == 3 and tuned["prompt eval count"] > plain["prompt eval count"]  # its SYSTEM
     assert run("local-tuned", "hello", "--max-tokens", "2")["eval count"] == 2  # a flag over its PARAMETER
+
+
+def test_the_llm_class_takes_a_created_models_name(store, adapter):
+    from tokenmill.store.blobs import import_file
+    from tokenmill.store.derived import Profile, save_derived
+
+    lora, reference = adapter
+    save_derived("tuned", "tiny-a", Profile(), (f"sha256:{import_file(lora, kind='adapter')}",))
+    ids = list(range(40, 60))
+    assert greedy_of("tuned", ids, 10) == greedy_of(reference, ids, 10) != greedy_of("tiny-a", ids, 10)

@@ -28,9 +28,11 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str | Path, config: EngineConfig | None = None, *, progress: bool = False):
-        from tokenmill.store import resolve_model
+        from tokenmill.store.names import resolve_named
 
-        self.engine = LLMEngine.from_path(resolve_model(str(model)), config, progress=progress)
+        # A name, a path, or a created model (`create`, `cp`): its weights here (a blob, adapters merged
+        # in); its chat profile is for the chat APIs. A known model not installed is an error, not a pull.
+        self.engine = LLMEngine.from_path(resolve_named(str(model)).path, config, progress=progress)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
