@@ -126,8 +126,8 @@ def test_cli_create_without_a_server_imports_the_adapter(store, adapter, nobody_
     assert leftovers(store) == []
 
 
-def test_serve_lora_modules_serves_each_adapter_as_a_model(store, adapter, tmp_path):
-    """vLLM's --lora-modules NAME=FILE: the served model with the adapter merged in, under NAME."""
+def served_process(*argv: str):
+    """`tokenmill serve ARGV...` in a subprocess, once /health answers: (process, client)."""
     import os
     import subprocess
     import sys
@@ -135,30 +135,65 @@ def test_serve_lora_modules_serves_each_adapter_as_a_model(store, adapter, tmp_p
 
     from test_serve import free_port
 
-    lora, reference = adapter
     port = free_port()
     env = {**os.environ, "TOKENMILL_COMPILE": "false", "TOKENMILL_KV_SIZE": "2048"}
     cmd = [sys.executable, "-c", "import sys; from tokenmill.cli import main; sys.exit(main(sys.argv[1:]))",
-           "serve", "tiny-a", "--port", str(port), "--lora-modules", f"tuned={lora}"]
+           "serve", *argv, "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if c.get("/health").status_code == 200:
+                return proc, c
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(proc.stderr.read() if proc.wait() is not None else "")
+        time.sleep(0.1)
+
+
+def greedy_answer(c: httpx.Client, model: str) -> tuple[list[int], list[int]]:
+    r = c.post("/api/generate", json={"model": model, "prompt": PROMPT, "raw": True, "stream": False,
+                                      "options": {"temperature": 0, "num_predict": 6, "repeat_penalty": 1}}).json()
+    prompt_ids = r["context"][:-r["eval_count"]]
+    return prompt_ids, r["context"][len(prompt_ids):]
+
+
+def test_serve_lora_modules_serves_each_adapter_as_a_model(store, adapter, tmp_path):
+    """vLLM's --lora-modules NAME=FILE: the served model with the adapter merged in, under NAME."""
+    lora, reference = adapter
+    proc, c = served_process("tiny-a", "--lora-modules", f"tuned={lora}")
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if c.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
-                time.sleep(0.1)
-            assert "tuned" in {m["id"] for m in c.get("/v1/models").json()["data"]}
-            r = c.post("/api/generate", json={"model": "tuned", "prompt": PROMPT, "raw": True, "stream": False,
-                                              "options": {"temperature": 0, "num_predict": 6, "repeat_penalty": 1}})
-            r = r.json()
-            prompt_ids = r["context"][:-r["eval_count"]]
-            assert r["context"][len(prompt_ids):] == greedy_of(reference, prompt_ids, r["eval_count"])
+        assert "tuned" in {m["id"] for m in c.get("/v1/models").json()["data"]}
+        prompt_ids, answer = greedy_answer(c, "tuned")
+        assert answer == greedy_of(reference, prompt_ids, len(answer))
     finally:
+        c.close()
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_serve_starts_with_a_created_model(store, adapter):
+    """`tokenmill serve NAME` for a model `create` made (it said "unknown model"): its weights load at
+    start, under its name, and its requests get its profile."""
+    from tokenmill.store.blobs import import_file
+    from tokenmill.store.derived import Profile, save_derived
+
+    lora, reference = adapter
+    adapter_digest = f"sha256:{import_file(lora, kind='adapter')}"
+    save_derived("tuned", "tiny-a", Profile(parameters={"num_predict": 2}), (adapter_digest,))
+    proc, c = served_process("tuned")
+    try:
+        assert [m["name"] for m in c.get("/api/ps").json()["models"]] == ["tuned"]
+        prompt_ids, answer = greedy_answer(c, "tuned")
+        assert answer == greedy_of(reference, prompt_ids, len(answer))
+        r = c.post("/api/generate", json={"model": "tuned", "prompt": PROMPT, "raw": True, "stream": False}).json()
+        assert r["eval_count"] <= 2  # its PARAMETER num_predict
+        assert [m["name"] for m in c.get("/api/ps").json()["models"]] == ["tuned"]  # served by the one loaded
+    finally:
+        c.close()
         proc.terminate()
         proc.wait(30)
 

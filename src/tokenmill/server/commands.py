@@ -66,6 +66,8 @@ def check_model_name(model: str) -> None:
     from tokenmill.store import ModelNotInstalledError, resolve_model
     from tokenmill.store.local import looks_like_path
 
+    if _created_model(model) is not None:  # a created model, its weights there (else UnknownModelError)
+        return
     try:
         path = resolve_model(model)
     except ModelNotInstalledError:
@@ -189,8 +191,23 @@ def host_for(settings: Config) -> ModelHost:
     configure_threads(settings.threads)
     host = ModelHost(max_queue=settings.max_queue, retire_timeout=settings.drain_timeout,
                      policy=HostPolicy.from_settings(settings))
-    host.start_load(LoadSpec(settings.model, settings.engine_config()))
+    model, label = settings.model, ""
+    created = _created_model(model)
+    if created is not None:  # a created model's weights load as its requests would load them
+        model, label = str(created.path), created.name
+    host.start_load(LoadSpec(model, settings.engine_config()), label)
     return host
+
+
+def _created_model(model: str):
+    """The created model (`create`, `cp`) `model` names, resolved, or None."""
+    from tokenmill.store.derived import find_derived
+    from tokenmill.store.local import looks_like_path
+    from tokenmill.store.names import resolve_named
+
+    if looks_like_path(model) or find_derived(model) is None:
+        return None
+    return resolve_named(model)
 
 
 def build_server(settings: Config) -> tuple[DrainingServer, ModelHost]:

@@ -134,15 +134,17 @@ class ModelHost:
         return self.status == "ok" and self.current is not None
 
     # --- the default model (serve MODEL, /load) --------------------------------------------------
-    def start_load(self, spec: LoadSpec) -> None:
-        """Load `spec` as the default model; the previous default retires once the new one serves."""
+    def start_load(self, spec: LoadSpec, label: str = "") -> None:
+        """Load `spec` as the default model; the previous default retires once the new one serves.
+        label: the name clients are told, for a created model whose weights are a blob (spec.model its path)."""
         with self._lock:
             if self._closed:
                 raise APIError(503, "server is shutting down")
             if self.loading is not None:
                 raise APIError(409, f"model {self.loading.model!r} is still loading; try again when it is ready",
                                code="load_in_progress")
-            load = PendingLoad(spec, spec_names(spec.model), resolved_key(spec.model), True, None)
+            names = spec_names(spec.model) | ({normalize_name(label)} if label else set())
+            load = PendingLoad(spec, names, resolved_key(spec.model), True, None, label)
             self._pending.append(load)
             self._default_load, self._default_spec, self.error = load, spec, None
         self._start(load)
