@@ -60,9 +60,8 @@ def resolve_named(name: str) -> ResolvedModel:
 
 
 def resolve_local(name_or_path: str, *, progress: bool = True) -> ResolvedModel:
-    """What this process (not a server: `run` without one, the LLM class) runs for a name or a path the
-    user gave: a created model's weights and profile, else a known model, pulled first if need be, or a
-    file."""
+    """What `run` without a server runs in this process for a name or a path the user gave: a created
+    model's weights and profile, else a known model, pulled first if need be, or a file."""
     if find_derived(name_or_path) is not None:
         return resolve_named(name_or_path)
     from tokenmill.store.pull import ensure_model
