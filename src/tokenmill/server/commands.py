@@ -115,22 +115,18 @@ def make_lora_models(settings: Config) -> str | None:
         return None
     from pathlib import Path
 
-    from tokenmill.store import ModelNotInstalledError, StoreError, resolve_model
+    from tokenmill.store import StoreError, ensure_model
     from tokenmill.store.blobs import digest_ref, import_file
     from tokenmill.store.derived import Profile, find_derived, save_derived
     from tokenmill.store.local import looks_like_path
-    from tokenmill.store.pull import pull
 
     where = settings.source("lora_modules")
     base = settings.model
     try:
         if looks_like_path(base):  # a file is made a blob, as `create` makes one of FROM ./file.gguf
-            base = digest_ref(import_file(resolve_model(base)))
-        else:
-            try:
-                resolve_model(base)
-            except ModelNotInstalledError:
-                pull(base)
+            base = digest_ref(import_file(ensure_model(base)))
+        elif find_derived(base) is None:
+            ensure_model(base)  # a known model not installed yet is pulled now
         for entry in settings.lora_modules.split(","):
             name, sep, file = (part.strip() for part in entry.partition("="))
             if not sep or not name or not file:
