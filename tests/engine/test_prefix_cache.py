@@ -1,12 +1,16 @@
 """Prefix caching across requests: a new request maps the longest cached prefix (even one a running
-request is still using), always computes its last prompt token, and counts cached vs computed."""
+request is still using), to the token (a prefix that ends inside a block copies that block's K/V),
+always computes its last prompt token, and counts cached vs computed."""
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 
 from engine_helpers import random_ids as ids, make_engine, run_to_completion, step_until_done
+from tiny_model import TinyLlamaSpec, write_tiny_llama
 from tokenmill.engine import SamplingParams
+from tokenmill.kernels import native
 from tokenmill.model import load_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -41,12 +45,59 @@ def test_identical_prompt_still_computes_its_last_token_and_freed_blocks_stay_ca
     before = engine.blocks.prefix_stats()
     rid = engine.add_request(p, GREEDY)
     events = engine.step()
-    assert events[0].num_cached_tokens == 48  # 3 of 4 blocks: the last token needs computing
+    assert events[0].num_cached_tokens == 63  # 3 of 4 blocks and 15 tokens of the 4th: the last is computed
     rest = step_until_done(engine)
     assert events[0].token_ids + rest[rid, 0] == first
     stats = engine.blocks.prefix_stats()
-    assert (stats.hits - before.hits, stats.queries - before.queries) == (48, 64)
-    assert engine.stats.num_cached_prompt_tokens == 48
+    assert (stats.hits - before.hits, stats.queries - before.queries) == (63, 64)
+    assert engine.stats.num_cached_prompt_tokens == 63
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """The tiny model with Q8_0 weights in the gguf mode: its steps run in the native core (when built)."""
+    path = write_tiny_llama(tmp_path_factory.mktemp("q") / "tiny-q8.gguf",
+                            TinyLlamaSpec(weight_type=gguf.GGMLQuantizationType.Q8_0))
+    return load_model(path, "gguf")
+
+
+@pytest.mark.parametrize("weights,kv_dtype", [("dense", "auto"), ("quantized", "auto"), ("quantized", "int8")])
+def test_a_prefix_ending_inside_a_block_is_copied_and_continued(loaded, quantized, weights, kv_dtype):
+    """A prompt sharing 40 tokens with a running one (2 blocks and 8 tokens of its 3rd), and one sharing
+    a finished conversation turn to its last computed token (the turn's partly filled block, kept when
+    it finished), compute only what follows and generate what a cold engine generates."""
+    if kv_dtype == "int8" and native.module() is None:
+        pytest.skip("an int8 cache needs the compiled core")
+    model = loaded if weights == "dense" else quantized
+    a = ids(50, seed=20)
+    b = a[:40] + ids(9, seed=21)
+    turn = ids(37, seed=22)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    cold = make_engine(model, max_total_tokens=1024, enable_prefix_caching=False, kv_dtype=kv_dtype)
+    engine = make_engine(model, max_total_tokens=1024, kv_dtype=kv_dtype)
+
+    [reply] = run_to_completion(engine, [(turn, params)])  # 37 + 5 computed: its 3rd block holds 10
+    follow_up = turn + reply + ids(7, seed=23)
+    outputs: dict[str, list[int]] = {}
+
+    def collect(events):
+        for ev in events:
+            outputs.setdefault(ev.request_id, []).extend(ev.token_ids)
+
+    ra = engine.add_request(a, params)
+    collect(engine.step())  # a's prompt computed, its 3 full blocks committed; a keeps running
+    rb, rc = engine.add_request(b, params), engine.add_request(follow_up, params)
+    collect(engine.step())
+    [seq_a], [seq_b], [seq_c] = (engine.scheduler.find(r) for r in (ra, rb, rc))
+    assert seq_b.num_cached_prompt_tokens == 40
+    assert seq_c.num_cached_prompt_tokens == len(turn) + len(reply) - 1  # all but the reply's last token
+    table_a, table_b = engine.blocks.block_table(seq_a.seq_id), engine.blocks.block_table(seq_b.seq_id)
+    assert table_b[:2] == table_a[:2] and table_b[2] != table_a[2]  # the 3rd block is b's own copy
+    for (rid, _), tokens in step_until_done(engine).items():
+        outputs.setdefault(rid, []).extend(tokens)
+
+    expected = run_to_completion(cold, [(turn, params), (a, params), (b, params), (follow_up, params)])
+    assert [reply] + [outputs[r] for r in (ra, rb, rc)] == expected
 
 
 def test_preempted_requests_rematch_their_prefix_and_give_the_same_output(loaded):

@@ -7,6 +7,7 @@ from tokenmill.kvcache import (
     PrefixMatch,
     PrefixStats,
     StalePrefixError,
+    hash_blocks,
 )
 
 BS = 4
@@ -149,11 +150,17 @@ def test_match_never_covers_the_last_token():
     bm = BlockManager(8, BS)
     prompt = toks(8)
     run_prompt(bm, 1, prompt)
-    assert bm.match_prefix(prompt).num_tokens == 4  # exactly 2 full blocks cached, only 1 usable
-    assert bm.match_prefix(prompt[:4]).num_tokens == 0
+    whole = {"partial": False}
+    assert bm.match_prefix(prompt, **whole).num_tokens == 4  # exactly 2 full blocks cached, only 1 usable
+    assert bm.match_prefix(prompt[:4], **whole).num_tokens == 0
+    assert bm.match_prefix(prompt[:5], **whole).num_tokens == 4
+    assert bm.match_prefix(prompt + [0], **whole).num_tokens == 8
+    assert bm.match_prefix([]).num_tokens == 0
+    # Token-granular: into the next cached block, still short of the last token.
+    assert bm.match_prefix(prompt).num_tokens == 7
+    assert bm.match_prefix(prompt[:4]).num_tokens == 3
     assert bm.match_prefix(prompt[:5]).num_tokens == 4
     assert bm.match_prefix(prompt + [0]).num_tokens == 8
-    assert bm.match_prefix([]).num_tokens == 0
 
 
 def test_match_is_read_only_and_keyed_by_extra_key():
@@ -163,7 +170,9 @@ def test_match_is_read_only_and_keyed_by_extra_key():
     assert bm.match_prefix(toks(9), b"model-a").num_tokens == 8
     assert bm.match_prefix(toks(9), b"model-b").num_tokens == 0
     assert bm.match_prefix(toks(9)).num_tokens == 0
-    assert bm.match_prefix([0, 1, 2, 9, 4, 5, 6, 7, 8], b"model-a").num_tokens == 0
+    assert bm.match_prefix([0, 1, 2, 9, 4, 5, 6, 7, 8], b"model-a", partial=False).num_tokens == 0
+    assert bm.match_prefix([0, 1, 2, 9, 4, 5, 6, 7, 8], b"model-a").num_tokens == 3  # into block 0
+    assert bm.match_prefix([0, 1, 2, 9, 4, 5, 6, 7, 8], b"model-b").num_tokens == 0
     assert bm.state_snapshot() == before
 
 
@@ -224,6 +233,65 @@ def test_stale_prefix_is_refused():
         bm.can_allocate(3, 9, m)
     with pytest.raises(StalePrefixError):
         bm.allocate(3, 9, m)
+
+
+# ---- prefixes that end inside a block ---------------------------------------------
+
+
+def test_a_match_into_a_cached_full_block_copies_it():
+    bm = BlockManager(8, BS)
+    run_prompt(bm, 1, toks(12))  # 3 full blocks, all cached
+    other = toks(6) + [99, 98, 97]  # 1 block and 2 tokens of the 2nd shared
+    m = bm.match_prefix(other)
+    assert (m.block_ids, m.num_tokens) == ((0,), 6) and (m.partial.block_id, m.partial.num_tokens) == (1, 2)
+    copies = bm.allocate(2, len(other), m)
+    table = bm.block_table(2)
+    assert table[0] == 0 and table[1] not in (0, 1, 2) and copies == [(1, table[1])]
+    assert bm.prefix_stats().hits == 6
+    assert bm.prepare_write(2, 6) == []  # the copy is its own block: nothing shared to write into
+    bm.check_integrity()
+
+
+def test_a_finished_sequence_keeps_its_partly_filled_block():
+    bm = BlockManager(8, BS)
+    turn = toks(10)
+    run_prompt(bm, 1, turn)
+    bm.free(1, turn, 10)  # blocks 0, 1 full and indexed; block 2 holds tokens 8, 9
+    assert bm.state_snapshot().tails[2] == ((hash_blocks(turn, BS)[-1], b""), (8, 9))
+    order = bm.state_snapshot().free_order
+    assert set(order[-3:]) == {0, 1, 2}  # cached ones go last, the partly filled one among them
+    follow_up = turn + [50, 51]
+    m = bm.match_prefix(follow_up)
+    assert m.num_tokens == 10 and m.partial.block_id == 2
+    assert bm.allocate(2, len(follow_up), m) == [(2, bm.block_table(2)[2])]
+    bm.check_integrity()
+
+
+def test_no_partly_filled_block_is_kept_while_shared_or_unindexed():
+    bm = BlockManager(8, BS)
+    turn = toks(10)
+    run_prompt(bm, 1, turn)
+    bm.fork(1, 2)
+    bm.free(1, turn, 10)  # seq 2 still holds block 2 and may write into it
+    assert 2 not in bm.state_snapshot().tails
+    bm.free(2)
+    bm.allocate(3, 6)  # computed, never committed: no chain key for its 2nd block
+    bm.free(3, toks(6, 40), 6)
+    assert set(bm.state_snapshot().tails) == {0, 1}  # the full blocks seq 1 committed
+    bm.check_integrity()
+
+
+def test_a_partial_match_whose_block_was_reused_is_stale():
+    bm = BlockManager(3, BS)
+    run_prompt(bm, 1, toks(6))
+    bm.free(1, toks(6), 6)
+    m = bm.match_prefix(toks(6) + [7])
+    assert m.partial is not None and m.num_tokens == 6
+    bm.allocate(2, 12)  # every block, evicting the cached ones
+    bm.free(2)
+    with pytest.raises(StalePrefixError):
+        bm.allocate(3, 7, m)
+    assert bm.match_prefix(toks(6) + [7]).num_tokens == 0
 
 
 def test_prefix_is_ignored_for_a_sequence_that_has_blocks():

@@ -3,7 +3,8 @@
 The model writes each token into the block/offset the manager assigns it, applying the
 copy-on-write pairs exactly as the engine would. Checking that every sequence reads its
 own tokens back catches any sharing bug (a write into a block someone else still uses),
-and checking a prefix match's content catches any stale prefix-cache entry.
+and checking a prefix match's content (and every cached block's indexed first tokens) catches
+any stale prefix-cache entry.
 """
 import copy
 
@@ -70,16 +71,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         tokens = doc[:keep] + tail or [0]
         sid, self.next_id = self.next_id, self.next_id + 1
         m = self.bm.match_prefix(tokens)
-        assert m.num_tokens == len(m.block_ids) * BS < len(tokens)
-        assert self._read(list(m.block_ids), m.num_tokens) == tokens[: m.num_tokens]
+        full = len(m.block_ids) * BS
+        assert full <= m.num_tokens < len(tokens)
+        assert self._read(list(m.block_ids), full) == tokens[:full]
+        if m.partial is not None:  # a cached block that starts with the next tokens
+            assert m.num_tokens == full + m.partial.num_tokens and m.partial.num_tokens > 0
+            assert m.partial.block_id not in m.block_ids
+            assert self.storage[m.partial.block_id][: m.partial.num_tokens] == tokens[full : m.num_tokens]
+        else:
+            assert m.num_tokens == full
         prefix = m if use_prefix else None
         if not self.bm.can_allocate(sid, len(tokens), prefix):
             self._expect_refusal(self.bm.allocate, sid, len(tokens), prefix)
             return
-        self.bm.allocate(sid, len(tokens), prefix)
+        copies = self.bm.allocate(sid, len(tokens), prefix)
         done = m.num_tokens if use_prefix else 0
         if use_prefix:
             assert self.bm.block_table(sid)[: len(m.block_ids)] == list(m.block_ids)
+            assert copies == ([(m.partial.block_id, self.bm.block_table(sid)[len(m.block_ids)])] if m.partial else [])
+            # As the engine does: every copy of the step reads its source before anything is written.
+            sources = [list(self.storage[src]) for src, _ in copies]
+            for (_, dst), content in zip(copies, sources):
+                self.storage[dst] = content
+        else:
+            assert copies == []
         assert self.bm.prepare_write(sid, done) == []  # a new sequence's own blocks are private
         self._write(sid, tokens, done)
         self.bm.commit_full_blocks(sid, tokens, len(tokens))
@@ -118,10 +133,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.seqs[child] = list(self.seqs[parent])
 
     @precondition(lambda self: self.seqs)
-    @rule(i=st.integers(0, 99))
-    def free(self, i):
+    @rule(i=st.integers(0, 99), keep_tail=st.booleans())
+    def free(self, i, keep_tail):
+        """keep_tail: as a finished sequence, whose partly filled last block a later prompt may continue."""
         sid = self._pick(i)
-        self.bm.free(sid)
+        if keep_tail:
+            self.bm.free(sid, self.seqs[sid], len(self.seqs[sid]))
+        else:
+            self.bm.free(sid)
         del self.seqs[sid]
         assert self.bm.block_table(sid) == []
 
@@ -156,6 +175,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self._read(table, len(tokens)) == tokens
             used.update(table)
         assert self.bm.num_used_blocks == len(used)
+        # Every block a partial match may copy from still holds the tokens it is indexed by.
+        for b, (_, tokens) in self.bm.state_snapshot().tails.items():
+            assert self.storage[b][: len(tokens)] == list(tokens)
         assert self.bm.num_free_blocks + self.bm.num_used_blocks == NUM_BLOCKS
 
     def teardown(self):

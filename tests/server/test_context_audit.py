@@ -1,7 +1,7 @@
 """Context length and KV capacity through the HTTP APIs, on a tiny model (256-token context) served
 with a KV cache of 128 tokens in 16-token blocks: prompts at the context's edge, a request larger
 than the whole cache, requests that together overflow it (preemption), n > 1 near the limit, prefix
-reuse at block boundaries, and context shift with stop strings and structured output. Every refusal
+reuse to the token around block boundaries, and context shift with stop strings and structured output. Every refusal
 is a 400 naming the sizes, and no test leaves a KV block in use (the fixture checks)."""
 from __future__ import annotations
 
@@ -110,8 +110,9 @@ def test_n_samples_that_overflow_the_cache_report_no_false_cache_hits(kv):
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     alone = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "temperature": 0}).json()
     assert texts(body) == texts(alone) * 4
-    # Now the prompt is cached, up to its last full block before the last token.
-    assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    # Now the prompt is cached, all but its last token: 6 full blocks, and 3 tokens of a 7th that the
+    # samples' blocks begin with.
+    assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 99
 
 
 def test_concurrent_requests_over_the_cache_match_running_alone(kv):
@@ -153,16 +154,17 @@ def test_ollama_shifting_requests_over_the_cache_match_running_alone(kv):
 
 @pytest.mark.parametrize("n", [BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 2 * BLOCK + 1])
 def test_prefix_reuse_at_block_boundaries(kv, n):
-    """A repeated prompt takes its full blocks from the cache, all but the block holding its last
-    token (that one's logits must be computed), and answers the same."""
+    """A repeated prompt takes all but its last token from the cache (that one's logits must be
+    computed): its full blocks, and the first tokens of the block after them, which the cached
+    block holding them gives by copy; and answers the same. A longer prompt takes all of it."""
     c, _ = kv
     prompt = ids(100 + n, n)
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
     first, again = (c.post("/v1/completions", json=body).json() for _ in range(2))
     longer = c.post("/v1/completions", json={**body, "prompt": prompt + [5]}).json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BLOCK * BLOCK
-    assert longer["usage"]["prompt_tokens_details"]["cached_tokens"] == n // BLOCK * BLOCK
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    assert longer["usage"]["prompt_tokens_details"]["cached_tokens"] == n
     assert texts(first) == texts(again)
 
 

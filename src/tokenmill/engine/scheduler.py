@@ -62,13 +62,20 @@ class Scheduler:
     def find(self, request_id: str) -> list[Sequence]:
         return [s for s in [*self.running, *self.waiting] if s.request_id == request_id]
 
-    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        """Take a sequence out of the queues for good and release its blocks at once."""
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, *, computed: bool = False) -> None:
+        """Take a sequence out of the queues for good and release its blocks at once. computed: its
+        num_computed_tokens are all in its blocks (it ends after a step that ran), so the partly
+        filled last block stays cached for a prompt that continues it (the next turn of a chat).
+        Not so for one ended between scheduling and its step (its partial prefix's copy may not
+        have run)."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self.blocks.free(seq.seq_id)
+        if computed:
+            self.blocks.free(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+        else:
+            self.blocks.free(seq.seq_id)
         if self.speculator is not None:
             self.speculator.forget(seq)
         seq.finish(reason, error)
@@ -201,7 +208,8 @@ class Scheduler:
 
             if not fits() and not self._preempt_lower(seq, batch, fits, cached + num_new):
                 break
-            self.blocks.allocate(seq.seq_id, cached + num_new, prefix)
+            # A prefix that ends inside a block comes with its K/V to copy into the sequence's own.
+            copies = self.blocks.allocate(seq.seq_id, cached + num_new, prefix)
             self.waiting.remove(seq)
             seq.transition(Status.RUNNING)
             seq.num_computed_tokens = cached
@@ -211,13 +219,13 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_ids))
             batch.num_cached_tokens += cached
             self.running.append(seq)
-            batch.add(self._chunk(seq, num_new, []))
+            batch.add(self._chunk(seq, num_new, copies))
 
-    def _match(self, seq: Sequence) -> PrefixMatch | None:
+    def _match(self, seq: Sequence, partial: bool = True) -> PrefixMatch | None:
         # Also for a preempted or shifted sequence coming back: its own old blocks may still be cached.
         if not self.cfg.enable_prefix_caching or seq.wants_prompt_scores:  # cached blocks come without logits
             return None
-        return self.blocks.match_prefix(seq.all_token_ids)
+        return self.blocks.match_prefix(seq.all_token_ids, partial=partial)
 
     def _has_slot(self, seq: Sequence) -> bool:
         # A request with n samples will run n sequences once its prompt is done; an oversized n is
@@ -352,7 +360,7 @@ class Scheduler:
                 self._shift(seq)
                 return False
         if reason is not None:
-            self.finish(seq, reason, seq.error)
+            self.finish(seq, reason, seq.error, computed=True)
             return False
         return True
 
@@ -410,7 +418,8 @@ class Scheduler:
                  seq.request_id, seq.sample_index, seq.num_tokens, dropped, min(seq.num_keep, len(kept) - 1))
         self.blocks.free(seq.seq_id)
         seq.shift_context(kept, dropped)
-        prefix = self._match(seq)
+        # Whole blocks only: a partial one's copy would have to wait for the next step's chunk.
+        prefix = self._match(seq, partial=False)
         # The blocks just freed cost nothing to revive, so this always fits; checked all the same.
         if prefix and prefix.num_tokens and self.blocks.can_allocate(seq.seq_id, prefix.num_tokens, prefix):
             self.blocks.allocate(seq.seq_id, prefix.num_tokens, prefix)

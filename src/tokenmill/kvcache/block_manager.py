@@ -1,6 +1,10 @@
 """Per-sequence block tables over a BlockPool: allocation, prefix reuse, fork and
 copy-on-write, integrity checks, and checkpoint/rollback of a scheduler step.
 
+Prefix reuse is token-granular: a match adopts the cached full blocks, then may end inside the
+next block, whose K/V a cached block with the same first tokens (after the same prefix) gives
+by copy into the sequence's own block (block_tails.py).
+
 Token at position p of a sequence lives in block_table[p // block_size] at offset
 p % block_size. The caller (the engine) owns the K/V tensors and the token lists;
 this class only decides which block ids hold what.
@@ -14,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.kvcache.block_pool import BlockPool, IntegrityError, Journal, NoFreeBlocksError
+from tokenmill.kvcache.block_tails import TailKey, TailMatch
 from tokenmill.kvcache.prefix_hash import BlockHash, hash_block
 
 
@@ -25,10 +30,13 @@ class StalePrefixError(ValueError):
 @dataclass(frozen=True)
 class PrefixMatch:
     block_ids: tuple[int, ...]  # cached full blocks, in order
-    num_tokens: int  # = len(block_ids) * block_size
+    num_tokens: int  # len(block_ids) * block_size, plus partial.num_tokens
     # The keys the blocks were found under, so allocate() can tell a stale match from
     # a live one (a block id alone may have been evicted and refilled meanwhile).
     block_hashes: tuple[BlockHash, ...] = ()
+    # A cached block whose first tokens are the next ones: allocate() has its K/V copied into
+    # the sequence's first own block.
+    partial: TailMatch | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class StateSnapshot:
     ref_counts: tuple[int, ...]
     free_order: tuple[int, ...]
     hash_index: dict[BlockHash, int]
+    tails: dict[int, tuple[TailKey, tuple[int, ...]]]
     seq_hashes: dict[int, tuple[BlockHash, ...]]
     prefix_stats: PrefixStats
 
@@ -83,7 +92,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._journal = Journal()
-        self._pool = BlockPool(num_blocks, self._journal)
+        self._pool = BlockPool(num_blocks, block_size, self._journal)
         self._seqs: dict[int, _Seq] = {}
         self._stats = PrefixStats()
         self._epoch = 0
@@ -128,11 +137,12 @@ class BlockManager:
 
     # ---- prefix cache --------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], extra_key: bytes = b"") -> PrefixMatch:
-        """Longest run of cached full blocks at the start of token_ids. Read-only.
+    def match_prefix(self, token_ids: Sequence[int], extra_key: bytes = b"", *, partial: bool = True) -> PrefixMatch:
+        """Longest run of cached full blocks at the start of token_ids, and (partial) the
+        cached block that continues it furthest into the next block. Read-only.
 
         Never covers the last token: the caller must compute at least one position to
-        get logits, so at most (len-1)//block_size blocks match."""
+        get logits, so at most len-1 tokens match."""
         if not self.enable_prefix_caching:
             return PrefixMatch((), 0)
         bs = self.block_size
@@ -146,13 +156,20 @@ class BlockManager:
                 break
             ids.append(b)
             hashes.append(parent)
-        return PrefixMatch(tuple(ids), len(ids) * bs, tuple(hashes))
+        start = len(ids) * bs
+        tail = None
+        if partial and start < len(token_ids) - 1:
+            key = (hashes[-1] if hashes else None, extra_key)
+            tail = self._pool.longest_tail(key, list(token_ids[start : min(start + bs, len(token_ids) - 1)]))
+        return PrefixMatch(tuple(ids), start + (tail.num_tokens if tail else 0), tuple(hashes), tail)
 
     def _adoptable(self, seq: _Seq | None, prefix: PrefixMatch | None) -> tuple[int, ...]:
         """Prefix blocks allocate() would adopt; raises StalePrefixError if outdated."""
-        if prefix is None or not prefix.block_ids or (seq is not None and seq.table):
+        if prefix is None or (seq is not None and seq.table):
             # A sequence that already has blocks has computed its own prefix.
             return ()
+        if prefix.partial is not None and not self._pool.tail_is_live(prefix.partial):
+            raise StalePrefixError(f"prefix block {prefix.partial.block_id} changed since match_prefix")
         if prefix.block_hashes and len(prefix.block_hashes) != len(prefix.block_ids):
             raise ValueError("PrefixMatch.block_hashes does not match block_ids")
         for i, b in enumerate(prefix.block_ids):
@@ -178,12 +195,14 @@ class BlockManager:
         """Could seq_id's table grow to hold num_tokens tokens in total?"""
         return self._plan(seq_id, num_tokens, prefix)[2] <= self._pool.num_free
 
-    def allocate(self, seq_id: int, num_tokens: int, prefix: PrefixMatch | None = None) -> None:
+    def allocate(self, seq_id: int, num_tokens: int, prefix: PrefixMatch | None = None) -> list[tuple[int, int]]:
         """Grow seq_id's table to cover num_tokens tokens (never shrinks).
 
         A new sequence (no blocks yet) first adopts prefix's cached blocks; for one
-        that has blocks the prefix is ignored. Raises NoFreeBlocksError, changing
-        nothing, if the blocks are not there."""
+        that has blocks the prefix is ignored. Returns the (src, dst) block pairs whose
+        K/V the caller must copy before the sequence writes: a partial match's block
+        into the sequence's first own block (prefix.num_tokens must not exceed num_tokens).
+        Raises NoFreeBlocksError, changing nothing, if the blocks are not there."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         adopt, fresh, cost = self._plan(seq_id, num_tokens, prefix)
@@ -204,9 +223,14 @@ class BlockManager:
             seq.hashes.append(self._pool.blocks[b].block_hash)
         for _ in range(fresh):
             seq.table.append(self._pool.take_free())
+        # The copy's source may be among the blocks just taken (a cached block is evicted last,
+        # but evicted all the same): its K/V is still there until the step writes, and the caller
+        # copies before any write of the step.
+        partial = prefix.partial if starting and prefix is not None and len(seq.table) > len(adopt) else None
         if starting and num_tokens > 0 and self.enable_prefix_caching:
-            hits = len(adopt) * self.block_size
+            hits = len(adopt) * self.block_size + (partial.num_tokens if partial else 0)
             self._set_stats(PrefixStats(self._stats.queries + num_tokens, self._stats.hits + hits))
+        return [(partial.block_id, seq.table[len(adopt)])] if partial else []
 
     def has_uncommitted(self, seq_id: int, num_computed_tokens: int) -> bool:
         """Whether commit_full_blocks would index anything: a block filled up since the last commit.
@@ -234,8 +258,9 @@ class BlockManager:
         self._journal.record(_truncate, seq.hashes, len(seq.hashes))
         for i in range(len(seq.hashes), n_full):
             parent = seq.hashes[-1] if seq.hashes else None
-            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
-            self._pool.register(seq.table[i], h)
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            h = hash_block(parent, tokens, extra_key)
+            self._pool.register(seq.table[i], h, (parent, extra_key), tokens)
             seq.hashes.append(h)
 
     def trim(self, seq_id: int, num_tokens: int) -> None:
@@ -259,16 +284,36 @@ class BlockManager:
         for b in reversed(dropped):
             self._pool.release(b)
 
-    def free(self, seq_id: int) -> None:
-        """Drop the sequence; its blocks lose one reference each. Unknown ids: no-op."""
+    def free(self, seq_id: int, token_ids: Sequence[int] | None = None, num_computed_tokens: int = 0,
+             extra_key: bytes = b"") -> None:
+        """Drop the sequence; its blocks lose one reference each. Unknown ids: no-op.
+
+        With token_ids (the sequence's tokens, of which the first num_computed_tokens have their
+        K/V in its blocks), a last block they fill only in part, held by this sequence alone, stays
+        cached for a later prompt to continue (a conversation's next turn)."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
         self._journal.record(self._seqs.__setitem__, seq_id, seq)
+        if token_ids is not None and self.enable_prefix_caching:
+            self._keep_tail(seq, token_ids, num_computed_tokens, extra_key)
         # Tail first: freed blocks queue in this order, so a prompt's last blocks are
         # evicted before its first ones (a tail block is useless without its prefix).
         for b in reversed(seq.table):
             self._pool.release(b)
+
+    def _keep_tail(self, seq: _Seq, token_ids: Sequence[int], num_computed_tokens: int, extra_key: bytes) -> None:
+        bs = self.block_size
+        i, n = divmod(min(num_computed_tokens, len(token_ids)), bs)
+        if not n or i >= len(seq.table) or len(seq.hashes) != i:
+            return  # block-aligned, or its full blocks are not all indexed (a chain key is missing)
+        b = seq.table[i]
+        if self._pool.blocks[b].ref_count != 1 or self._pool.blocks[b].block_hash is not None:
+            return  # a sibling still shares it and may write into it
+        if seq.extra_key is not None and seq.extra_key != extra_key:
+            raise ValueError("free: extra_key differs from the one the sequence committed with")
+        key: TailKey = (seq.hashes[-1] if seq.hashes else None, extra_key)
+        self._pool.set_tail(b, key, list(token_ids[i * bs : i * bs + n]))
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """child shares every block of parent (parallel samples). Needs no free block:
@@ -296,7 +341,7 @@ class BlockManager:
         blocks = self._pool.blocks
         for b in seq.table[start:]:  # a loop, not all(<generator>): this runs for every decode row, every step
             block = blocks[b]
-            if block.ref_count != 1 or block.block_hash is not None:
+            if block.ref_count != 1 or block.block_hash is not None or block.tail is not None:
                 return False
         return True
 
@@ -400,6 +445,7 @@ class BlockManager:
             ref_counts=tuple(b.ref_count for b in self._pool.blocks),
             free_order=tuple(self._pool.free_order()),
             hash_index=self._pool.hash_index(),
+            tails=self._pool.tail_snapshot(),
             seq_hashes={s: tuple(q.hashes) for s, q in self._seqs.items()},
             prefix_stats=self._stats,
         )

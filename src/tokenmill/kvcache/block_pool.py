@@ -1,4 +1,5 @@
-"""Fixed-size KV blocks: ref counts, the free pool, and the hash -> block prefix index.
+"""Fixed-size KV blocks: ref counts, the free pool, the hash -> block prefix index, and the
+tokens of cached blocks that prefix matches ending inside a block read (block_tails.py).
 
 Only block ids live here; the K/V tensors are indexed by them elsewhere.
 Every mutation goes through a few primitives that log their inverse into a Journal,
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.kvcache.block_tails import Tail, TailIndex, TailKey, TailMatch
 from tokenmill.kvcache.prefix_hash import BlockHash
 
 
@@ -30,6 +32,14 @@ class Block:
     # Set while the block is in the prefix index; kept after ref_count drops to 0 so
     # a later request can revive the block instead of recomputing it.
     block_hash: BlockHash | None = None
+    # Set while the block's first tokens are in the tail index (block_tails.py): a full block in
+    # the prefix index, or the partly filled last block of a finished sequence.
+    tail: Tail | None = None
+
+    @property
+    def cached(self) -> bool:
+        """Whether its content may still be read by a later request: it goes last from the pool."""
+        return self.block_hash is not None or self.tail is not None
 
 
 class Journal:
@@ -78,7 +88,7 @@ _FreeKey = tuple[int, int]
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, journal: Journal) -> None:
+    def __init__(self, num_blocks: int, block_size: int, journal: Journal) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -94,6 +104,7 @@ class BlockPool:
         for b in range(num_blocks):
             self._put_free_raw(b, (0, next(self._stamp)))
         self._hash_to_block: dict[BlockHash, int] = {}
+        self._tails = TailIndex(num_blocks, block_size)
 
     # ---- queries -------------------------------------------------------------
 
@@ -114,6 +125,16 @@ class BlockPool:
     def hash_index(self) -> dict[BlockHash, int]:
         return dict(self._hash_to_block)
 
+    def longest_tail(self, key: TailKey, token_ids: list[int]) -> TailMatch | None:
+        return self._tails.longest(key, token_ids)
+
+    def tail_is_live(self, match: TailMatch) -> bool:
+        tail = self.blocks[match.block_id].tail
+        return tail is not None and tail.stamp == match.stamp
+
+    def tail_snapshot(self) -> dict[int, tuple[TailKey, tuple[int, ...]]]:
+        return self._tails.snapshot()
+
     # ---- operations ----------------------------------------------------------
 
     def take_free(self) -> int:
@@ -128,6 +149,8 @@ class BlockPool:
         self._drop_free(b)
         if self.blocks[b].block_hash is not None:
             self._set_hash(b, None)
+        if self.blocks[b].tail is not None:
+            self._set_tail(b, None)
         self._set_ref(b, 1)
         return b
 
@@ -145,12 +168,13 @@ class BlockPool:
             raise IntegrityError(f"release of unreferenced block {block_id}")
         self._set_ref(block_id, blk.ref_count - 1)
         if blk.ref_count == 0:
-            self._put_free(block_id, (int(blk.block_hash is not None), next(self._stamp)))
+            self._put_free(block_id, (int(blk.cached), next(self._stamp)))
 
-    def register(self, block_id: int, block_hash: BlockHash) -> bool:
-        """Index a referenced full block under its hash. False (and no change) if the
-        hash already names another block: two sequences computed the same content
-        independently, and the first one stays canonical."""
+    def register(self, block_id: int, block_hash: BlockHash, tail_key: TailKey | None = None,
+                 token_ids: list[int] | None = None) -> bool:
+        """Index a referenced full block under its hash (and its tokens under tail_key, when
+        given). False (and no change) if the hash already names another block: two sequences
+        computed the same content independently, and the first one stays canonical."""
         blk = self.blocks[block_id]
         if blk.ref_count == 0:
             raise IntegrityError(f"register of free block {block_id}")
@@ -164,7 +188,16 @@ class BlockPool:
         if block_hash in self._hash_to_block:
             return False
         self._set_hash(block_id, block_hash)
+        if tail_key is not None and token_ids:
+            self._set_tail(block_id, tail_key, token_ids)
         return True
+
+    def set_tail(self, block_id: int, key: TailKey, token_ids: list[int]) -> None:
+        """Index a referenced block's first tokens (its computed ones) under key, before the
+        last reference goes: the block then stays in the pool as a cached one."""
+        if self.blocks[block_id].ref_count == 0:
+            raise IntegrityError(f"set_tail of free block {block_id}")
+        self._set_tail(block_id, key, token_ids)
 
     def unregister(self, block_id: int) -> None:
         """Drop a referenced block from the index (its content is about to change)."""
@@ -173,6 +206,8 @@ class BlockPool:
             raise IntegrityError(f"unregister of free block {block_id}")
         if self.blocks[block_id].block_hash is not None:
             self._set_hash(block_id, None)
+        if self.blocks[block_id].tail is not None:
+            self._set_tail(block_id, None)
 
     # ---- journaled primitives -------------------------------------------------
 
@@ -214,6 +249,20 @@ class BlockPool:
         if block_hash is not None:
             self._hash_to_block[block_hash] = b
 
+    def _set_tail(self, b: int, key: TailKey | None, token_ids: list[int] = ()) -> None:
+        """key None: drop the block's entry."""
+        if self._journal.active:
+            self._journal.record(self._restore_tail, b, self.blocks[b].tail, self._tails.tokens(b))
+        if key is None:
+            self._tails.drop(b)
+        else:
+            self._tails.set(b, key, token_ids)
+        self.blocks[b].tail = self._tails.get(b)
+
+    def _restore_tail(self, b: int, tail: Tail | None, token_ids: tuple[int, ...]) -> None:
+        self._tails.restore(b, tail, token_ids)
+        self.blocks[b].tail = tail
+
     # ---- integrity -----------------------------------------------------------
 
     def check(self) -> None:
@@ -226,10 +275,12 @@ class BlockPool:
             if free != (blk.ref_count == 0):
                 where = "in" if free else "not in"
                 raise IntegrityError(f"block {b} has ref_count {blk.ref_count} but is {where} the free pool")
-            if free and self._free_key[b][0] != int(blk.block_hash is not None):
+            if free and self._free_key[b][0] != int(blk.cached):
                 raise IntegrityError(f"free block {b} has a stale cached flag in its pool priority")
             if blk.block_hash is not None and self._hash_to_block.get(blk.block_hash) != b:
                 raise IntegrityError(f"block {b} has a hash that the index maps elsewhere")
+            if blk.tail is not self._tails.get(b):
+                raise IntegrityError(f"block {b}'s tail is not the tail index's")
         for h, b in self._hash_to_block.items():
             if not 0 <= b < self.num_blocks or self.blocks[b].block_hash != h:
                 raise IntegrityError(f"hash index names block {b}, which does not carry that hash")
@@ -238,6 +289,9 @@ class BlockPool:
         if live != set(self._free_key):
             missing = sorted(set(self._free_key) - live)
             raise IntegrityError(f"free blocks {missing[:10]} are unreachable in the free heap")
+        problems = self._tails.check()
+        if problems:
+            raise IntegrityError(problems[0])
         keys = list(self._free_key.values())
         if len(set(keys)) != len(keys):
             raise IntegrityError("two free blocks share one position in the free order")
