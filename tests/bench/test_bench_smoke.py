@@ -49,6 +49,26 @@ def test_single_stream_bench_tiny(tiny_gguf, tmp_path):
         assert entry["hf"] is None
 
 
+def test_chat_bench_tiny(tiny_gguf, tmp_path, capsys):
+    """bench chat without its peer: every turn after the first takes the conversation so far from the
+    prefix cache (its previous prompt and reply, to the token) and computes only what is new."""
+    out = tmp_path / "chat.json"
+    rc = main(["bench", "chat", "--model", str(tiny_gguf), "--turns", "4", "--max-tokens", "6", "--repeats", "2",
+               "--skip-llama-cpp", "--json", str(out)])
+    assert rc == 0
+    assert "turns 2..4: tokenmill computed" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["llama_cpp"] is None and len(r["tokenmill"]["turns"]) == 4
+    turns = r["tokenmill"]["turns"]
+    assert turns[0]["computed_tokens"] == turns[0]["prompt_tokens"]  # an empty cache
+    for before, turn in zip(turns, turns[1:]):
+        assert turn["prompt_tokens"] > before["prompt_tokens"]
+        assert 0 < turn["computed_tokens"] <= turn["prompt_tokens"] - before["prompt_tokens"]
+        assert turn["ttft_ms"] > 0 and len(turn["ttft_ms_runs"]) == 2
+    later = r["tokenmill"]["later_turns"]
+    assert later["computed_tokens"] == sum(t["computed_tokens"] for t in turns[1:])
+
+
 def test_bench_usage(capsys):
     assert main(["bench"]) == 2
     assert main(["bench", "nope"]) == 2

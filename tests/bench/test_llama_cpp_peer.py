@@ -51,6 +51,21 @@ class FakeLlama:
     def close(self) -> None:
         self.calls.append(("close", 0))
 
+    # The real Llama keeps the evaluated ids and a count; eval() drops the KV cells from n_tokens on.
+    @property
+    def n_tokens(self) -> int:
+        return len(self.context)
+
+    @n_tokens.setter
+    def n_tokens(self, n: int) -> None:
+        self.context = self.context[:n]
+
+    @property
+    def input_ids(self):
+        import numpy as np
+
+        return np.array(self.context + [0] * (self.kwargs["n_ctx"] - len(self.context)))
+
 
 @pytest.fixture
 def fake_llama_cpp(monkeypatch):
@@ -184,3 +199,18 @@ def test_an_amx_build_on_an_amx_cpu_loads_without_extra_buffer_types(fake_llama_
     model = llama_cpp_peer.LlamaCppModel("m.gguf", threads=2, n_ctx=256)
     assert seen == [False, True] and model.extra_buffer_types
     assert "extra_buffer_types" not in llama_cpp_peer.describe()
+
+
+def test_greedy_continuing_reuses_the_longest_common_prefix(fake_llama_cpp):
+    """A chat turn (bench chat): the context's common prefix with the new prompt stays, all but the
+    prompt's last token at most; the rest is evaluated; decoding stops at a stop id."""
+    model = llama_cpp_peer.LlamaCppModel("x.gguf", threads=2, n_ctx=64)
+    g, reused = model.greedy_continuing([3, 4, 5], 5, stop_ids=[8])
+    assert (g.token_ids, reused) == ([6, 7, 8], 0) and model.llm.context == [3, 4, 5, 6, 7]  # 8: never fed back
+    model.llm.calls.clear()
+    g, reused = model.greedy_continuing([3, 4, 5, 6, 9, 10], 2, stop_ids=[])
+    assert (g.token_ids, reused) == ([11, 12], 4) and model.llm.calls == [("eval", 2), ("eval", 1)]
+    g, reused = model.greedy_continuing([3, 4, 5, 6, 9, 10], 1, stop_ids=[])
+    assert (g.token_ids, reused) == ([11], 5)  # the same prompt again: its last token is computed
+    with pytest.raises(ValueError, match="exceed n_ctx"):
+        model.greedy_continuing(list(range(60)), 8, stop_ids=[])

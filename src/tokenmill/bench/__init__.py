@@ -23,6 +23,8 @@ BENCHMARKS = {
     "speculative": ("tokenmill.bench.speculative", "prompt-lookup speculative decoding on vs off: tok/s, acceptance, "
                     "same tokens"),
     "scaling": ("tokenmill.bench.scaling", "decode, prefill and 64-sequence decode at 1..N threads vs llama.cpp"),
+    "chat": ("tokenmill.bench.chat", "a multi-turn chat, the whole conversation each turn: prompt tokens computed "
+             "and TTFT per turn vs llama.cpp"),
 }
 
 

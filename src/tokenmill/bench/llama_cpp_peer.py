@@ -137,5 +137,31 @@ class LlamaCppModel:
             times.append(time.perf_counter())
         return TimedGeneration(t0, times, out)
 
+    def greedy_continuing(self, ids: list[int], n: int, stop_ids: list[int]) -> tuple[TimedGeneration, int]:
+        """A chat turn: keep the longest common prefix of the context and `ids` (never its last token,
+        whose logits are wanted), as llama-server's slot and llama-cpp-python's `generate` reuse it,
+        evaluate the rest, then decode until a stop id or `n` tokens (the last one not fed back).
+        Returns the run and how many of ids' tokens were reused."""
+        if len(ids) + n > self.n_ctx:
+            raise ValueError(f"prompt {len(ids)} + {n} new tokens exceed n_ctx {self.n_ctx}")
+        reused = 0
+        for have, want in zip(self.llm.input_ids[: self.llm.n_tokens].tolist(), ids[:-1]):
+            if have != want:
+                break
+            reused += 1
+        self.llm.n_tokens = reused  # eval() drops the KV cells from here on
+        times: list[float] = []
+        out: list[int] = []
+        t0 = time.perf_counter()
+        self.llm.eval(ids[reused:])
+        for i in range(n):
+            if i:
+                self.llm.eval([out[-1]])
+            out.append(self._argmax_last([]))
+            times.append(time.perf_counter())
+            if out[-1] in stop_ids:
+                break
+        return TimedGeneration(t0, times, out), reused
+
     def close(self) -> None:
         self.llm.close()
