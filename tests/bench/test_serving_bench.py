@@ -143,7 +143,13 @@ def test_shared_prefix_bench_ollama(server, tmp_path):
     wait_idle(host)
     ph = json.loads(out.read_text())["phases"]
     assert ph["shared"]["cached_tokens"] is None  # Ollama's API does not say; /metrics does
-    assert ph["shared"]["metrics"]["hit_tokens"] > 0 and ph["unique"]["metrics"]["hit_tokens"] == 0
+    # /api/generate puts each prompt in the chat template: the unique burst still shares the template's
+    # opening tokens, which the prefix cache gives to the token; nothing of the prompts' own text.
+    tok = host.current.engine.tokenizer
+    opening = tok.apply_chat_template([{"role": "user", "content": "\x00"}]).split("\x00")[0]
+    num_opening = len(tok.encode(opening, add_special_tokens=False))
+    assert ph["shared"]["metrics"]["hit_tokens"] > 3 * num_opening
+    assert ph["unique"]["metrics"]["hit_tokens"] <= 3 * num_opening
 
 
 @pytest.mark.parametrize("bench", ["serve", "shared-prefix"])
