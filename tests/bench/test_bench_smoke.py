@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tokenmill.cli import main
 
 
@@ -53,12 +55,12 @@ def test_chat_bench_tiny(tiny_gguf, tmp_path, capsys):
     """bench chat without its peer: every turn after the first takes the conversation so far from the
     prefix cache (its previous prompt and reply, to the token) and computes only what is new."""
     out = tmp_path / "chat.json"
-    rc = main(["bench", "chat", "--model", str(tiny_gguf), "--turns", "4", "--max-tokens", "6", "--repeats", "2",
+    rc = main(["bench", "chat", "--model", str(tiny_gguf), "--turns", "3", "--max-tokens", "6", "--repeats", "2",
                "--skip-llama-cpp", "--json", str(out)])
     assert rc == 0
-    assert "turns 2..4: tokenmill computed" in capsys.readouterr().out
+    assert "turns 2..3: tokenmill computed" in capsys.readouterr().out
     r = json.loads(out.read_text())
-    assert r["llama_cpp"] is None and len(r["tokenmill"]["turns"]) == 4
+    assert r["llama_cpp"] is None and len(r["tokenmill"]["turns"]) == 3
     turns = r["tokenmill"]["turns"]
     assert turns[0]["computed_tokens"] == turns[0]["prompt_tokens"]  # an empty cache
     for before, turn in zip(turns, turns[1:]):
@@ -67,6 +69,8 @@ def test_chat_bench_tiny(tiny_gguf, tmp_path, capsys):
         assert turn["ttft_ms"] > 0 and len(turn["ttft_ms_runs"]) == 2
     later = r["tokenmill"]["later_turns"]
     assert later["computed_tokens"] == sum(t["computed_tokens"] for t in turns[1:])
+    with pytest.raises(SystemExit, match="outgrows the 256-token context"):  # not a traceback mid-run
+        main(["bench", "chat", "--model", str(tiny_gguf), "--max-tokens", "300", "--skip-llama-cpp"])
 
 
 def test_bench_usage(capsys):

@@ -41,6 +41,9 @@ class TokenmillChat:
         from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
 
         self.engine = LLMEngine.from_path(path, EngineConfig())
+        # Room for any sensible chat (llama.cpp allocates its KV cache for all of it).
+        self.context = min(self.engine.max_model_len, 8192)
+        self.max_tokens = max_tokens
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0)
         self.stop_ids = sorted(self.engine.scheduler.stop_ids)
 
@@ -57,10 +60,11 @@ class TokenmillChat:
 
 
 class LlamaCppChat:
-    def __init__(self, path: str, threads: int, max_tokens: int, stop_ids: list[int]):
+    def __init__(self, path: str, threads: int, max_tokens: int, stop_ids: list[int], context: int):
         from tokenmill.bench.llama_cpp_peer import LlamaCppModel
 
-        self.model = LlamaCppModel(path, threads=threads, n_ctx=4096)
+        self.context = context  # tokenmill's, so both sides hold the same conversations
+        self.model = LlamaCppModel(path, threads=threads, n_ctx=context)
         self.max_tokens, self.stop_ids = max_tokens, stop_ids
 
     def new_conversation(self) -> None:
@@ -77,6 +81,9 @@ def converse(side, tokenizer, turns: int) -> list[Turn]:
     for question in (QUESTIONS * (turns // len(QUESTIONS) + 1))[:turns]:
         messages.append({"role": "user", "content": question})
         ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        if len(ids) + side.max_tokens > side.context:
+            raise SystemExit(f"turn {len(out) + 1}: the conversation ({len(ids)} tokens and a reply of up to "
+                             f"{side.max_tokens}) outgrows the {side.context}-token context; ask for fewer --turns")
         turn = side.turn(ids)
         out.append(turn)
         messages.append({"role": "assistant", "content": tokenizer.decode(turn.reply, skip_special_tokens=True).strip()})
@@ -139,7 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 except LlamaCppMissing as exc:
                     raise SystemExit(str(exc)) from None
                 threads = args.threads or cpu_threads.current_threads().count  # the engine's, applied by now
-                llama = LlamaCppChat(path, threads, args.max_tokens, side.stop_ids)
+                llama = LlamaCppChat(path, threads, args.max_tokens, side.stop_ids, side.context)
             progress(f"llama.cpp conversation {k + 1}/{args.repeats}")
             llama.new_conversation()
             lc_runs.append(converse(llama, tokenizer, args.turns))
