@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.bench.common import environment, fmt, loadavg, progress, ratio, set_threads, write_json
@@ -100,7 +100,7 @@ def summarise(runs: list[list[Turn]]) -> dict[str, Any]:
         "prompt_tokens": sum(t["prompt_tokens"] for t in later),
         "computed_tokens": sum(t["computed_tokens"] for t in later),
         "ttft_ms": sum(t["ttft_ms"] for t in later)},
-        "replies": [asdict(t)["reply"] for t in runs[0]]}
+        "replies": [t.reply for t in runs[0]]}
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:

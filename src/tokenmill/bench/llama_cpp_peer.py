@@ -123,9 +123,31 @@ class LlamaCppModel:
         """Prefill `ids` (in n_batch chunks), then decode until `n` tokens exist; the last token is not
         fed back, as in tokenmill's engine. The KV cache is cleared first: nothing is reused.
         `suppress`: ids never picked (end-of-generation ids, as the engine excludes them with EOS ignored)."""
+        self._check_room(ids, n)
+        self.llm.reset()
+        return self._decode(ids, n, suppress or [], ())
+
+    def greedy_continuing(self, ids: list[int], n: int, stop_ids: list[int]) -> tuple[TimedGeneration, int]:
+        """A chat turn: keep the longest common prefix of the context and `ids` (never its last token,
+        whose logits are wanted), as llama-server's slot and llama-cpp-python's `generate` reuse it,
+        evaluate the rest, then decode until a stop id or `n` tokens (the last one not fed back).
+        Returns the run and how many of ids' tokens were reused."""
+        self._check_room(ids, n)
+        reused = 0
+        for have, want in zip(self.llm.input_ids[: self.llm.n_tokens].tolist(), ids[:-1]):
+            if have != want:
+                break
+            reused += 1
+        self.llm.n_tokens = reused  # eval() drops the KV cells from here on
+        return self._decode(ids[reused:], n, [], stop_ids), reused
+
+    def _check_room(self, ids: list[int], n: int) -> None:
         if len(ids) + n > self.n_ctx:
             raise ValueError(f"prompt {len(ids)} + {n} new tokens exceed n_ctx {self.n_ctx}")
-        self.llm.reset()
+
+    def _decode(self, ids: list[int], n: int, suppress: list[int], stop_ids) -> TimedGeneration:
+        """Evaluate ids after the context, then take greedy tokens until `n` or a stop id (the last token
+        is not fed back, as in tokenmill's engine)."""
         times: list[float] = []
         out: list[int] = []
         t0 = time.perf_counter()
@@ -133,35 +155,11 @@ class LlamaCppModel:
         for i in range(n):
             if i:
                 self.llm.eval([out[-1]])
-            out.append(self._argmax_last(suppress or []))
-            times.append(time.perf_counter())
-        return TimedGeneration(t0, times, out)
-
-    def greedy_continuing(self, ids: list[int], n: int, stop_ids: list[int]) -> tuple[TimedGeneration, int]:
-        """A chat turn: keep the longest common prefix of the context and `ids` (never its last token,
-        whose logits are wanted), as llama-server's slot and llama-cpp-python's `generate` reuse it,
-        evaluate the rest, then decode until a stop id or `n` tokens (the last one not fed back).
-        Returns the run and how many of ids' tokens were reused."""
-        if len(ids) + n > self.n_ctx:
-            raise ValueError(f"prompt {len(ids)} + {n} new tokens exceed n_ctx {self.n_ctx}")
-        reused = 0
-        for have, want in zip(self.llm.input_ids[: self.llm.n_tokens].tolist(), ids[:-1]):
-            if have != want:
-                break
-            reused += 1
-        self.llm.n_tokens = reused  # eval() drops the KV cells from here on
-        times: list[float] = []
-        out: list[int] = []
-        t0 = time.perf_counter()
-        self.llm.eval(ids[reused:])
-        for i in range(n):
-            if i:
-                self.llm.eval([out[-1]])
-            out.append(self._argmax_last([]))
+            out.append(self._argmax_last(suppress))
             times.append(time.perf_counter())
             if out[-1] in stop_ids:
                 break
-        return TimedGeneration(t0, times, out), reused
+        return TimedGeneration(t0, times, out)
 
     def close(self) -> None:
         self.llm.close()
